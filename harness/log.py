@@ -1,0 +1,32 @@
+"""Structured logging: human-readable console lines on stderr, JSON lines in a run's events file.
+
+`configure()` is called once by the CLI; library code only calls `get_logger(__name__)`.
+`EventLog` appends one JSON object per event to `events.jsonl` in the run dir (local or any
+fsspec URL that supports append; otherwise events stay in memory and on the console).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import structlog
+
+
+def configure(level: str = "info") -> None:
+    """Route structlog to stderr with a console renderer (no colours when not a terminal)."""
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="%H:%M:%S"),
+            structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=False,
+    )
+
+
+def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:
+    return structlog.get_logger(name)

@@ -1,0 +1,1 @@
+"""Optimizers the team researches (Muon, Lion, OLion, Adafactor2D) and resumable bundles."""
