@@ -1,0 +1,204 @@
+"""The run config: typed pydantic models loaded from TOML, overridden with `--set key=value`.
+
+Contract:
+- Every section forbids unknown keys; a mistake is a `UserError` naming the key and the file.
+- A config may extend another with a top-level `extends = "base.toml"` (a path relative to the
+  file); tables merge recursively, the extending file wins.
+- `--set section.key=value` values are parsed as TOML values (`3`, `1e-3`, `true`, `"s3://b/x"`,
+  `[1, 2]`); anything that does not parse as TOML is taken as a bare string.
+- `math_fields()` lists the keys that decide the numbers a run produces. Resuming with any of them
+  changed is refused unless explicitly allowed; everything else (logging, checkpoint cadence,
+  retention, eval cadence, worker count) may change between restarts.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from harness.errors import UserError
+from harness.models import DEFAULT_FACTORY
+from optim.build import OptimConfig
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    """The model: a factory import path and the keyword arguments it is called with."""
+
+    factory: str = Field(DEFAULT_FACTORY, description="`package.module:function` that builds the nn.Module from `args`.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the factory (for the built-in GPT: n_layer, n_head, d_model, dropout, seq_len, vocab_size).")
+
+
+class DataSection(Section):
+    """The token stream: byte-level tokens from a text file at any fsspec URL."""
+
+    url: str | None = Field(None, description="fsspec URL or path of a text file; unset = the built-in corpus (no download).")
+    seq_len: int = Field(64, gt=0, description="Tokens per sample (the model sees seq_len tokens and predicts the next of each).")
+    batch_size: int = Field(16, gt=0, description="Samples per micro-batch (per rank).")
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes; the data order does not depend on it.")
+    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Fraction of the windows held out for evaluation.")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options for `url`.")
+
+
+class TrainSection(Section):
+    """The step loop."""
+
+    steps: int = Field(200, gt=0, description="Optimizer steps of the whole run.")
+    seed: int = Field(0, description="Seed of model init, dropout and the data order.")
+    grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
+    grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value; unset = no clipping.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Autocast dtype for forward/backward; fp16 uses a saved grad scaler.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train; auto = cuda when available.")
+    eval_every: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0 = only at the end).")
+    eval_batches: int = Field(4, gt=0, description="Batches per evaluation.")
+    log_every: int = Field(10, gt=0, description="Console log line every N steps (metrics.jsonl gets every step).")
+
+
+class CheckpointSection(Section):
+    """When and how checkpoints are written; none of these change the math."""
+
+    every_steps: int = Field(50, ge=0, description="Checkpoint every N optimizer steps (0 = off; the final step is always saved).")
+    every_minutes: float = Field(0.0, ge=0.0, description="Also checkpoint when this many minutes passed since the last one (0 = off).")
+    keep_last: int = Field(3, ge=2, description="Keep the newest K checkpoints (>= 2: the newest may be the one a crash interrupted).")
+    keep_every: int = Field(0, ge=0, description="Also keep every checkpoint whose step is a multiple of M (0 = none).")
+    preempt_signals: list[str] = Field(["SIGTERM", "SIGINT", "SIGUSR1"], description="Signals that request a save-and-exit at the next step boundary.")
+    preempt_deadline_s: float = Field(25.0, gt=0, description="Seconds a preemption save may take before the process exits without it (the previous checkpoint stays).")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options for the run dir (e.g. endpoint_url for S3).")
+
+
+class DebugSection(Section):
+    """Fault hooks for tests of the harness itself; never set in real runs."""
+
+    crash_at_step: int | None = Field(None, description="Crash the process after this optimizer step (before its checkpoint).")
+    crash_mode: Literal["exit", "raise"] = Field("exit", description="exit = os._exit(13); raise = an uncaught exception.")
+    crash_once: bool = Field(True, description="Crash only the first time (a marker file in the log dir remembers).")
+    step_sleep_s: float = Field(0.0, ge=0.0, description="Sleep after each step, to give kill tests a window.")
+
+
+class RunConfig(Section):
+    """Everything a run needs. `run_dir` is any fsspec URL; logs go to `log_dir`."""
+
+    run_dir: str = Field("runs/default", description="Where checkpoints and run.json go: a local path or any fsspec URL (s3://bucket/prefix).")
+    log_dir: str | None = Field(None, description="Local folder for events.jsonl/metrics.jsonl; unset = run_dir when local, else runs/<name>.")
+    model: ModelSection = Field(default_factory=ModelSection)
+    data: DataSection = Field(default_factory=DataSection)
+    optim: OptimConfig = Field(default_factory=lambda: _default_optim(), description="Optimizer bundle; `type` selects the arm (default adamw).")
+    train: TrainSection = Field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    debug: DebugSection = Field(default_factory=DebugSection)
+
+
+def _default_optim() -> OptimConfig:
+    from optim.build import parse_optim_config
+
+    return parse_optim_config({})
+
+
+# Keys that may change between restarts of one run without changing its numbers.
+FREE_FIELDS = ("run_dir", "log_dir", "checkpoint", "debug", "data.num_workers", "data.storage_options",
+               "data.url", "train.eval_every", "train.eval_batches", "train.log_every", "train.device")
+
+
+def math_fields(cfg: RunConfig) -> dict[str, Any]:
+    """Flatten the config to dotted keys, leaving out FREE_FIELDS: what a resume must keep."""
+    flat = _flatten(cfg.model_dump(mode="json"))
+    return {k: v for k, v in flat.items() if not any(k == f or k.startswith(f + ".") for f in FREE_FIELDS)}
+
+
+def config_changes(saved: dict[str, Any], current: RunConfig) -> list[str]:
+    """Math keys whose values differ between a saved resolved config and the current one."""
+    before = math_fields(RunConfig.model_validate(saved))
+    after = math_fields(current)
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """Read a TOML file (following `extends`), apply `--set` overrides, validate."""
+    path = Path(path)
+    raw = _read_toml(path, seen=())
+    for item in overrides:
+        key, value = _parse_override(item)
+        _assign(raw, key, value)
+    try:
+        return RunConfig.model_validate(raw)
+    except ValidationError as e:
+        raise UserError(f"{path}: {_describe(e)}") from None
+
+
+def _read_toml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    if not path.is_file():
+        raise UserError(f"config file {path} does not exist; pass the path of a TOML config (see configs/)")
+    if path.resolve() in seen:
+        raise UserError(f"{path}: `extends` forms a cycle through {', '.join(map(str, seen))}")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"{path}: not valid TOML: {e}") from None
+    base = raw.pop("extends", None)
+    if base is None:
+        return raw
+    merged = _read_toml((path.parent / base), seen + (path.resolve(),))
+    _merge(merged, raw)
+    return merged
+
+
+def _merge(into: dict[str, Any], top: dict[str, Any]) -> None:
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
+
+
+def _parse_override(item: str) -> tuple[str, Any]:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise UserError(f"--set {item!r}: expected section.key=value, e.g. --set train.steps=100")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return key, value
+
+
+def _assign(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = raw
+    for p in parents:
+        child = node.setdefault(p, {})
+        if not isinstance(child, dict):
+            raise UserError(f"--set {dotted}: {p} is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def _describe(e: ValidationError) -> str:
+    """One line per problem: `key: message`, joined with '; '."""
+    parts = []
+    for err in e.errors():
+        loc = ".".join(str(x) for x in err["loc"] if not (isinstance(x, str) and x in _UNION_TAGS))
+        msg = "unknown key (check the spelling; see configs/ for the valid keys)" if err["type"] == "extra_forbidden" else err["msg"]
+        parts.append(f"{loc}: {msg}" if loc else msg)
+    return "; ".join(parts)
+
+
+# Discriminated-union members appear in pydantic's error locations; users never write them.
+_UNION_TAGS = {"adamw", "muon", "lion", "olion", "adafactor", "sgdm"}

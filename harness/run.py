@@ -1,0 +1,213 @@
+"""One training process from start to exit: resume decision, the loop around the trainer, saving.
+
+Contract of `train(cfg, ...)` (what `harness train` does):
+- Takes the run dir's single-writer lease, finds the newest *good* checkpoint and resumes from it
+  (`resume="auto"`), or starts fresh (`"never"`, refused when the run dir has checkpoints), or
+  loads the checkpoint at a given URL.
+- Refuses to resume when a key that changes the math differs from the checkpoint's config (the
+  list of keys is in the message) unless `allow_config_change`; warns when the torch version or
+  device type differs from the checkpoint's (bitwise equality is not promised there).
+- A finished run started again says so and returns FINISHED without training.
+- Checkpoints at the configured cadence and always at the last step; on a preemption signal,
+  finishes the current step, saves within the deadline and returns PREEMPTED.
+- Returns an exit code from `harness.exit_codes`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import fsspec
+from tqdm import tqdm
+
+from harness import exit_codes
+from harness.checkpoint import CheckpointRef, CheckpointStore
+from harness.config import RunConfig, config_changes
+from harness.errors import UserError
+from harness.events import EventLog
+from harness.log import get_logger
+from harness.metrics import MetricsLog
+from harness.signals import PreemptionWatch, SaveDeadline
+from harness.trainer import CRASH_EXIT_CODE, CheckpointClock, Trainer, environment_fingerprint, resolve_device
+
+log = get_logger(__name__)
+
+
+def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = False,
+          takeover: bool = False) -> int:
+    log_dir = Path(resolve_log_dir(cfg))
+    events = EventLog(log_dir / "events.jsonl")
+    store = open_store(cfg)
+    store.acquire_lease(takeover=takeover)
+    try:
+        ref = choose_checkpoint(store, cfg, resume)
+        saved = store.read_state(ref) if ref is not None else None
+        if saved is not None and saved["meta"].get("finished") and ref.step >= cfg.train.steps:
+            log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
+            print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
+            return exit_codes.FINISHED
+        if saved is not None:
+            check_compatible(saved["meta"], cfg, allow_config_change)
+        trainer = Trainer(cfg)
+        try:
+            write_run_json(cfg, trainer)
+            metrics = MetricsLog(log_dir / "metrics.jsonl")
+            if ref is not None:
+                store.load(ref, trainer.state.parts())
+                metrics.truncate_after(trainer.step)
+            else:
+                metrics.truncate_after(0)
+            events.emit("start", step=trainer.step, resumed_from=ref.step if ref else None, pid=os.getpid(),
+                        host=socket.gethostname())
+            return Loop(cfg, trainer, store, metrics, events, log_dir).run()
+        finally:
+            trainer.close()
+    finally:
+        store.release_lease()
+
+
+def open_store(cfg: RunConfig) -> CheckpointStore:
+    c = cfg.checkpoint
+    return CheckpointStore(cfg.run_dir, keep_last=c.keep_last, keep_every=c.keep_every,
+                           storage_options=c.storage_options or None)
+
+
+def resolve_log_dir(cfg: RunConfig) -> str:
+    """Local folder for metrics and events: the run dir itself when it is local."""
+    if cfg.log_dir:
+        return cfg.log_dir
+    protocol = fsspec.core.split_protocol(cfg.run_dir)[0]
+    if protocol in (None, "file", "local"):
+        return fsspec.core.strip_protocol(cfg.run_dir)
+    return os.path.join("runs", cfg.run_dir.rstrip("/").rsplit("/", 1)[-1])
+
+
+def choose_checkpoint(store: CheckpointStore, cfg: RunConfig, resume: str) -> CheckpointRef | None:
+    if resume == "auto":
+        return store.latest_good()
+    if resume == "never":
+        existing = store.latest_good()
+        if existing is not None:
+            raise UserError(f"--resume never, but {cfg.run_dir} already has checkpoints (newest: step "
+                            f"{existing.step}); use another --run-dir, or --resume auto to continue it")
+        return None
+    return store.ref_from_url(resume)
+
+
+def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: bool) -> None:
+    changed = config_changes(meta["config"], cfg)
+    if changed and not allow_config_change:
+        raise UserError(f"the config changes the math of the run in {cfg.run_dir}: {', '.join(changed)} differ "
+                        f"from the checkpoint; restore them, use a new --run-dir, or pass --allow-config-change")
+    if changed:
+        log.warning("resuming with a changed config; bitwise equality is not promised", keys=changed)
+    before = meta.get("environment", {})
+    now = environment_fingerprint(resolve_device(cfg.train.device))
+    for key in ("torch", "device_type"):
+        if key in before and before[key] != now[key]:
+            log.warning("resuming on a different environment; bitwise equality is not promised there",
+                        key=key, checkpoint=before[key], now=now[key])
+
+
+def write_run_json(cfg: RunConfig, trainer: Trainer) -> None:
+    doc = {"config": cfg.model_dump(mode="json"), "environment": environment_fingerprint(trainer.device)}
+    fs, path = fsspec.core.url_to_fs(cfg.run_dir, **cfg.checkpoint.storage_options)
+    try:
+        fs.makedirs(path, exist_ok=True)
+        fs.pipe_file(f"{path.rstrip('/')}/run.json", json.dumps(doc, indent=2).encode())
+    except OSError as e:
+        raise UserError(f"cannot write to run dir {cfg.run_dir}: {e}; choose a writable --run-dir") from None
+
+
+class Loop:
+    """The outer loop: steps, metrics, evaluation, checkpoint cadence, preemption, fault hooks."""
+
+    def __init__(self, cfg: RunConfig, trainer: Trainer, store: CheckpointStore, metrics: MetricsLog,
+                 events: EventLog, log_dir: Path) -> None:
+        self.cfg, self.trainer, self.store, self.metrics, self.events = cfg, trainer, store, metrics, events
+        self.log_dir = log_dir
+        self.clock = CheckpointClock(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, cfg.train.steps)
+        self.last_saved = trainer.step
+        self.train_s = 0.0
+        self.save_s = 0.0
+
+    def run(self) -> int:
+        cfg, trainer = self.cfg, self.trainer
+        bar = tqdm(total=cfg.train.steps, initial=trainer.step, disable=not sys.stderr.isatty(),
+                   desc="train", unit="step", dynamic_ncols=True)
+        with PreemptionWatch(cfg.checkpoint.preempt_signals) as watch:
+            try:
+                while trainer.step < cfg.train.steps:
+                    if watch.requested:
+                        return self.preempt(watch)
+                    result = trainer.train_step()
+                    self.train_s += result.seconds
+                    self.record(result)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{result.loss:.4f}")
+                    self.crash_hook()
+                    if cfg.train.eval_every and trainer.step % cfg.train.eval_every == 0:
+                        self.metrics.write({"step": trainer.step, "eval_loss": trainer.evaluate()})
+                    if trainer.step >= cfg.train.steps:
+                        trainer.counters.finished = True
+                    if self.clock.due(trainer.step):
+                        self.save()
+                    if cfg.debug.step_sleep_s:
+                        time.sleep(cfg.debug.step_sleep_s)
+                if watch.requested and self.last_saved != trainer.step:
+                    return self.preempt(watch)
+            finally:
+                bar.close()
+                self.metrics.close()
+        final_eval = trainer.evaluate()
+        self.metrics.write({"step": trainer.step, "eval_loss": final_eval})
+        self.events.emit("exit", reason="finished", step=trainer.step, train_s=self.train_s, save_s=self.save_s)
+        log.info("finished", step=trainer.step, eval_loss=round(final_eval, 4), run_dir=cfg.run_dir)
+        return exit_codes.FINISHED
+
+    def record(self, r) -> None:
+        self.metrics.write({"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
+                            "tokens_per_s": r.tokens / r.seconds if r.seconds else None, "time": time.time()})
+        if r.step % self.cfg.train.log_every == 0 or r.step == self.cfg.train.steps:
+            log.info("step", step=r.step, loss=round(r.loss, 4), grad_norm=round(r.grad_norm, 3))
+
+    def save(self) -> None:
+        t0 = time.perf_counter()
+        meta = {"config": self.cfg.model_dump(mode="json"), "finished": self.trainer.counters.finished,
+                "environment": environment_fingerprint(self.trainer.device)}
+        ref = self.store.save(self.trainer.step, self.trainer.state.parts(), meta=meta)
+        blocking = time.perf_counter() - t0
+        self.save_s += blocking
+        self.last_saved = self.trainer.step
+        self.clock.saved()
+        self.events.emit("checkpoint", step=ref.step, blocking_s=blocking)
+        self.events.emit("progress", step=self.trainer.step, train_s=self.train_s, save_s=self.save_s)
+
+    def preempt(self, watch: PreemptionWatch) -> int:
+        step = self.trainer.step
+        log.warning("preemption requested; saving", signal=watch.signal_name, step=step)
+        if self.last_saved != step:
+            with SaveDeadline(self.cfg.checkpoint.preempt_deadline_s):
+                self.save()
+        self.events.emit("exit", reason="preempted", step=step, signal=watch.signal_name,
+                         train_s=self.train_s, save_s=self.save_s)
+        return exit_codes.PREEMPTED
+
+    def crash_hook(self) -> None:
+        """debug.crash_at_step: die like a real crash would, to test restarts."""
+        d = self.cfg.debug
+        if d.crash_at_step is None or self.trainer.step != d.crash_at_step:
+            return
+        marker = self.log_dir / f".crashed-at-{d.crash_at_step}"
+        if d.crash_once and marker.exists():
+            return
+        marker.touch()
+        if d.crash_mode == "raise":
+            raise RuntimeError(f"debug.crash_at_step: planned crash after step {d.crash_at_step}")
+        os._exit(CRASH_EXIT_CODE)

@@ -1,0 +1,80 @@
+"""The named set of everything a run must restore to continue bit for bit.
+
+A part is anything with `state_dict()` / `load_state_dict()` (the `Stateful` protocol) whose
+state dict is a tree of dicts, lists, tensors and JSON scalars (see docs/architecture.md). Parts
+are registered under stable names; the checkpoint stores each under its name, and loading
+refuses a missing or unexpected part. The order of registration is the order of restoring,
+and `rng` is restored last on purpose: building the other parts may draw random numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class TrainState:
+    """Ordered name -> part registry. Names are the checkpoint's part names."""
+
+    def __init__(self) -> None:
+        self._parts: dict[str, Stateful] = {}
+
+    def register(self, name: str, part: Stateful) -> None:
+        if name in self._parts:
+            raise ValueError(f"state part {name!r} is registered twice")
+        if not isinstance(part, Stateful):
+            raise TypeError(f"state part {name!r} ({type(part).__name__}) has no state_dict/load_state_dict")
+        self._parts[name] = part
+
+    def parts(self) -> dict[str, Stateful]:
+        """Parts in restore order: everything else first, `rng` last."""
+        ordered = {k: v for k, v in self._parts.items() if k != "rng"}
+        if "rng" in self._parts:
+            ordered["rng"] = self._parts["rng"]
+        return ordered
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.parts())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._parts
+
+
+class TrainerCounters:
+    """The trainer's own progress: the step, tokens seen, and a digest of every loss so far.
+
+    `loss_digest` chains the exact bits of each step's loss (sha256), so two runs that agree on
+    the digest at step N logged the same losses at steps 1..N.
+    """
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.tokens_seen = 0
+        self.loss_digest = hashlib.sha256(b"harness").hexdigest()
+        self.finished = False
+
+    def record(self, loss: float, tokens: int) -> None:
+        self.step += 1
+        self.tokens_seen += tokens
+        h = hashlib.sha256(bytes.fromhex(self.loss_digest))
+        h.update(struct.pack("<qd", self.step, loss))
+        self.loss_digest = h.hexdigest()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "loss_digest": self.loss_digest,
+                "finished": self.finished}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.tokens_seen = int(state["tokens_seen"])
+        self.loss_digest = str(state["loss_digest"])
+        self.finished = bool(state["finished"])

@@ -1,0 +1,191 @@
+"""The step loop: forward/backward with gradient accumulation, clipping, AMP, optimizer and
+scheduler steps, evaluation, and the decision of *when* to checkpoint.
+
+Contract: the trainer owns the numbers, not the I/O. It is built from a `RunConfig`, exposes its
+resumable parts as a `TrainState`, and reports through injected sinks (`checkpoint` callback,
+`MetricsLog`, `EventLog`). Everything that decides the numbers of step N is a pure function of
+the config and the restored state: the time-based checkpoint trigger, logging, evaluation and
+saving never draw random numbers or touch the data stream.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.config import RunConfig
+from harness.data import BatchStream, TokenDataset, eval_batches
+from harness.errors import UserError
+from harness.log import get_logger
+from harness.models import load_factory
+from harness.rng import RNGState, seed_everything
+from harness.state import TrainerCounters, TrainState
+from optim.build import build_bundle
+
+log = get_logger(__name__)
+
+CRASH_EXIT_CODE = 13
+
+
+class TrainingDiverged(UserError):
+    """The loss became NaN/inf; no checkpoint of the poisoned state is written."""
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: dict[str, list[float]]
+    tokens: int
+    seconds: float
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device = 'cuda' but no CUDA device is visible; use 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def enable_determinism() -> None:
+    """Deterministic kernels everywhere; cuBLAS needs its workspace fixed before CUDA starts."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+
+
+class Trainer:
+    """Builds model, optimizer bundle, data stream, RNG and scaler from a config; runs steps."""
+
+    def __init__(self, cfg: RunConfig, *, rank: int = 0, world_size: int = 1) -> None:
+        self.cfg = cfg
+        self.device = resolve_device(cfg.train.device)
+        enable_determinism()
+        seed_everything(cfg.train.seed)
+
+        model_args = {"seq_len": cfg.data.seq_len, **cfg.model.args}
+        self.model = load_factory(cfg.model.factory)(model_args).to(self.device)
+        self.optim, self.sched = build_bundle(cfg.optim, self.model, total_steps=cfg.train.steps)
+
+        dataset = TokenDataset.from_url(cfg.data.url, cfg.data.seq_len, cfg.data.storage_options)
+        self.train_set, self.eval_set = dataset.split(cfg.data.eval_fraction)
+        self.stream = BatchStream(self.train_set, cfg.data.batch_size, cfg.train.seed, rank=rank,
+                                  world_size=world_size, num_workers=cfg.data.num_workers)
+
+        amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
+        self._autocast = (lambda: torch.autocast(self.device.type, dtype=amp_dtype)) if amp_dtype else nullcontext
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
+
+        self.counters = TrainerCounters()
+        self.state = TrainState()
+        self.state.register("model", self.model)
+        self.state.register("optim", self.optim)
+        self.state.register("sched", self.sched)
+        self.state.register("data", self.stream)
+        self.state.register("scaler", self.scaler)
+        self.state.register("trainer", self.counters)
+        self.state.register("rng", RNGState())
+
+    @property
+    def step(self) -> int:
+        return self.counters.step
+
+    def train_step(self) -> StepResult:
+        """One optimizer step over `grad_accum` micro-batches. Raises TrainingDiverged on NaN/inf."""
+        t0 = time.perf_counter()
+        accum = self.cfg.train.grad_accum
+        self.model.train()
+        total = torch.zeros((), device=self.device)
+        tokens = 0
+        for _ in range(accum):
+            batch = next(self.stream)
+            x, y = batch.x.to(self.device), batch.y.to(self.device)
+            with self._autocast():
+                _, loss = self.model(x, y)
+            self.scaler.scale(loss / accum).backward()
+            total += loss.detach().float()
+            tokens += x.numel()
+        loss_value = float(total) / accum
+        if not math.isfinite(loss_value):
+            self.optim.zero_grad(set_to_none=True)
+            raise TrainingDiverged(
+                f"loss is {loss_value} at step {self.step + 1}; the step was not applied and no checkpoint of it "
+                f"was written. Lower the learning rate, enable train.grad_clip, or resume from the last checkpoint")
+        self.scaler.unscale_(self.optim)
+        grad_norm = self._clip_gradients()
+        self.scaler.step(self.optim)
+        self.scaler.update()
+        self.sched.step()
+        self.optim.zero_grad(set_to_none=True)
+        self.counters.record(loss_value, tokens)
+        return StepResult(self.step, loss_value, grad_norm, self.sched.get_last_lr(), tokens,
+                          time.perf_counter() - t0)
+
+    def _clip_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip is not None else math.inf
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over a fixed set of held-out batches; draws no random numbers."""
+        self.model.eval()
+        losses = []
+        for batch in eval_batches(self.eval_set, self.cfg.data.batch_size, self.cfg.train.eval_batches):
+            with self._autocast():
+                _, loss = self.model(batch.x.to(self.device), batch.y.to(self.device))
+            losses.append(float(loss))
+        self.model.train()
+        return sum(losses) / max(len(losses), 1)
+
+    def close(self) -> None:
+        self.stream.close()
+
+
+class CheckpointClock:
+    """Decides when to checkpoint: every N steps, every T minutes, and always at the last step.
+
+    The minute trigger reads a clock (injectable for tests) and never touches the training
+    state, so it changes when checkpoints exist, not what the run computes.
+    """
+
+    def __init__(self, every_steps: int, every_minutes: float, last_step: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.every_steps = every_steps
+        self.every_s = every_minutes * 60.0
+        self.last_step = last_step
+        self.clock = clock
+        self.last_save = clock()
+
+    def due(self, step: int) -> bool:
+        if step >= self.last_step:
+            return True
+        if self.every_steps and step % self.every_steps == 0:
+            return True
+        return bool(self.every_s) and self.clock() - self.last_save >= self.every_s
+
+    def saved(self) -> None:
+        self.last_save = self.clock()
+
+
+def environment_fingerprint(device: torch.device) -> dict[str, Any]:
+    """What exact resume is promised for: library versions and the device type."""
+    import platform
+
+    import safetensors
+
+    fp = {"torch": torch.__version__, "python": platform.python_version(), "safetensors": safetensors.__version__,
+          "device_type": device.type}
+    if device.type == "cuda":
+        fp["cuda"] = torch.version.cuda
+        fp["gpu"] = torch.cuda.get_device_name(device)
+    return fp

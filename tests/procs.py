@@ -1,0 +1,82 @@
+"""Real `harness` processes for tests: start, wait for a step, kill, compare finished runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "tests" / "data" / "tiny.toml"
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def harness(*args: str, timeout: float = 300, check: bool = False) -> subprocess.CompletedProcess:
+    """Run `harness ARGS` to completion; returns the completed process (text output)."""
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True, text=True,
+                          env=ENV, timeout=timeout, cwd=ROOT)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"harness {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def start(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "harness.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+
+
+def last_step(log_dir: Path) -> int:
+    path = Path(log_dir) / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line.strip()]
+    return max(steps, default=0)
+
+
+def wait_for_step(proc: subprocess.Popen, log_dir: Path, step: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while last_step(log_dir) < step:
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited {proc.returncode} before step {step}:\n{proc.stderr.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"no step {step} within {timeout}s")
+        time.sleep(0.02)
+
+
+def kill_at_step(args: list[str], log_dir: Path, step: int, sig: int = signal.SIGKILL) -> int:
+    """Start `harness ARGS`, send `sig` once step `step` is logged, return the exit code."""
+    proc = start(*args)
+    wait_for_step(proc, log_dir, step)
+    proc.send_signal(sig)
+    proc.communicate(timeout=120)
+    return proc.returncode
+
+
+def losses(log_dir: Path) -> dict[int, float]:
+    """step -> training loss from metrics.jsonl (asserts each step appears once)."""
+    out: dict[int, float] = {}
+    for line in (Path(log_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            assert rec["step"] not in out, f"step {rec['step']} logged twice"
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def final_checkpoint(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step-{step:08d}"
+
+
+def assert_same_run(a: Path, b: Path, steps: int) -> None:
+    """Final checkpoints bitwise equal (`harness ckpt diff` exits 0) and per-step losses identical."""
+    diff = harness("ckpt", "diff", str(final_checkpoint(a, steps)), str(final_checkpoint(b, steps)))
+    assert diff.returncode == 0, f"final checkpoints differ:\n{diff.stdout}\n{diff.stderr}"
+    la, lb = losses(a), losses(b)
+    assert sorted(la) == list(range(1, steps + 1)), f"steps logged: {sorted(la)}"
+    assert la == lb

@@ -1,0 +1,70 @@
+"""Interrupted vs continuous, with real processes and SIGKILL: the finished runs are bitwise equal.
+
+Every optimizer arm runs with dropout and gradient accumulation 2, killed twice at random steps
+after the first checkpoint; worker processes are covered by a separate case.
+"""
+
+import random
+import zlib
+
+import pytest
+
+from procs import TINY, assert_same_run, harness, kill_at_step
+
+STEPS = 12
+ARMS = {
+    "adamw": [],
+    "muon": ["--set", "optim.type=muon"],
+    "muon_consistent_rms": ["--set", "optim.type=muon", "--set", "optim.consistent_rms=0.2"],
+    "lion": ["--set", "optim.type=lion"],
+    "olion": ["--set", "optim.type=olion"],
+    "adafactor": ["--set", "optim.type=adafactor"],
+    "sgdm": ["--set", "optim.type=sgdm"],
+}
+
+
+def run_pair(tmp_path, extra: list[str], kills: int, seed: int) -> None:
+    cont, intr = tmp_path / "continuous", tmp_path / "interrupted"
+    harness("train", str(TINY), "--run-dir", str(cont), *extra, check=True)
+    rng = random.Random(seed)
+    # Kill points after the first checkpoint (step 4); each kill lands wherever the process is:
+    # mid-step, mid-save or between steps.
+    points = sorted(rng.sample(range(5, STEPS), kills))
+    args = ["train", str(TINY), "--run-dir", str(intr), *extra]
+    for step in points:
+        code = kill_at_step(args, intr, step)
+        assert code != 0, "the process finished before it could be killed"
+    harness(*args, check=True)
+    assert_same_run(cont, intr, STEPS)
+
+
+@pytest.mark.parametrize("arm", sorted(ARMS))
+def test_sigkill_twice_every_arm(tmp_path, arm):
+    run_pair(tmp_path, ARMS[arm], kills=2, seed=zlib.crc32(arm.encode()))
+
+
+def test_sigkill_with_data_workers(tmp_path):
+    run_pair(tmp_path, ["--set", "data.num_workers=2", "--set", "optim.type=muon"], kills=1, seed=7)
+
+
+def test_resumed_twice_from_same_checkpoint_is_identical(tmp_path):
+    """Two resumes from one checkpoint (copies of the run dir) finish identically."""
+    import shutil
+
+    base = tmp_path / "base"
+    args = ["--set", "optim.type=muon"]
+    code = kill_at_step(["train", str(TINY), "--run-dir", str(base), *args], base, 9)
+    assert code != 0
+    copies = [tmp_path / "a", tmp_path / "b"]
+    for c in copies:
+        shutil.copytree(base, c)
+        harness("train", str(TINY), "--run-dir", str(c), *args, check=True)
+    assert_same_run(copies[0], copies[1], STEPS)
+
+
+def test_finished_run_started_again_says_so(tmp_path):
+    run = tmp_path / "run"
+    harness("train", str(TINY), "--run-dir", str(run), "--set", "train.steps=4", check=True)
+    again = harness("train", str(TINY), "--run-dir", str(run), "--set", "train.steps=4")
+    assert again.returncode == 0
+    assert "already finished at step 4" in again.stderr
