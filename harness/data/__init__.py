@@ -1,0 +1,18 @@
+"""Deterministic, seekable training data.
+
+The order of batches is a pure function of (seed, epoch, position[, rank, world_size]) and the
+dataset size; a cursor `{"epoch", "position"}` resumes it in O(1). Modules, in reading order:
+
+- `dataset`: `TokenDataset`, byte tokens from any fsspec URL (or the built-in `corpus`).
+- `order`: the epoch permutation and how ranks split it.
+- `stream`: `BatchStream`, the trainer's endless stream with its cursor `state_dict`.
+- `evaluation`: `eval_batches`, the held-out set in fixed order.
+- `prng`: the portable generator behind every seed derivation.
+"""
+
+from harness.data.batch import Batch
+from harness.data.dataset import VOCAB_SIZE, SampleSource, TokenDataset
+from harness.data.evaluation import eval_batches
+from harness.data.stream import BatchStream
+
+__all__ = ["VOCAB_SIZE", "Batch", "BatchStream", "SampleSource", "TokenDataset", "eval_batches"]

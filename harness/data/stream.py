@@ -1,0 +1,154 @@
+"""`BatchStream`: an endless, seekable stream of training batches for one rank.
+
+Contract:
+- The batches are a pure function of (dataset size, seed, batch_size, rank, world_size) and the
+  cursor (`epoch`, `position`); see `harness.data.order`. They do not depend on `num_workers`.
+- `state_dict()` is the cursor of the next batch to *deliver*: batches that worker processes
+  prefetched but the trainer never received are not counted, so a resume redoes none and skips
+  none.
+- `load_state_dict()` seeks in O(1): it sets the cursor and nothing else; the next batch builds
+  the epoch's permutation and reads only the samples it delivers.
+- The stream never touches the process's global RNGs (the trainer's dropout depends on them):
+  the permutation and the DataLoader's worker seeds come from dedicated generators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from harness.data.batch import Batch, fetch_samples
+from harness.data.dataset import SampleSource
+from harness.data.order import epoch_ended, epoch_permutation, rank_batches
+from harness.data.prng import derive_seed
+from harness.errors import UserError
+
+
+class _EpochRest(Dataset):
+    """The rest of one epoch for one rank, one item per batch, so a worker builds whole batches."""
+
+    def __init__(self, dataset: SampleSource, batches: list[torch.Tensor]):
+        self.dataset = dataset
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return fetch_samples(self.dataset, self.batches[index])
+
+
+class BatchStream:
+    """Batches of `batch_size` samples for `rank` of `world_size`, epoch after epoch, forever."""
+
+    def __init__(
+        self,
+        dataset: SampleSource,
+        batch_size: int,
+        seed: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        drop_last: bool = True,
+    ):
+        if batch_size < 1 or num_workers < 0 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"bad stream shape: batch_size={batch_size} rank={rank} "
+                f"world_size={world_size} num_workers={num_workers}"
+            )
+        if not drop_last and world_size > 1:
+            raise UserError(
+                "drop_last=False needs world_size 1: ranks would get unequal last batches; use drop_last=True"
+            )
+        if dataset.num_samples < batch_size * world_size:
+            raise UserError(
+                f"the dataset has {dataset.num_samples} samples, fewer than one global batch "
+                f"(batch_size {batch_size} x world_size {world_size}): use a larger dataset or smaller batches"
+            )
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.num_workers = num_workers
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.position = 0
+        self._pending: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
+
+    def __iter__(self) -> BatchStream:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._pending is None:
+            self._pending = self._open_epoch_rest()
+        x, y, sample_ids = next(self._pending)
+        batch = Batch(x=x, y=y, sample_ids=sample_ids, epoch=self.epoch, position=self.position)
+        # Without drop_last the final batch may be short; it still ends the epoch.
+        self.position = min(self.position + self.global_batch_size, self.dataset.num_samples)
+        self._roll_over_if_epoch_ended()
+        return batch
+
+    def state_dict(self) -> dict:
+        """The cursor of the next batch to deliver, plus what the order depends on (checked on load)."""
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "num_samples": self.dataset.num_samples,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Seek to a saved cursor. The world size and batch size may differ from the saving run's."""
+        for key, expected in (("seed", self.seed), ("num_samples", self.dataset.num_samples)):
+            if state[key] != expected:
+                raise UserError(
+                    f"the data cursor was saved with {key}={state[key]} but this run has {key}={expected}: "
+                    "the sample order would differ; resume with the original data and seed"
+                )
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self.dataset.num_samples:
+            raise UserError(
+                f"data cursor epoch={epoch} position={position} is outside the dataset "
+                f"of {self.dataset.num_samples} samples"
+            )
+        self.close()
+        self.epoch, self.position = epoch, position
+        self._roll_over_if_epoch_ended()
+
+    def close(self) -> None:
+        """Stop worker processes and drop prefetched batches; the next batch reopens at the cursor."""
+        # Dropping the last reference to a DataLoader iterator shuts its workers down.
+        self._pending = None
+
+    def _roll_over_if_epoch_ended(self) -> None:
+        if epoch_ended(self.position, self.dataset.num_samples, self.global_batch_size, self.drop_last):
+            self.close()
+            self.epoch += 1
+            self.position = 0
+
+    def _open_epoch_rest(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        permutation = epoch_permutation(self.seed, self.epoch, self.dataset.num_samples)
+        batches = rank_batches(permutation, self.position, self.batch_size, self.rank, self.world_size, self.drop_last)
+        rest = _EpochRest(self.dataset, batches)
+        if self.num_workers == 0:
+            return (rest[i] for i in range(len(rest)))
+        # Without `generator`, starting the loader would draw its worker base seed from the
+        # global torch RNG and shift the trainer's dropout stream.
+        generator = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, self.position, self.rank))
+        loader = DataLoader(
+            rest,
+            batch_size=None,
+            shuffle=False,
+            num_workers=self.num_workers,
+            persistent_workers=False,
+            generator=generator,
+        )
+        return iter(loader)
