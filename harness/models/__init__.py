@@ -1,0 +1,43 @@
+"""Models: the built-in GPT and the resolver for users' own model factories.
+
+A model factory is a callable `factory(args: dict) -> nn.Module`, named in the config by an
+import path "package.module:attribute" (the attribute may be dotted, e.g. "mod:Class.build").
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from harness.errors import UserError
+from harness.models.gpt import GPT, GPTConfig, build_gpt
+
+DEFAULT_FACTORY = "harness.models.gpt:build_gpt"
+
+__all__ = ["DEFAULT_FACTORY", "GPT", "GPTConfig", "build_gpt", "load_factory"]
+
+
+def load_factory(path: str) -> Callable[..., Any]:
+    """Import and return the callable at "package.module:attribute". Raises UserError saying
+    which part of the path is wrong."""
+    module_name, sep, attribute = path.partition(":")
+    if not sep or not module_name or not attribute:
+        raise UserError(
+            f"model factory {path!r} is not of the form 'package.module:function' (e.g. {DEFAULT_FACTORY!r})"
+        )
+    try:
+        target: Any = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UserError(
+            f"model factory {path!r}: cannot import module {module_name!r} ({e}); "
+            "check the spelling and that the package is installed or on PYTHONPATH"
+        ) from e
+    for name in attribute.split("."):
+        try:
+            target = getattr(target, name)
+        except AttributeError as e:
+            raise UserError(f"model factory {path!r}: {module_name!r} has no attribute {attribute!r}") from e
+    if not callable(target):
+        raise UserError(f"model factory {path!r} is a {type(target).__name__}, not a callable")
+    return target
