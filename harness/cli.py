@@ -18,6 +18,8 @@ from harness.log import configure
 COMMAND_MODULES = (
     "harness.train_cli",
     "harness.checkpoint.cli",
+    "harness.supervisor_cli",
+    "harness.report_cli",
 )
 
 

@@ -1,0 +1,45 @@
+"""`harness report RUN_DIR`: the run's goodput (where its wall-clock time went), from its events."""
+
+from __future__ import annotations
+
+import argparse
+
+from harness.errors import UserError
+from harness.events import EventLog, events_url
+from harness.goodput import Goodput, account
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("report", help="print a run's goodput: training, saving, "
+                                             "restarting, recomputing", description=__doc__)
+    p.add_argument("run_dir", help="the run dir (URL) given to `harness train`")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    url = events_url(args.run_dir)
+    try:
+        events = EventLog(url).read()
+    except FileNotFoundError:
+        raise UserError(f"no events file at {url}: is {args.run_dir} the run dir of a "
+                        "`harness train` run started on this machine?") from None
+    print(format_report(args.run_dir, account(events)))
+    return 0
+
+
+def format_report(run_dir: str, g: Goodput) -> str:
+    def row(name: str, seconds: float, note: str = "") -> str:
+        share = 100 * seconds / g.wall_s if g.wall_s > 0 else 0.0
+        return f"  {name:<20}{seconds:>12.1f} s{share:>8.1f} %  {note}".rstrip()
+
+    return "\n".join([
+        f"run {run_dir}: {g.processes} process(es), {g.restarts} supervisor restart(s), "
+        f"last step {g.last_step}, last exit {g.exit_reason or 'none (crashed or running)'}",
+        row("training", g.training_s, "productive steps"),
+        row("saving (blocking)", g.saving_s),
+        row("restarting", g.restarting_s, "backoff + startup of resumed processes"),
+        row("recomputing", g.recompute_s, f"{g.recompute_steps} step(s) lost and re-run"),
+        row("other", g.other_s, "eval, logging, data stalls, untracked gaps"),
+        row("wall clock", g.wall_s),
+        f"  goodput {100 * g.goodput:.1f} %",
+    ])

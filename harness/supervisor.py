@@ -1,0 +1,269 @@
+"""Auto-retry: run the training process as a child and restart it after a transient crash.
+
+`Supervisor(cmd, ...).run() -> exit code` starts `cmd`, waits, and classifies the exit:
+
+- 0 (FINISHED): done, exit 0.
+- PREEMPTED / SAVE_DEADLINE_MISSED: the child stopped on request and storage is consistent;
+  stop with the same code so the launcher requeues (restarting here would fight the preemption).
+- USER_ERROR (2): a config or usage error does not heal by retrying; exit 2.
+- anything else (non-zero, killed by a signal): a crash. The child is restarted after an
+  exponential backoff with jitter (`tenacity.wait_exponential_jitter`) and resumes by itself
+  from the newest good checkpoint.
+
+Crash loops: `progress()` returns the newest committed checkpoint step (or None). A crash after
+which it has not advanced since that child started counts toward `crash_loop_limit`; a crash
+that did commit something resets the count (and the backoff), so a long run that crashes now
+and then is never given up. At `crash_loop_limit` consecutive crashes without progress, or
+after `max_restarts` restarts in all, the supervisor stops with GAVE_UP and an error that names
+the step and quotes the child's last stderr lines (the child's stderr is passed through to ours
+and the tail kept in memory).
+
+Signals: SIGTERM, SIGINT, SIGUSR1 received by the supervisor are forwarded to the child (only
+to the child: it owns its subprocesses, e.g. data loader workers, which must not be killed
+under a save). After a stop signal nothing is restarted: the supervisor exits with the child's
+code if that is a stop code, else PREEMPTED (committed checkpoints are atomic, so requeueing is
+safe); a signal during the backoff ends it at once with PREEMPTED.
+
+The child runs in its own session, so a terminal's Ctrl-C reaches it once (forwarded) instead
+of twice, and on Linux it gets SIGKILL if the supervisor dies (PR_SET_PDEATHSIG), so a killed
+supervisor never leaves a second writer behind for its successor.
+
+Every restart is logged with its cause and step and emitted as a "restart" event; giving up is
+emitted as "gave_up" (schemas in `harness.goodput`).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+
+import tenacity
+
+from harness.events import EventLog, events_url
+from harness.errors import UserError
+from harness.exit_codes import FINISHED, GAVE_UP, PREEMPTED, REQUEUE, USER_ERROR
+from harness.log import get_logger
+from harness.signals import DEFAULT_SIGNALS, PreemptionWatch
+
+log = get_logger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+class Supervisor:
+    """Run `cmd` until it finishes, is preempted, fails permanently or crash-loops.
+
+    Arguments: `max_restarts` (>= 0) bounds the restarts in all; `crash_loop_limit` (>= 1) the
+    consecutive crashes without a newer checkpoint; `progress()` returns the newest committed
+    step or None; backoff before restart n of a crash streak is
+    `min(backoff_initial * 2**(n-1) + uniform(0, jitter), backoff_max)` seconds; `events`
+    receives "restart" and "gave_up"; `tail_lines` of the child's stderr are quoted on give-up.
+    """
+
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        *,
+        max_restarts: int,
+        crash_loop_limit: int,
+        progress: Callable[[], int | None],
+        backoff_initial: float = 1.0,
+        backoff_max: float = 60.0,
+        jitter: float = 1.0,
+        events: EventLog | None = None,
+        signals: Iterable[str] = DEFAULT_SIGNALS,
+        tail_lines: int = 20,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        if max_restarts < 0 or crash_loop_limit < 1:
+            raise ValueError(
+                f"need max_restarts >= 0 and crash_loop_limit >= 1, got {max_restarts} and "
+                f"{crash_loop_limit}"
+            )
+        self.cmd = list(cmd)
+        self.max_restarts = max_restarts
+        self.crash_loop_limit = crash_loop_limit
+        self._progress = progress
+        self._wait = tenacity.wait_exponential_jitter(
+            initial=backoff_initial, max=backoff_max, jitter=jitter
+        )
+        self._events = events
+        self._signals = tuple(signals)
+        self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
+        self._env = env
+        self._child: subprocess.Popen | None = None
+
+    def run(self) -> int:
+        restarts = 0
+        streak = 0  # consecutive crashes that committed no newer checkpoint
+        with PreemptionWatch(self._signals, on_signal=self._forward) as watch:
+            while True:
+                before = self._progress()
+                code = self._run_child(watch)
+                if watch.requested:
+                    return code if code in REQUEUE or code in (FINISHED, USER_ERROR) else PREEMPTED
+                if code == FINISHED or code in REQUEUE:
+                    return code
+                if code == USER_ERROR:
+                    log.error("child failed with a user error; not restarting", exit_code=code)
+                    return USER_ERROR
+                step = self._progress()
+                advanced = step is not None and (before is None or step > before)
+                streak = 0 if advanced else streak + 1
+                cause = describe_exit(code)
+                if streak >= self.crash_loop_limit or restarts >= self.max_restarts:
+                    return self._give_up(cause, step, streak, restarts)
+                restarts += 1
+                backoff = self._backoff(max(streak, 1))
+                log.warning("child crashed; restarting", cause=cause, step=step,
+                            restart=restarts, backoff_s=round(backoff, 3))
+                if self._events is not None:
+                    self._events.emit("restart", cause=cause, exit_code=code, step=step,
+                                      restart=restarts, backoff_s=backoff)
+                if not _sleep_unless(watch, backoff):
+                    return PREEMPTED
+
+    def _backoff(self, attempt: int) -> float:
+        state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})
+        state.attempt_number = attempt
+        return self._wait(state)
+
+    def _run_child(self, watch: PreemptionWatch) -> int:
+        self._tail.clear()
+        try:
+            self._child = subprocess.Popen(
+                self.cmd, stderr=subprocess.PIPE, env=self._env, start_new_session=True,
+                preexec_fn=_die_with_parent(),
+            )
+        except OSError as e:
+            raise UserError(f"cannot start the training command {self.cmd!r}: {e}; check the "
+                            "command after `--` and that it is on PATH") from e
+        if watch.requested:
+            # The signal arrived while the child was being started, before it could be forwarded.
+            self._forward(signal.Signals[watch.signal_name])
+        tee = threading.Thread(target=self._tee, args=(self._child.stderr,), daemon=True)
+        tee.start()
+        code = self._child.wait()
+        # A grandchild that inherited the pipe can keep it open; do not wait for it forever.
+        tee.join(timeout=5)
+        return code
+
+    def _tee(self, stream) -> None:
+        for raw in stream:
+            line = raw.decode(errors="replace")
+            self._tail.append(line.rstrip("\n"))
+            sys.stderr.write(line)
+            sys.stderr.flush()
+
+    def _forward(self, signum: int) -> None:
+        child = self._child
+        if child is not None and child.returncode is None:
+            try:
+                os.kill(child.pid, signum)
+            except ProcessLookupError:
+                pass  # it exited in between; its exit code is what counts
+
+    def _give_up(self, cause: str, step: int | None, streak: int, restarts: int) -> int:
+        where = f"step {step}" if step is not None else "no committed checkpoint"
+        if streak >= self.crash_loop_limit:
+            why = (f"the child crashed {streak} times in a row without committing a checkpoint "
+                   f"newer than {where} (crash-loop limit {self.crash_loop_limit})")
+        else:
+            why = f"the child crashed again after {restarts} restarts (--max-restarts {self.max_restarts})"
+        tail = "\n".join(f"  | {line}" for line in self._tail) or "  | (no stderr output)"
+        message = (f"gave up at {where}: {why}; last exit: {cause}. Last stderr lines of the "
+                   f"child:\n{tail}\nFix the cause and run the same command again: it resumes "
+                   f"from {where}.")
+        if self._events is not None:
+            self._events.emit("gave_up", cause=cause, step=step, restarts=restarts,
+                              streak=streak, stderr_tail=list(self._tail))
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        return GAVE_UP
+
+
+def describe_exit(code: int) -> str:
+    """Popen return code -> "exit code N" or "killed by SIGNAME"."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _sleep_unless(watch: PreemptionWatch, seconds: float) -> bool:
+    """Sleep `seconds` in short slices; False as soon as a stop signal has been received."""
+    end = time.monotonic() + seconds
+    while not watch.requested:
+        left = end - time.monotonic()
+        if left <= 0:
+            return True
+        time.sleep(min(left, 0.1))
+    return False
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that makes the child get SIGKILL when the supervisor dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: dlopen is not fork-safe
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the supervisor died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def supervise_self(argv: list[str], max_restarts: int, crash_loop_limit: int, run_dir: str,
+                   storage_options: dict | None = None, log_dir: str | None = None) -> int:
+    """Run `harness <argv>` under a Supervisor, minus the supervisor's own flags.
+
+    For `harness train --max-restarts N`: the child is `python -m harness.cli` with the same
+    arguments except `--max-restarts` and `--crash-loop-limit`; progress is read from the
+    checkpoint store at `run_dir`, events go to the run's events file (`events_url`).
+    """
+    child_argv = strip_flags(argv, ("--max-restarts", "--crash-loop-limit"))
+    return Supervisor(
+        [sys.executable, "-m", "harness.cli", *child_argv],
+        max_restarts=max_restarts,
+        crash_loop_limit=crash_loop_limit,
+        progress=checkpoint_progress(run_dir, storage_options),
+        events=EventLog(events_url(run_dir, log_dir)),
+    ).run()
+
+
+def checkpoint_progress(run_dir: str, storage_options: dict | None = None) -> Callable[[], int | None]:
+    """A progress probe: the step of the newest checkpoint at `run_dir` that verifies."""
+
+    def progress() -> int | None:
+        # Imported here: the supervisor itself must not need torch or the checkpoint format.
+        from harness.checkpoint import CheckpointStore
+
+        ref = CheckpointStore(run_dir, storage_options=storage_options or None).latest_good()
+        return None if ref is None else ref.step
+
+    return progress
+
+
+def strip_flags(argv: Sequence[str], flags: Iterable[str]) -> list[str]:
+    """`argv` without each `FLAG VALUE` / `FLAG=VALUE` of `flags`."""
+    flags = tuple(flags)
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True
+        elif not arg.startswith(tuple(f + "=" for f in flags)):
+            out.append(arg)
+    return out
