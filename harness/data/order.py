@@ -22,23 +22,16 @@ def epoch_permutation(seed: int, epoch: int, num_samples: int) -> torch.Tensor:
     return torch.randperm(num_samples, generator=generator)
 
 
-def rank_batches(
-    permutation: torch.Tensor, position: int, batch_size: int, rank: int, world_size: int, drop_last: bool
-) -> list[torch.Tensor]:
-    """This rank's remaining batches of the epoch from global `position`, as sample indices.
+def rank_batch(permutation: torch.Tensor, position: int, batch_size: int, rank: int, world_size: int) -> torch.Tensor:
+    """The sample indices of this rank's batch in the global batch starting at `position`.
 
-    Without `drop_last` (only for world_size 1) the last batch may be shorter.
+    A short final global batch (only without `drop_last`, so only for world_size 1) gives a
+    short batch.
     """
-    global_batch = batch_size * world_size
-    remaining = permutation[position:]
-    full = remaining.numel() // global_batch
-    batches = list(remaining[: full * global_batch].view(full, batch_size, world_size)[:, :, rank])
-    if not drop_last and remaining.numel() > full * global_batch:
-        batches.append(remaining[full * global_batch :])
-    return batches
+    return permutation[position : position + batch_size * world_size][rank::world_size]
 
 
-def epoch_ended(position: int, num_samples: int, global_batch: int, drop_last: bool) -> bool:
-    """Whether a cursor at `position` has no batch left in its epoch."""
+def batches_left(position: int, num_samples: int, global_batch: int, drop_last: bool) -> int:
+    """How many batches a cursor at `position` has left in its epoch."""
     left = num_samples - position
-    return left < global_batch if drop_last else left <= 0
+    return left // global_batch if drop_last else -(-left // global_batch)

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from harness.data.batch import Batch, fetch_samples
 from harness.data.dataset import SampleSource
-from harness.data.order import epoch_ended, epoch_permutation, rank_batches
+from harness.data.order import batches_left, epoch_permutation, rank_batch
 from harness.data.prng import derive_seed
 from harness.errors import UserError
 
@@ -29,15 +29,23 @@ from harness.errors import UserError
 class _EpochRest(Dataset):
     """The rest of one epoch for one rank, one item per batch, so a worker builds whole batches."""
 
-    def __init__(self, dataset: SampleSource, batches: list[torch.Tensor]):
-        self.dataset = dataset
-        self.batches = batches
+    def __init__(self, stream: BatchStream, permutation: torch.Tensor):
+        self.dataset = stream.dataset
+        self.permutation = permutation
+        self.start = stream.position
+        self.batch_size = stream.batch_size
+        self.rank = stream.rank
+        self.world_size = stream.world_size
+        self.num_batches = batches_left(stream.position, self.dataset.num_samples, stream.global_batch_size,
+                                        stream.drop_last)
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return self.num_batches
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return fetch_samples(self.dataset, self.batches[index])
+        position = self.start + index * self.batch_size * self.world_size
+        indices = rank_batch(self.permutation, position, self.batch_size, self.rank, self.world_size)
+        return fetch_samples(self.dataset, indices)
 
 
 class BatchStream:
@@ -129,15 +137,13 @@ class BatchStream:
         self._pending = None
 
     def _roll_over_if_epoch_ended(self) -> None:
-        if epoch_ended(self.position, self.dataset.num_samples, self.global_batch_size, self.drop_last):
+        if batches_left(self.position, self.dataset.num_samples, self.global_batch_size, self.drop_last) == 0:
             self.close()
             self.epoch += 1
             self.position = 0
 
     def _open_epoch_rest(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        permutation = epoch_permutation(self.seed, self.epoch, self.dataset.num_samples)
-        batches = rank_batches(permutation, self.position, self.batch_size, self.rank, self.world_size, self.drop_last)
-        rest = _EpochRest(self.dataset, batches)
+        rest = _EpochRest(self, epoch_permutation(self.seed, self.epoch, self.dataset.num_samples))
         if self.num_workers == 0:
             return (rest[i] for i in range(len(rest)))
         # Without `generator`, starting the loader would draw its worker base seed from the
