@@ -5,6 +5,7 @@ dataset size; a cursor `{"epoch", "position"}` resumes it in O(1). Modules, in r
 
 - `dataset`: `TokenDataset`, byte tokens from any fsspec URL (or the built-in `corpus`).
 - `order`: the epoch permutation and how ranks split it.
+- `batch`: `Batch`, what the trainer receives, with the cursor it came from.
 - `stream`: `BatchStream`, the trainer's endless stream with its cursor `state_dict`.
 - `evaluation`: `eval_batches`, the held-out set in fixed order.
 - `prng`: the portable generator behind every seed derivation.
