@@ -1,0 +1,220 @@
+"""A training state as files: tensors in safetensors, every other value in `state.json`.
+
+`capture(parts)` turns named state-dict trees into a `Snapshot` without copying a tensor; the
+store serializes it (`store.commit`). An async saver can copy `Snapshot.tensors` into its own
+buffers and call `snapshot.with_tensors(copies)`; the JSON side is already detached from the
+live objects.
+
+File layout (one folder per checkpoint):
+* `<part>.safetensors` for each part with tensors, so `model.safetensors` and
+  `optim.safetensors`; tensor names are the key paths joined by "/" (`layer.weight`,
+  `state/0/exp_avg`), so a model file can be read by any safetensors reader.
+* `rank-NNNNN.safetensors` for the per-rank parts (`RANK_PARTS`: RNG streams, data cursor); here
+  names carry the part as their first component (`rng/torch_cpu`).
+* `state.json`: `{"format_version", "step", "parts": {part: tree}, "meta"}`. A tree is the
+  part's state dict with each tensor replaced by `{"$tensor": [file, name]}`. A dict whose keys
+  are not all plain strings (torch optimizers key `state` by int) or that has a key starting
+  with "$" is written as `{"$items": [[key, value], ...]}`, so int keys come back as ints.
+  Tuples come back as lists. Floats round-trip exactly (repr), NaN and +-Infinity included.
+
+No pickle is involved either way: a checkpoint from a stranger can be inspected and refused
+without running any of its code.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+from harness.checkpoint.errors import CheckpointError
+
+FORMAT_VERSION = 1
+STATE_FILE = "state.json"
+RANK_PARTS = frozenset({"rng", "data"})
+TENSOR_KEY = "$tensor"
+ITEMS_KEY = "$items"
+_PART_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+
+Path = tuple[str | int, ...]
+
+
+def tensor_file(part: str, rank: int) -> str:
+    return f"rank-{rank:05d}.safetensors" if part in RANK_PARTS else f"{part}.safetensors"
+
+
+def path_str(part: str, path: Path) -> str:
+    """How a tensor is named in messages and in `skip`: `part/key/key`."""
+    return "/".join([part, *map(str, path)])
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything one rank writes for a checkpoint, in memory.
+
+    `tensors`: file name -> tensor name -> tensor (references to live storage, not copies).
+    `parts`: part name -> JSON tree with tensor references (see the module docstring).
+    """
+
+    tensors: Mapping[str, Mapping[str, torch.Tensor]]
+    parts: Mapping[str, Any]
+    rank: int = 0
+    nbytes: int = field(default=0, compare=False)
+
+    def with_tensors(self, tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> Snapshot:
+        """The same snapshot over other tensors (e.g. CPU copies); names, shapes, dtypes must match."""
+        for file, named in self.tensors.items():
+            other = tensors.get(file, {})
+            if set(other) != set(named) or any(
+                o.shape != t.shape or o.dtype != t.dtype for o, t in ((other[n], named[n]) for n in named)
+            ):
+                raise ValueError(f"replacement tensors for {file} differ in names, shapes or dtypes")
+        if set(tensors) != set(self.tensors):
+            raise ValueError(f"replacement tensors cover files {sorted(tensors)}, expected {sorted(self.tensors)}")
+        return replace(self, tensors={f: dict(named) for f, named in tensors.items()})
+
+
+def capture(parts: Mapping[str, Any], rank: int = 0) -> Snapshot:
+    """Snapshot `parts` (name -> state-dict tree, or an object with `state_dict()`).
+
+    Tensors are referenced, not copied: the caller must not step the model until the snapshot
+    has been committed or copied. Raises `CheckpointError` for a bad part name or a value a
+    checkpoint cannot hold without pickle.
+    """
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    trees: dict[str, Any] = {}
+    for part, value in parts.items():
+        if not _PART_NAME.fullmatch(part):
+            raise CheckpointError(f"part name {part!r} is not allowed: use letters, digits and '_', starting with a letter")
+        file = tensor_file(part, rank)
+        prefix: Path = (part,) if part in RANK_PARTS else ()
+        state = value.state_dict() if hasattr(value, "state_dict") else value
+        trees[part] = _encode(state, part, (), _Sink(tensors.setdefault(file, {}), file, prefix))
+    tensors = {f: named for f, named in tensors.items() if named}
+    nbytes = sum(t.numel() * t.element_size() for named in tensors.values() for t in named.values())
+    return Snapshot(tensors=tensors, parts=trees, rank=rank, nbytes=nbytes)
+
+
+@dataclass
+class _Sink:
+    named: dict[str, torch.Tensor]
+    file: str
+    prefix: Path
+
+    def add(self, path: Path, t: torch.Tensor) -> dict:
+        base = "/".join(map(str, self.prefix + path)) or "_"
+        name, n = base, 1
+        while name in self.named:  # a key containing "/" can collide with a nested path
+            name, n = f"{base}~{n}", n + 1
+        self.named[name] = t
+        return {TENSOR_KEY: [self.file, name]}
+
+
+def _encode(value: Any, part: str, path: Path, sink: _Sink) -> Any:
+    if isinstance(value, torch.Tensor):
+        return sink.add(path, value)
+    if isinstance(value, Mapping):
+        if all(isinstance(k, str) and not k.startswith("$") for k in value):
+            return {k: _encode(v, part, path + (k,), sink) for k, v in value.items()}
+        for k in value:
+            if isinstance(k, bool) or not isinstance(k, (str, int)):
+                raise CheckpointError(
+                    f"{path_str(part, path)} has a key {k!r} of type {type(k).__name__}; "
+                    f"state dict keys must be str or int"
+                )
+        return {ITEMS_KEY: [[k, _encode(v, part, path + (k,), sink)] for k, v in value.items()]}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v, part, path + (i,), sink) for i, v in enumerate(value)]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise CheckpointError(
+        f"{path_str(part, path)} is a {type(value).__module__}.{type(value).__name__}; a checkpoint holds "
+        f"tensors, dicts, lists and JSON scalars only (no pickle): convert it in that part's state_dict()"
+    )
+
+
+def tensor_refs(tree: Any, path: Path = ()) -> dict[Path, tuple[str, str]]:
+    """Every tensor reference in a stored tree: key path -> (file, name)."""
+    out: dict[Path, tuple[str, str]] = {}
+    _walk(tree, path, lambda p, ref: out.__setitem__(p, ref))
+    return out
+
+
+def _walk(node: Any, path: Path, visit: Callable[[Path, tuple[str, str]], None]) -> None:
+    for key, child in _children(node, path):
+        ref = _as_ref(child, path + (key,))
+        if ref is not None:
+            visit(path + (key,), ref)
+        else:
+            _walk(child, path + (key,), visit)
+
+
+def _children(node: Any, path: Path) -> list[tuple[str | int, Any]]:
+    if isinstance(node, list):
+        return list(enumerate(node))
+    if not isinstance(node, dict):
+        return []
+    if ITEMS_KEY in node:
+        items = node[ITEMS_KEY]
+        if len(node) != 1 or not isinstance(items, list) or not all(
+            isinstance(i, list) and len(i) == 2 and type(i[0]) in (str, int) for i in items
+        ):
+            raise CheckpointError(f"state.json: malformed {ITEMS_KEY} at {'/'.join(map(str, path))}")
+        return [(k, v) for k, v in items]
+    return list(node.items())
+
+
+def _as_ref(node: Any, path: Path) -> tuple[str, str] | None:
+    if not (isinstance(node, dict) and TENSOR_KEY in node):
+        return None
+    ref = node[TENSOR_KEY]
+    if len(node) != 1 or not (isinstance(ref, list) and len(ref) == 2 and all(isinstance(x, str) for x in ref)):
+        raise CheckpointError(f"state.json: malformed tensor reference at {'/'.join(map(str, path))}")
+    return ref[0], ref[1]
+
+
+DROP = object()
+"""Returned by a `decode` resolver to leave a tensor out of the tree (a skipped tensor)."""
+
+
+def decode(tree: Any, resolve: Callable[[Path, tuple[str, str]], Any], path: Path = ()) -> Any:
+    """Rebuild a state-dict tree, asking `resolve(path, (file, name))` for each tensor."""
+    ref = _as_ref(tree, path)
+    if ref is not None:
+        return resolve(path, ref)
+    if isinstance(tree, list):
+        return [None if (v := decode(c, resolve, path + (i,))) is DROP else v for i, c in enumerate(tree)]
+    if isinstance(tree, dict):
+        pairs = ((k, decode(c, resolve, path + (k,))) for k, c in _children(tree, path))
+        return {k: v for k, v in pairs if v is not DROP}
+    return tree
+
+
+def dump_state(step: int, snapshot: Snapshot, meta: Mapping[str, Any] | None) -> bytes:
+    """`state.json` bytes: deterministic for the same state, step and meta."""
+    doc = {"format_version": FORMAT_VERSION, "step": step, "rank": snapshot.rank,
+           "parts": dict(snapshot.parts), "meta": dict(meta or {})}
+    try:
+        return json.dumps(doc, indent=1, allow_nan=True).encode()
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint meta for step {step} is not JSON-able: {e}") from e
+
+
+def parse_state(data: bytes, where: str) -> dict[str, Any]:
+    """Parse and check a `state.json`; raises `CheckpointError` naming `where`."""
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CheckpointError(f"{where}: not valid JSON ({e}); the checkpoint is corrupt") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("parts"), dict) or not isinstance(doc.get("meta", {}), dict):
+        raise CheckpointError(f"{where}: missing 'parts' or malformed 'meta'; not a checkpoint state file")
+    if doc.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{where}: format version {doc.get('format_version')!r}, this harness reads version {FORMAT_VERSION}; "
+            f"load it with the harness version that wrote it"
+        )
+    return doc

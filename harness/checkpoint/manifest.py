@@ -1,0 +1,94 @@
+"""`manifest.json`: the commit record of a checkpoint, written after every data file.
+
+A checkpoint exists only when its manifest exists, parses, and every file it lists has the
+listed size and sha256. The manifest names files, never paths: a listed name must be a plain
+file name inside the checkpoint folder, so a hostile manifest (`../x`, `/etc/passwd`) is refused
+before anything is opened. The creation time and writer id live here, not in the data files, so
+the data files of two saves of the same state are byte-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from dataclasses import dataclass
+
+from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.format import FORMAT_VERSION, STATE_FILE
+
+MANIFEST_FILE = "manifest.json"
+MAX_MANIFEST_BYTES = 16 << 20
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    name: str
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    files: tuple[FileRecord, ...]
+    created: float
+    writer: str
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def to_bytes(self) -> bytes:
+        doc = {
+            "format_version": self.format_version,
+            "step": self.step,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(self.created)),
+            "created_unix": self.created,
+            "writer": self.writer,
+            "files": [{"name": f.name, "size": f.size, "sha256": f.sha256} for f in self.files],
+        }
+        return json.dumps(doc, indent=1).encode()
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """Parse and validate manifest bytes; `CheckpointError` naming `where` on any defect."""
+    try:
+        doc = json.loads(data.decode("utf-8"))
+        if not isinstance(doc, dict):
+            raise ValueError("not a JSON object")
+        version = doc["format_version"]
+        if version != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{where}: format version {version!r}, this harness reads version {FORMAT_VERSION}; "
+                f"use the harness version that wrote it"
+            )
+        step, created, writer = doc["step"], doc["created_unix"], doc["writer"]
+        if type(step) is not int or step < 0 or not isinstance(created, (int, float)) or not isinstance(writer, str):
+            raise ValueError("bad step, created_unix or writer")
+        files = tuple(_record(r, where) for r in doc["files"])
+    except CheckpointError:
+        raise
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e}); the checkpoint is not usable") from e
+    names = [f.name for f in files]
+    if len(set(names)) != len(names) or STATE_FILE not in names or MANIFEST_FILE in names:
+        raise CheckpointError(f"{where}: manifest lists files {names}: duplicates, no {STATE_FILE}, or itself")
+    return Manifest(step=step, files=files, created=float(created), writer=writer, format_version=version)
+
+
+def _record(r: object, where: str) -> FileRecord:
+    if not isinstance(r, dict):
+        raise ValueError(f"file entry {r!r} is not an object")
+    name, size, sha = r["name"], r["size"], r["sha256"]
+    if not isinstance(name, str) or not _FILE_NAME.fullmatch(name) or ".." in name:
+        raise CheckpointError(
+            f"{where}: manifest lists {name!r}, which is not a plain file name inside the checkpoint folder; "
+            f"refusing the checkpoint (it was not written by this harness)"
+        )
+    if type(size) is not int or size < 0 or not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+        raise ValueError(f"file entry for {name!r} has a bad size or sha256")
+    return FileRecord(name, size, sha)

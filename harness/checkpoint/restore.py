@@ -1,0 +1,155 @@
+"""Loading a checkpoint into live parts, streaming, after checking that it fits.
+
+Order of work, so that a checkpoint that does not fit changes nothing:
+1. parts: the checkpoint's part names against the targets' (missing / unexpected -> error).
+2. plan: every tensor reference in state.json is matched, by key path, with the tensor at the
+   same path in `target.state_dict()` (if any) and with its entry in the safetensors header.
+   Problems are collected across all parts and raised as one `CheckpointError`:
+   * a live tensor with no counterpart in the checkpoint,
+   * a checkpoint tensor where the live state has a dict of tensors without that key (a model's
+     state dict, an optimizer's per-parameter state),
+   * a dtype or shape difference, or a reference to a tensor the file does not have.
+3. stream: each file is read once in offset order; a tensor with a live counterpart is read
+   straight into the live storage (`copy_` semantics, no second copy), others into a new tensor.
+   Peak extra memory is one tensor, and only when the live one is not a dense CPU tensor.
+4. `target.load_state_dict(tree)` for each part in the targets' order; the tree holds the live
+   tensors themselves, so a module's or optimizer's own copy is a no-op.
+
+`skip` holds part names (not loaded at all) or tensor paths `part/key/...` (or a prefix of one):
+a skipped tensor keeps its live value and is left out of the tree when there is none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.format import DROP, Path, decode, path_str, tensor_refs
+from harness.checkpoint.tensorfile import TensorEntry, describe, read_tensor
+
+# (file handle, header entries, name for messages) of one tensor file of the checkpoint.
+OpenTensors = Callable[[ExitStack, str], tuple[Any, dict[str, TensorEntry], str]]
+_MAX_LISTED = 30
+
+
+@dataclass
+class _Slot:
+    part: str
+    path: Path
+    file: str
+    entry: TensorEntry
+    live: torch.Tensor | None
+    value: torch.Tensor | None = None
+
+
+def _skipped(name: str, skip: Collection[str]) -> bool:
+    return any(name == s or name.startswith(s.rstrip("/") + "/") for s in skip)
+
+
+def _live_tensors(node: Any, path: Path, out: dict[Path, torch.Tensor], dicts: set[Path]) -> None:
+    if isinstance(node, torch.Tensor):
+        out[path] = node
+    elif isinstance(node, Mapping):
+        if node and all(isinstance(v, torch.Tensor) for v in node.values()):
+            dicts.add(path)
+        for k, v in node.items():
+            _live_tensors(v, path + (k,), out, dicts)
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            _live_tensors(v, path + (i,), out, dicts)
+
+
+def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], open_tensors: OpenTensors,
+                  where: str) -> None:
+    """Load `doc` (a parsed state.json) into `targets`; see the module docstring."""
+    stored: dict[str, Any] = doc["parts"]
+    missing = [p for p in targets if p not in stored and p not in skip]
+    unexpected = [p for p in stored if p not in targets and p not in skip]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{where}: " + "; ".join(
+                ([f"has no part(s) {missing} that the live state has"] if missing else [])
+                + ([f"has part(s) {unexpected} that the live state does not"] if unexpected else []))
+            + ". Load a checkpoint of the same setup, or skip these parts by name to keep their live values"
+        )
+    parts = [p for p in targets if p not in skip]
+    with ExitStack() as stack:
+        files: dict[str, tuple[Any, dict[str, TensorEntry], str]] = {}
+        slots: dict[str, dict[Path, _Slot]] = {}
+        kept: dict[str, dict[Path, torch.Tensor]] = {}
+        problems: list[str] = []
+        for part in parts:
+            slots[part], kept[part] = _plan(part, stored[part], targets[part], skip, files,
+                                            lambda f: open_tensors(stack, f), problems)
+        if problems:
+            listed = problems[:_MAX_LISTED] + ([f"... and {len(problems) - _MAX_LISTED} more"] if len(problems) > _MAX_LISTED else [])
+            raise CheckpointError(
+                f"{where} does not fit the live state ({len(problems)} problem(s)); nothing was loaded:\n  "
+                + "\n  ".join(listed)
+                + "\nFix the model/optimizer setup to match the checkpoint, or skip these tensors by name"
+            )
+        for file, (f, _, fwhere) in files.items():
+            todo = sorted((s for ps in slots.values() for s in ps.values() if s.file == file), key=lambda s: s.entry.start)
+            for slot in todo:
+                slot.value = read_tensor(f, slot.entry, fwhere, out=slot.live)
+    for part in parts:
+        _load_part(part, stored[part], targets[part], slots[part], kept[part], where)
+
+
+def _plan(part: str, tree: Any, target: Any, skip: Collection[str], files: dict, open_file: Callable,
+          problems: list[str]) -> tuple[dict[Path, _Slot], dict[Path, torch.Tensor]]:
+    live: dict[Path, torch.Tensor] = {}
+    tensor_dicts: set[Path] = set()
+    _live_tensors(target.state_dict(), (), live, tensor_dicts)
+    refs = tensor_refs(tree)
+    slots: dict[Path, _Slot] = {}
+    kept: dict[Path, torch.Tensor] = {}
+    for path, t in live.items():
+        if _skipped(path_str(part, path), skip):
+            kept[path] = t
+        elif path not in refs:
+            problems.append(f"{path_str(part, path)}: missing from the checkpoint (live {describe(t)})")
+    for path, (file, name) in refs.items():
+        label = path_str(part, path)
+        if _skipped(label, skip):
+            continue
+        if path not in live and path[:-1] in tensor_dicts:
+            problems.append(f"{label}: in the checkpoint but not in the live state")
+            continue
+        if file not in files:
+            files[file] = open_file(file)
+        entry = files[file][1].get(name)
+        if entry is None:
+            problems.append(f"{label}: state.json refers to tensor {name!r}, which {file} does not have (corrupt checkpoint)")
+            continue
+        t = live.get(path)
+        if t is not None and (t.dtype != entry.dtype or tuple(t.shape) != entry.shape):
+            problems.append(f"{label}: checkpoint {entry.describe()}, live {describe(t)}")
+            continue
+        slots[path] = _Slot(part, path, file, entry, t)
+    return slots, kept
+
+
+def _load_part(part: str, tree: Any, target: Any, slots: dict[Path, _Slot], kept: dict[Path, torch.Tensor],
+               where: str) -> None:
+    def resolve(path: Path, _ref: tuple[str, str]) -> Any:
+        if path in slots:
+            return slots[path].value
+        return kept.get(path, DROP)
+
+    state = decode(tree, resolve)
+    for path, t in kept.items():  # a skipped live tensor the checkpoint lacks keeps its live value
+        parent = state
+        for key in path[:-1]:
+            parent = parent.get(key) if isinstance(parent, dict) else None
+        if isinstance(parent, dict):
+            parent.setdefault(path[-1], t)
+    try:
+        target.load_state_dict(state)
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as e:
+        raise CheckpointError(f"{where}: part {part!r} refused the checkpoint's state: {e}") from e

@@ -1,0 +1,139 @@
+"""Where checkpoint bytes go: an fsspec filesystem plus the durability rules for each kind.
+
+`open_location(url)` turns a local path or any fsspec URL into a `Location`. Writes differ by
+kind on purpose:
+
+* Local disk: files are written with `open(..., "wb")` and `os.fsync`, folders are fsynced after
+  a rename, so a power loss after `commit` returns cannot lose or tear the checkpoint.
+* Object stores and `memory://`: a single PUT is atomic and there is nothing to fsync; the
+  commit point is the manifest object, written last (see store.py).
+
+`write_stream` hashes what it writes in a second thread while the first one writes: sha256 runs at
+about 1.3 GB/s here, a disk at a few hundred MB/s, so the hash is free when overlapped and would
+cost 15-50% of the save when done in line. hashlib and file writes both release the GIL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from harness.checkpoint.errors import CheckpointError
+
+# Below this, hashing in line is cheaper than handing the buffer to the hashing thread.
+_INLINE_HASH_BYTES = 1 << 20
+_READ_CHUNK = 8 << 20
+
+
+@dataclass(frozen=True)
+class Location:
+    """A filesystem and a root path inside it; `url` is what the user gave, for messages."""
+
+    fs: Any
+    root: str
+    url: str
+
+    @property
+    def is_local(self) -> bool:
+        return isinstance(self.fs, LocalFileSystem)
+
+    def join(self, *names: str) -> str:
+        return "/".join([self.root.rstrip("/"), *names])
+
+    def url_of(self, path: str) -> str:
+        """The user-facing address of `path` (a local path, or protocol://path)."""
+        if self.is_local:
+            return path
+        protocol = self.fs.protocol[0] if isinstance(self.fs.protocol, tuple) else self.fs.protocol
+        return f"{protocol}://{path.lstrip('/')}"
+
+
+def open_location(url: str, storage_options: dict | None = None) -> Location:
+    """Resolve `url` (local path or fsspec URL); an unknown protocol is a `CheckpointError`."""
+    try:
+        fs, root = fsspec.core.url_to_fs(str(url), **(storage_options or {}))
+    except ValueError as e:
+        protocol = str(url).split("://", 1)[0]
+        raise CheckpointError(
+            f"unknown storage protocol {protocol!r} in {url!r}: use a local path or an fsspec URL "
+            f"such as s3://bucket/prefix or memory://name ({e})"
+        ) from e
+    except ImportError as e:
+        raise CheckpointError(f"storage URL {url!r} needs a package that is not installed: {e}") from e
+    if isinstance(fs, LocalFileSystem):
+        root = os.path.abspath(root)
+    return Location(fs=fs, root=root.rstrip("/") or "/", url=str(url))
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or file creation inside local folder `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_stream(loc: Location, path: str, chunks: Iterable[memoryview | bytes]) -> tuple[int, str]:
+    """Write `chunks` to `path`, durably on local disk; return (size, sha256 hex)."""
+    digest = hashlib.sha256()
+    size = 0
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") as hasher:
+        handle = open(path, "wb") if loc.is_local else loc.fs.open(path, "wb")
+        with handle as f:
+            for chunk in chunks:
+                n = len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
+                if n < _INLINE_HASH_BYTES:
+                    digest.update(chunk)
+                    f.write(chunk)
+                else:
+                    hashed = hasher.submit(digest.update, chunk)
+                    f.write(chunk)
+                    hashed.result()
+                size += n
+            if loc.is_local:
+                f.flush()
+                os.fsync(f.fileno())
+    return size, digest.hexdigest()
+
+
+def write_small(loc: Location, path: str, data: bytes) -> None:
+    """Write a small file whole (a manifest, a lease); durable on local disk."""
+    write_stream(loc, path, [data])
+
+
+def open_read(loc: Location, path: str):
+    """A binary reader with `seek` and `readinto`; unbuffered on local disk (large reads go
+    straight into the destination tensor)."""
+    if loc.is_local:
+        return open(path, "rb", buffering=0)
+    return loc.fs.open(path, "rb")
+
+
+def hash_file(loc: Location, path: str) -> tuple[int, str]:
+    """(size, sha256 hex) of the file's actual bytes, read in chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
+    with open_read(loc, path) as f:
+        while n := f.readinto(view):
+            digest.update(view[:n])
+            size += n
+    return size, digest.hexdigest()
+
+
+def read_bytes(loc: Location, path: str, limit: int) -> bytes:
+    """A small file's bytes; refuses files over `limit` (a manifest is never megabytes)."""
+    size = loc.fs.size(path)
+    if size > limit:
+        raise CheckpointError(f"{loc.url_of(path)} is {size} bytes, more than the {limit} allowed for this file; it is not a file this harness wrote")
+    with open_read(loc, path) as f:
+        return f.read()

@@ -1,0 +1,338 @@
+"""CheckpointStore: atomic commit, discovery, verification, retention and loading on any fsspec URL.
+
+Layout: `URL/lease.json` (lease.py) and `URL/checkpoints/step-00001200/` holding the data files
+(format.py), `state.json`, and `manifest.json` (manifest.py).
+
+Commit protocol. A checkpoint exists only when its manifest exists and every file matches it.
+* Local disk: write everything into `step-N.tmp-<writer>-<random>/`, fsync each file, write and
+  fsync the manifest, fsync the folder, rename it to `step-N/`, fsync `checkpoints/`. A crash at
+  any point leaves either no `step-N/` or a complete one.
+* Object stores (`s3://`, `memory://`): no rename, so data objects go straight to `step-N/` and
+  the manifest object (one atomic PUT) is written last.
+Deleting a checkpoint removes its manifest first, so a half-deleted one is never "found".
+
+Discovery (`latest_good`) walks committed steps newest first and verifies sizes and sha256
+against the manifest; a checkpoint that fails is logged (file, expected vs found) and skipped.
+`load` checks sizes and headers but does not re-hash: resuming goes through `latest_good`,
+which already read every byte once; `load(..., verify=True)` re-hashes when a ref comes from
+elsewhere.
+
+Retention runs after each successful commit (and in `gc`): keep the last `keep_last` and every
+step divisible by `keep_every`; leftover temporary folders of writers that are not alive (not
+this store and not the lease holder) are removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import socket
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from secrets import token_hex
+from typing import Any
+
+from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.format import STATE_FILE, Snapshot, capture, dump_state, parse_state
+from harness.checkpoint.lease import Lease
+from harness.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_manifest
+from harness.checkpoint.restore import restore_parts
+from harness.checkpoint.retention import check_policy, steps_to_keep
+from harness.checkpoint.storage import (Location, fsync_dir, hash_file, open_location, open_read, read_bytes,
+                                        write_small, write_stream)
+from harness.checkpoint.tensorfile import TensorEntry, read_header, serialize
+from harness.log import get_logger
+
+log = get_logger(__name__)
+
+CHECKPOINTS_DIR = "checkpoints"
+MAX_STATE_BYTES = 1 << 30
+_STEP_DIR = re.compile(r"step-(\d{8,})")
+_TMP_DIR = re.compile(r"step-(\d{8,})\.tmp-(.+)-[0-9a-f]{8}")
+
+
+@dataclass(frozen=True, order=True)
+class CheckpointRef:
+    """One checkpoint folder: its step, its path in the store's filesystem, its URL for messages."""
+
+    step: int
+    path: str
+    url: str
+
+
+def _basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+class CheckpointStore:
+    """Checkpoints of one run dir (`url`: a local path or an fsspec URL).
+
+    `keep_last` (>= 2) and `keep_every` (0 = off) set retention; `writer_id` names this writer
+    in manifests, temporary folders and the lease (default: host-pid-random); `clock` is
+    injectable for the lease's heartbeat arithmetic.
+    """
+
+    def __init__(self, url: str, *, keep_last: int = 3, keep_every: int = 0, storage_options: dict | None = None,
+                 writer_id: str | None = None, clock: Callable[[], float] = time.time,
+                 lease_stale_after_s: float = 1800.0) -> None:
+        check_policy(keep_last, keep_every)
+        self.keep_last, self.keep_every, self.clock = keep_last, keep_every, clock
+        self.loc: Location = open_location(url, storage_options)
+        self.dir = self.loc.join(CHECKPOINTS_DIR)
+        raw_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{token_hex(3)}"
+        self.writer_id = re.sub(r"[^A-Za-z0-9_.-]", "_", raw_id)
+        self._lease = Lease(self.loc, self.writer_id, clock=clock, stale_after_s=lease_stale_after_s)
+
+    @property
+    def url(self) -> str:
+        return self.loc.url
+
+    # ---- discovery -------------------------------------------------------------------------
+
+    def exists(self) -> bool:
+        """Whether the run dir exists at all."""
+        return self.loc.fs.isdir(self.loc.root)
+
+    def _names(self) -> list[str]:
+        if not self.loc.fs.isdir(self.dir):
+            return []
+        return sorted(_basename(p) for p in self.loc.fs.ls(self.dir, detail=False))
+
+    def ref(self, step: int) -> CheckpointRef:
+        path = f"{self.dir}/step-{step:08d}"
+        return CheckpointRef(step, path, self.loc.url_of(path))
+
+    def list(self) -> list[CheckpointRef]:
+        """Committed checkpoints (a manifest exists; not yet verified), oldest first."""
+        refs = [self.ref(int(m[1])) for n in self._names() if (m := _STEP_DIR.fullmatch(n))]
+        return [r for r in refs if self.loc.fs.exists(f"{r.path}/{MANIFEST_FILE}")]
+
+    def incomplete(self) -> list[str]:
+        """Paths of folders that are not checkpoints: temporary folders, step folders without manifest."""
+        out = []
+        for name in self._names():
+            path = f"{self.dir}/{name}"
+            if _TMP_DIR.fullmatch(name) or (_STEP_DIR.fullmatch(name) and not self.loc.fs.exists(f"{path}/{MANIFEST_FILE}")):
+                out.append(path)
+        return out
+
+    def manifest(self, ref: CheckpointRef) -> Manifest:
+        """The parsed manifest of `ref`; `CheckpointError` when it is missing or malformed."""
+        path = f"{ref.path}/{MANIFEST_FILE}"
+        if not self.loc.fs.exists(path):
+            raise CheckpointError(f"{ref.url}: no {MANIFEST_FILE}, so this is not a committed checkpoint (an interrupted save?)")
+        manifest = parse_manifest(read_bytes(self.loc, path, MAX_MANIFEST_BYTES), self.loc.url_of(path))
+        if manifest.step != ref.step:
+            raise CheckpointError(f"{ref.url}: the manifest says step {manifest.step}, the folder says {ref.step}")
+        return manifest
+
+    def verify(self, ref: CheckpointRef) -> list[str]:
+        """Every problem with `ref` (empty when it is good): each file's size and sha256 against
+        the manifest, the safetensors headers and state.json. Reads every byte."""
+        try:
+            manifest = self.manifest(ref)
+        except CheckpointError as e:
+            return [str(e)]
+        problems = []
+        for rec in manifest.files:
+            path = f"{ref.path}/{rec.name}"
+            where = self.loc.url_of(path)
+            if not self.loc.fs.exists(path):
+                problems.append(f"{where}: missing (the manifest lists {rec.size} bytes)")
+                continue
+            size, sha = hash_file(self.loc, path)
+            if size != rec.size:
+                problems.append(f"{where}: {size} bytes, the manifest says {rec.size}")
+            elif sha != rec.sha256:
+                problems.append(f"{where}: sha256 {sha}, the manifest says {rec.sha256}")
+            else:
+                try:
+                    self._check_content(path, rec, where)
+                except CheckpointError as e:
+                    problems.append(str(e))
+        return problems
+
+    def _check_content(self, path: str, rec: FileRecord, where: str) -> None:
+        if rec.name.endswith(".safetensors"):
+            with open_read(self.loc, path) as f:
+                read_header(f, rec.size, where)
+        elif rec.name == STATE_FILE:
+            parse_state(read_bytes(self.loc, path, MAX_STATE_BYTES), where)
+
+    def latest_good(self) -> CheckpointRef | None:
+        """The newest checkpoint that verifies fully; bad ones are logged and skipped. None if none."""
+        committed = {r.path for r in self.list()}
+        for path in self.incomplete():
+            if path not in committed and _STEP_DIR.fullmatch(_basename(path)):
+                log.warning("ignoring a checkpoint folder without manifest (an interrupted save?)", path=self.loc.url_of(path))
+        for ref in reversed(self.list()):
+            problems = self.verify(ref)
+            if not problems:
+                return ref
+            for problem in problems:
+                log.warning("skipping a checkpoint that fails verification", step=ref.step, problem=problem)
+        return None
+
+    # ---- writing ---------------------------------------------------------------------------
+
+    def save(self, step: int, parts: Mapping[str, Any], *, meta: Mapping[str, Any] | None = None) -> CheckpointRef:
+        """`commit(step, capture(parts), meta=meta)`."""
+        return self.commit(step, capture(parts), meta=meta)
+
+    def commit(self, step: int, snapshot: Snapshot, *, meta: Mapping[str, Any] | None = None) -> CheckpointRef:
+        """Serialize, hash, write and atomically commit `snapshot` as `step`, then apply retention.
+
+        Data files are byte-identical for the same snapshot, step and meta. A checkpoint already
+        committed at `step` is replaced (its manifest is removed first). Raises `CheckpointError`
+        if this store held the lease and lost it.
+        """
+        if type(step) is not int or step < 0:
+            raise CheckpointError(f"checkpoint step must be a non-negative int, got {step!r}")
+        if self._lease.held:
+            self._lease.check()
+        started = time.perf_counter()
+        ref = self.ref(step)
+        local = self.loc.is_local
+        work = f"{ref.path}.tmp-{self.writer_id}-{token_hex(4)}" if local else ref.path
+        self.loc.fs.makedirs(work, exist_ok=True)
+        if not local and self.loc.fs.exists(f"{ref.path}/{MANIFEST_FILE}"):
+            self.loc.fs.rm(f"{ref.path}/{MANIFEST_FILE}")
+        try:
+            records = [self._write(f"{work}/{file}", serialize(tensors, f"{ref.url}/{file}"), file)
+                       for file, tensors in sorted(snapshot.tensors.items())]
+            records.append(self._write(f"{work}/{STATE_FILE}", [dump_state(step, snapshot, meta)], STATE_FILE))
+            manifest = Manifest(step=step, files=tuple(sorted(records, key=lambda r: r.name)),
+                                created=self.clock(), writer=self.writer_id)
+            write_small(self.loc, f"{work}/{MANIFEST_FILE}", manifest.to_bytes())
+            if local:
+                fsync_dir(work)
+                if os.path.exists(ref.path):
+                    self.delete(ref)
+                os.rename(work, ref.path)
+                fsync_dir(self.dir)
+        except BaseException:
+            if local:
+                shutil.rmtree(work, ignore_errors=True)
+            raise
+        log.info("checkpoint committed", step=step, url=ref.url, bytes=manifest.nbytes,
+                 seconds=round(time.perf_counter() - started, 3))
+        self.gc()
+        return ref
+
+    def _write(self, path: str, chunks, name: str) -> FileRecord:
+        size, sha = write_stream(self.loc, path, chunks)
+        return FileRecord(name, size, sha)
+
+    def delete(self, ref: CheckpointRef) -> None:
+        """Remove a checkpoint, manifest first, so it stops existing before its data goes."""
+        manifest = f"{ref.path}/{MANIFEST_FILE}"
+        if self.loc.fs.exists(manifest):
+            self.loc.fs.rm(manifest)
+        if self.loc.is_local:
+            shutil.rmtree(ref.path, ignore_errors=True)
+        elif self.loc.fs.exists(ref.path):
+            self.loc.fs.rm(ref.path, recursive=True)
+
+    def gc(self) -> list[str]:
+        """Apply retention and remove leftovers of dead writers; returns the URLs removed."""
+        removed = []
+        committed = self.list()
+        keep = steps_to_keep([r.step for r in committed], self.keep_last, self.keep_every)
+        for ref in committed:
+            if ref.step not in keep:
+                self.delete(ref)
+                removed.append(ref.url)
+        alive = {self.writer_id}
+        holder = self._lease.read()
+        if holder is not None and self._lease.gone_reason(holder) is None:
+            alive.add(str(holder["owner"]))
+        for path in self.incomplete():
+            tmp = _TMP_DIR.fullmatch(_basename(path))
+            if tmp is not None and tmp[2] in alive:
+                continue
+            self.loc.fs.rm(path, recursive=True)
+            removed.append(self.loc.url_of(path))
+        if removed:
+            log.info("checkpoint retention removed", paths=removed)
+        return removed
+
+    # ---- reading ---------------------------------------------------------------------------
+
+    def read_state(self, ref: CheckpointRef) -> dict[str, Any]:
+        """`state.json` of `ref` (tensor leaves are `{"$tensor": [file, name]}` references),
+        checked against the manifest's sha256. Keys: format_version, step, rank, parts, meta."""
+        rec = {r.name: r for r in self.manifest(ref).files}[STATE_FILE]
+        path = f"{ref.path}/{STATE_FILE}"
+        where = self.loc.url_of(path)
+        if not self.loc.fs.exists(path):
+            raise CheckpointError(f"{where}: missing; the checkpoint is incomplete")
+        data = read_bytes(self.loc, path, MAX_STATE_BYTES)
+        if len(data) != rec.size or hashlib.sha256(data).hexdigest() != rec.sha256:
+            raise CheckpointError(f"{where}: does not match the manifest ({len(data)} bytes, manifest says {rec.size}); the checkpoint is corrupt")
+        return parse_state(data, where)
+
+    def tensor_headers(self, ref: CheckpointRef) -> dict[str, dict[str, TensorEntry]]:
+        """File name -> tensor name -> entry, for every tensor file of `ref` (headers only)."""
+        with ExitStack() as stack:
+            return {rec.name: self._open_tensors(stack, ref, rec)[1]
+                    for rec in self.manifest(ref).files if rec.name.endswith(".safetensors")}
+
+    @contextmanager
+    def open_tensor_files(self, ref: CheckpointRef) -> Iterator[dict[str, tuple[Any, dict[str, TensorEntry], str]]]:
+        """Open every tensor file of `ref`: file name -> (reader, header entries, URL)."""
+        with ExitStack() as stack:
+            yield {rec.name: self._open_tensors(stack, ref, rec)
+                   for rec in self.manifest(ref).files if rec.name.endswith(".safetensors")}
+
+    def _open_tensors(self, stack: ExitStack, ref: CheckpointRef, rec: FileRecord):
+        path = f"{ref.path}/{rec.name}"
+        where = self.loc.url_of(path)
+        if not self.loc.fs.exists(path):
+            raise CheckpointError(f"{where}: missing; the checkpoint is incomplete, resume from an older one")
+        size = self.loc.fs.size(path)
+        if size != rec.size:
+            raise CheckpointError(f"{where}: {size} bytes, the manifest says {rec.size}; the file is damaged, resume from an older checkpoint")
+        f = stack.enter_context(open_read(self.loc, path))
+        return f, read_header(f, size, where), where
+
+    def load(self, ref: CheckpointRef, targets: Mapping[str, Any], *, skip: Collection[str] = (),
+             verify: bool = False) -> dict[str, Any]:
+        """Restore each target (name -> object with state_dict/load_state_dict) from `ref`,
+        streaming tensors into live storage; see restore.py for the checks. Returns the saved meta."""
+        if verify and (problems := self.verify(ref)):
+            raise CheckpointError(f"{ref.url} fails verification:\n  " + "\n  ".join(problems))
+        records = {r.name: r for r in self.manifest(ref).files}
+        doc = self.read_state(ref)
+
+        def open_tensors(stack: ExitStack, file: str):
+            if file not in records or not file.endswith(".safetensors"):
+                raise CheckpointError(f"{ref.url}: state.json refers to {file!r}, which the manifest does not list; the checkpoint is corrupt")
+            return self._open_tensors(stack, ref, records[file])
+
+        restore_parts(doc, targets, skip, open_tensors, where=f"checkpoint {ref.url}")
+        return doc["meta"]
+
+    # ---- lease -----------------------------------------------------------------------------
+
+    def acquire_lease(self, takeover: bool = False) -> None:
+        """Become the run dir's only writer, or raise `CheckpointError` naming the holder."""
+        self._lease.acquire(takeover=takeover)
+
+    def heartbeat(self) -> None:
+        """Keep the lease fresh; cheap enough to call every step."""
+        self._lease.heartbeat()
+
+    def release_lease(self) -> None:
+        self._lease.release()
+
+    @contextmanager
+    def lease(self, takeover: bool = False) -> Iterator[CheckpointStore]:
+        self.acquire_lease(takeover=takeover)
+        try:
+            yield self
+        finally:
+            self.release_lease()

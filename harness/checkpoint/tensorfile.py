@@ -1,0 +1,177 @@
+"""Safetensors files, written and read by this harness itself, never through pickle.
+
+A safetensors file is an 8-byte little-endian header length N, N bytes of JSON
+(`{name: {"dtype", "shape", "data_offsets": [begin, end]}}`, padded with spaces to a multiple of
+8), then the raw little-endian tensor bytes, packed without gaps. Files written here are readable
+by the `safetensors` library and any other reader of the format.
+
+Why not `safetensors.torch.save` / `safe_open`:
+* saving: the library builds the whole file as one `bytes` object (a second copy of the state)
+  before writing; here each tensor's own memory is streamed to the file (and to the hasher).
+* loading: `safe_open` maps the file and returns a *new* tensor per name, which the caller then
+  copies into the live one: the mapped pages count in RSS and every tensor is copied twice.
+  `read_tensor(..., out=live)` reads the bytes straight into the live tensor's storage with
+  `readinto`, so resuming needs no memory beyond what the live state already holds, and the same
+  code reads from local disk, `memory://` or S3 (fsspec file objects).
+
+Tensor order in a file is by name, and the header carries no metadata or timestamp, so the same
+tensors always give the same bytes. The reader validates everything before trusting it: header
+length against the file size (a pickle or zip renamed to .safetensors fails here), JSON shape,
+known dtypes, sizes that match shapes, offsets that tile the data exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import sys
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from harness.checkpoint.errors import CheckpointError
+
+if sys.byteorder != "little":  # the format is little-endian; tensors are written as they lie in memory
+    raise ImportError("harness.checkpoint supports little-endian hosts only")
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+CODES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+
+# A header describes names and shapes; even a million tensors stay far below this.
+MAX_HEADER_BYTES = 100 << 20
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor's place in a file; `start`/`end` are absolute byte offsets."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    def describe(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
+
+
+def describe(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes as a flat view, without a copy when it is a dense CPU tensor."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.resolve_conj().resolve_neg().contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def serialize(tensors: Mapping[str, torch.Tensor], where: str) -> Iterator[memoryview | bytes]:
+    """The file's bytes in order: header, then each tensor (sorted by name), one at a time."""
+    offset = 0
+    header: dict[str, dict] = {}
+    names = sorted(tensors)
+    for name in names:
+        t = tensors[name]
+        if t.layout != torch.strided or t.dtype not in CODES:
+            raise CheckpointError(
+                f"{where}: tensor {name!r} is {t.dtype} ({t.layout}); checkpoints store dense tensors "
+                f"of {', '.join(sorted(str(d).removeprefix('torch.') for d in CODES))}: convert it in state_dict()"
+            )
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    yield struct.pack("<Q", len(raw)) + raw
+    for name in names:
+        if tensors[name].numel():
+            yield tensor_bytes(tensors[name])
+
+
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(keys) != len(set(keys)):
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
+def read_header(f, file_size: int, where: str) -> dict[str, TensorEntry]:
+    """Parse and validate the header of the safetensors file open in `f` (`file_size` bytes).
+
+    Raises `CheckpointError` naming `where` for anything that is not a well-formed file.
+    """
+    if file_size < 8:
+        raise CheckpointError(f"{where}: {file_size} bytes is too short for a safetensors file; it is truncated")
+    f.seek(0)
+    (n,) = struct.unpack("<Q", f.read(8))
+    if n < 2 or n > min(MAX_HEADER_BYTES, file_size - 8):
+        raise CheckpointError(
+            f"{where}: header length {n} is impossible in a file of {file_size} bytes; this is not a "
+            f"safetensors file (a pickle or torch.save file renamed?) or it is truncated. It was not loaded"
+        )
+    raw = f.read(n)
+    try:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        if not isinstance(doc, dict):
+            raise ValueError("the header is not a JSON object")
+        doc.pop("__metadata__", None)
+        entries = [_entry(name, spec, 8 + n) for name, spec in doc.items()]
+    except (ValueError, TypeError, KeyError) as e:
+        raise CheckpointError(f"{where}: malformed safetensors header ({e}); the file is corrupt or not safetensors") from e
+    data_end = 8 + n
+    for e in sorted(entries, key=lambda e: (e.start, e.end)):
+        if e.start != data_end:
+            raise CheckpointError(f"{where}: tensor {e.name!r} starts at byte {e.start}, expected {data_end}; the header is corrupt")
+        data_end = e.end
+    if data_end != file_size:
+        raise CheckpointError(
+            f"{where}: the header describes {data_end} bytes but the file has {file_size}; the file is "
+            f"{'truncated' if data_end > file_size else 'followed by unexpected bytes'}"
+        )
+    return {e.name: e for e in entries}
+
+
+def _entry(name: str, spec: dict, base: int) -> TensorEntry:
+    if spec["dtype"] not in DTYPES:
+        raise ValueError(f"tensor {name!r} has unknown dtype {spec['dtype']!r}")
+    shape, offsets = spec["shape"], spec["data_offsets"]
+    ints = shape + offsets if isinstance(shape, list) and isinstance(offsets, list) else None
+    if ints is None or len(offsets) != 2 or not all(type(x) is int and x >= 0 for x in ints):
+        raise ValueError(f"tensor {name!r} has a malformed shape or data_offsets")
+    dtype = DTYPES[spec["dtype"]]
+    if offsets[1] - offsets[0] != math.prod(shape) * dtype.itemsize:
+        raise ValueError(f"tensor {name!r}: {offsets[1] - offsets[0]} bytes cannot hold {spec['dtype']}{shape}")
+    return TensorEntry(name, dtype, tuple(shape), base + offsets[0], base + offsets[1])
+
+
+def read_tensor(f, entry: TensorEntry, where: str, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Read one tensor; into `out`'s storage when it is a dense CPU tensor (no extra memory),
+    otherwise into a new tensor that is then copied into `out` (if given). Returns the result."""
+    direct = out is not None and out.device.type == "cpu" and out.is_contiguous() and not out.is_conj() and not out.is_neg()
+    buf = out.detach() if direct else torch.empty(entry.shape, dtype=entry.dtype)
+    if entry.end > entry.start:
+        f.seek(entry.start)
+        view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+        pos = 0
+        while pos < len(view):
+            got = f.readinto(view[pos:])
+            if not got:
+                raise CheckpointError(f"{where}: file ended inside tensor {entry.name!r}; it is truncated")
+            pos += got
+    if out is None:
+        return buf
+    if not direct:
+        with torch.no_grad():
+            out.copy_(buf)
+    return out
