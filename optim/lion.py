@@ -1,0 +1,45 @@
+"""Lion: the sign of an interpolated momentum, with decoupled weight decay.
+
+Source: Chen et al., "Symbolic Discovery of Optimization Algorithms" (2023), arXiv:2302.06675.
+
+Update, per parameter p with gradient g (the team's reference rule; any shape):
+    u <- sign(beta1 * m + (1 - beta1) * g)
+    p <- p * (1 - lr * wd)                      (only when wd > 0)
+    p <- p - lr * u
+    m <- beta2 * m + (1 - beta2) * g            (after the update: the interpolation uses m_{t-1})
+"""
+
+import torch
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion over parameters of any shape. State per parameter: `m` (momentum, shape of p).
+
+    Args: lr (3e-4), betas ((0.9, 0.99); a list is accepted), wd (0.0, decoupled).
+    """
+
+    def __init__(self, params, lr: float = 3e-4, betas=(0.9, 0.99), wd: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), wd=wd))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            lr, wd = group["lr"], group["wd"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "m" not in state:
+                    state["m"] = torch.zeros_like(p)
+                m = state["m"]
+                u = (b1 * m + (1 - b1) * p.grad).sign_()
+                if wd > 0:
+                    p.mul_(1 - lr * wd)
+                p.add_(u, alpha=-lr)
+                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+        return loss

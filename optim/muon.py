@@ -1,0 +1,101 @@
+"""Muon: momentum SGD whose update is orthogonalised by Newton-Schulz, for 2D hidden matrices.
+
+Sources: Keller Jordan, "Muon: An optimizer for hidden layers in neural networks" (2024),
+https://kellerjordan.github.io/posts/muon/ (update rule, `sqrt(max(1, rows/cols))` scaling);
+Liu et al., "Muon is Scalable for LLM Training" (Moonlight, arXiv:2502.16982) for the
+`consistent_rms * sqrt(max(rows, cols))` scaling and decoupled weight decay.
+
+Update, per 2D parameter p with gradient g (the team's reference rule):
+    buf <- momentum * buf + g
+    u   <- g + momentum * buf   (nesterov)   or   buf
+    O   <- NewtonSchulz(u)                     (optim.newton_schulz, in `ns_dtype`)
+    p   <- p * (1 - lr * weight_decay)         (only when weight_decay > 0)
+    p   <- p - lr * scale * O,  scale = sqrt(max(1, rows/cols))           if consistent_rms is None
+                                        consistent_rms * sqrt(max(rows, cols))  otherwise
+
+With float32 NS, no weight decay and the per-matrix path this is bitwise the reference. It equals
+`torch.optim.Muon(adjust_lr_fn="original", weight_decay=0)` up to NS precision: torch keeps an
+EMA buffer (a (1 - momentum) multiple of ours), which the NS normalisation cancels.
+Only 2D parameters are accepted (the reference's non-2D fallback is AdamW's job in optim.build).
+"""
+
+import torch
+
+from optim.newton_schulz import NS_DTYPES, orthogonalize, require_matrices
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon over 2D parameters. State per parameter: `mom` (momentum buffer, shape of p).
+
+    Args: lr (0.02), momentum (0.95), ns_steps (5), nesterov (True), consistent_rms (None: the
+    reference's shape scaling; 0.2: Moonlight's AdamW-matched RMS), ns_dtype ("float32" or
+    "bfloat16"), weight_decay (0.0, decoupled), ns_batched (None: stack same-shape matrices when
+    faster; True/False force it; results agree within float tolerance).
+    Raises ValueError for a non-2D parameter (named) or an unknown ns_dtype.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        ns_steps: int = 5,
+        nesterov: bool = True,
+        consistent_rms: float | None = None,
+        ns_dtype: str = "float32",
+        weight_decay: float = 0.0,
+        ns_batched: bool | None = None,
+    ):
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"ns_dtype must be one of {sorted(NS_DTYPES)}, got {ns_dtype!r}")
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            ns_steps=ns_steps,
+            nesterov=nesterov,
+            consistent_rms=consistent_rms,
+            ns_dtype=ns_dtype,
+            weight_decay=weight_decay,
+            ns_batched=ns_batched,
+        )
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        require_matrices(self, self.param_groups[-1])
+
+    @staticmethod
+    def update_scale(shape: torch.Size, consistent_rms: float | None) -> float:
+        """The factor on the orthogonalised update for a (rows, cols) parameter."""
+        rows, cols = shape
+        if consistent_rms is None:
+            return max(1.0, rows / cols) ** 0.5
+        return consistent_rms * max(rows, cols) ** 0.5
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            momentum = group["momentum"]
+            updates = []
+            for p in params:
+                g = p.grad
+                state = self.state[p]
+                if "mom" not in state:
+                    state["mom"] = torch.zeros_like(g)
+                buf = state["mom"]
+                buf.mul_(momentum).add_(g)
+                updates.append(g.add(buf, alpha=momentum) if group["nesterov"] else buf)
+            ortho = orthogonalize(
+                updates, group["ns_steps"], NS_DTYPES[group["ns_dtype"]], group["ns_batched"]
+            )
+            lr, wd = group["lr"], group["weight_decay"]
+            for p, o in zip(params, ortho):
+                if wd > 0:
+                    p.mul_(1 - lr * wd)
+                p.add_(o * self.update_scale(p.shape, group["consistent_rms"]), alpha=-lr)
+        return loss

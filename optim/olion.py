@@ -1,0 +1,71 @@
+"""OLion: Lion-style momentum, orthogonalised by Newton-Schulz, then an entrywise sign.
+
+Source: arXiv:2602.01105 (OLion). The sign of the orthogonalised direction has Frobenius norm
+sqrt(numel) exactly, so the RMS-alignment factor gamma sets the update's RMS directly:
+D = gamma * sign(Q). betas default to Lion's (0.9, 0.99); the paper's defaults were not in the
+pages the team read (an assumption carried over from the reference).
+
+Update, per 2D parameter p with gradient g (the team's reference rule):
+    m  <- beta2 * m + (1 - beta2) * g          (slow momentum, updated first)
+    gt <- (1 - beta1) * g + beta1 * m          (Nesterov-style mix)
+    Q  <- NewtonSchulz(gt)                      (optim.newton_schulz, shared with Muon)
+    p  <- p * (1 - lr * wd)                     (only when wd > 0)
+    p  <- p - lr * gamma * sign(Q)
+"""
+
+import torch
+
+from optim.newton_schulz import orthogonalize, require_matrices
+
+
+class OLion(torch.optim.Optimizer):
+    """OLion over 2D parameters. State per parameter: `m` (momentum, shape of p).
+
+    Args: lr (1e-3), betas ((0.9, 0.99)), gamma (0.2), ns_steps (5), wd (0.0, decoupled),
+    ns_batched (None: stack same-shape matrices when faster). NS runs in float32 as in the
+    reference. Raises ValueError for a non-2D parameter, naming it.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.99),
+        gamma: float = 0.2,
+        ns_steps: int = 5,
+        wd: float = 0.0,
+        ns_batched: bool | None = None,
+    ):
+        defaults = dict(
+            lr=lr, betas=tuple(betas), gamma=gamma, ns_steps=ns_steps, wd=wd, ns_batched=ns_batched
+        )
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        require_matrices(self, self.param_groups[-1])
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            params = [p for p in group["params"] if p.grad is not None]
+            mixed = []
+            for p in params:
+                state = self.state[p]
+                if "m" not in state:
+                    state["m"] = torch.zeros_like(p)
+                m = state["m"]
+                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+                mixed.append((1 - b1) * p.grad + b1 * m)
+            ortho = orthogonalize(mixed, group["ns_steps"], batched=group["ns_batched"])
+            lr, wd = group["lr"], group["wd"]
+            for p, q in zip(params, ortho):
+                if wd > 0:
+                    p.mul_(1 - lr * wd)
+                p.add_(q.sign_(), alpha=-lr * group["gamma"])
+        return loss
