@@ -1,0 +1,134 @@
+"""The fsspec filesystem for a run dir URL, with the harness's retry policy on object stores.
+
+`open_filesystem(url, storage_options) -> (fs, path)` is the one place a store turns a URL into a
+filesystem. For `s3://` (and `s3a://`) it returns a `RetryingS3FileSystem`: every S3 request and
+every read of an object's bytes goes through `retry.call_with_retries`, and the retry loops of
+botocore and s3fs are switched off so that a permanent error costs exactly one request and the
+policy's deadline really bounds an operation. Other protocols are fsspec's own: local disk and
+`memory://` have no transient errors worth retrying.
+
+S3 storage options are s3fs's (`endpoint_url`, `key`, `secret`, `token`, `profile`,
+`client_kwargs`, `config_kwargs`, ...) plus two conveniences: `region` (the client's region_name)
+and `retry` (a table of `RetryPolicy` fields: attempts, initial, max_wait, deadline_s).
+Credentials come from the usual places (AWS_* environment variables, AWS_PROFILE and ~/.aws, or
+`key`/`secret` here); this module never logs or stores them.
+
+A write that fails part-way aborts its multipart upload (s3fs would otherwise complete it with the
+parts it has on `close()`), so no orphan uploads are left to be billed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fsspec
+from fsspec.asyn import sync, sync_wrapper
+from s3fs import S3FileSystem
+from s3fs.core import S3File, _inner_fetch
+
+from harness.checkpoint.retry import RetryPolicy, call_with_retries
+from harness.log import get_logger
+
+log = get_logger(__name__)
+
+S3_PROTOCOLS = ("s3", "s3a")
+# Per-request socket timeouts: a stalled request becomes a retryable timeout well within the
+# operation's deadline. 60 s of read silence is generous even for a 5 GiB part.
+CONNECT_TIMEOUT_S = 10
+READ_TIMEOUT_S = 60
+
+
+def s3_storage_options(user_options: dict[str, Any] | None) -> dict[str, Any]:
+    """s3fs keyword arguments: the user's options over the harness defaults (no botocore retries,
+    bounded socket timeouts), with `region` and `retry` turned into what s3fs expects."""
+    options = dict(user_options or {})
+    policy = RetryPolicy(**options.pop("retry", {}))
+    client_kwargs = dict(options.pop("client_kwargs", {}))
+    if "region" in options:
+        client_kwargs.setdefault("region_name", options.pop("region"))
+    config_kwargs = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
+                     **options.pop("config_kwargs", {})}
+    # Retries are ours alone: botocore's would multiply attempts and hide a 403 behind several requests.
+    config_kwargs["retries"] = {"total_max_attempts": 1, "mode": "standard"}
+    return {**options, "client_kwargs": client_kwargs, "config_kwargs": config_kwargs, "retry_policy": policy}
+
+
+def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
+    """(filesystem, path inside it) for `url`; raises ValueError/ImportError like fsspec."""
+    protocol = str(url).split("://", 1)[0] if "://" in str(url) else ""
+    if protocol in S3_PROTOCOLS:
+        fs = RetryingS3FileSystem(**s3_storage_options(storage_options))
+        return fs, fs._strip_protocol(str(url))
+    return fsspec.core.url_to_fs(str(url), **(storage_options or {}))
+
+
+class RetryingS3FileSystem(S3FileSystem):
+    """s3fs with `RetryPolicy` around each request (`_call_s3`) and each byte read."""
+
+    retries = 1  # s3fs's own retry loop: one attempt, ours does the rest
+
+    def __init__(self, *args, retry_policy: RetryPolicy | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.retry_policy = retry_policy or RetryPolicy()
+
+    async def _retrying(self, fn, what: str, bucket: str, key: str = ""):
+        target = f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
+        return await call_with_retries(fn, what=what, policy=self.retry_policy, target=target,
+                                       endpoint=self.endpoint_url)
+
+    async def _call_s3(self, method, *akwarglist, **kwargs):
+        parent = super()._call_s3
+        return await self._retrying(lambda: parent(method, *akwarglist, **kwargs), f"S3 {method}",
+                                    kwargs.get("Bucket", ""), kwargs.get("Key", ""))
+
+    call_s3 = sync_wrapper(_call_s3)
+
+    async def _cat_file(self, path, *args, **kwargs):
+        bucket, key, _ = self.split_path(path)
+        parent = super()._cat_file
+        return await self._retrying(lambda: parent(path, *args, **kwargs), "read", bucket, key)
+
+    def _open(self, path, mode="rb", *args, **kwargs):
+        f = super()._open(path, mode, *args, **kwargs)
+        # s3fs builds its S3File by name; switching the class adds retried reads and abort-on-error.
+        f.__class__ = _RetryingS3File
+        return f
+
+
+class _RetryingS3File(S3File):
+    """S3File whose range reads are retried whole (request and body) and whose failed writes abort."""
+
+    def _fetch_range(self, start, end):
+        if start >= end:
+            return b""
+        fs = self.fs
+        fetch = lambda: _inner_fetch(fs, self.bucket, self.key, self.version_id, start, end,  # noqa: E731
+                                     self.read_kw, self.details)
+        return sync(fs.loop, fs._retrying, fetch, "read", self.bucket, self.key)
+
+    def close(self):
+        try:
+            super().close()
+        except BaseException:
+            self._abort_upload()  # the last part or the completion failed: leave no open upload
+            raise
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None and self.writable():
+            # close() would upload the buffer and complete the multipart upload with the parts it
+            # has: a torn object. Abort instead; the commit protocol never points at this object.
+            self.buffer = None
+            self._abort_upload()
+            self.closed = True
+            return None
+        return super().__exit__(exc_type, exc, tb)
+
+    def _abort_upload(self) -> None:
+        """Abort the multipart upload, if one is open; a failure to abort is logged, not raised, so
+        the error that caused it is the one the caller sees."""
+        try:
+            self._abort_mpu()
+        except Exception as e:
+            log.warning("could not abort a failed multipart upload; list and abort it with "
+                        "`aws s3api list-multipart-uploads`", target=f"s3://{self.bucket}/{self.key}",
+                        error=f"{type(e).__name__}: {e}"[:300])
