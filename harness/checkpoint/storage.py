@@ -22,10 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.filesystem import open_filesystem
 
 # Below this, hashing in line is cheaper than handing the buffer to the hashing thread.
 _INLINE_HASH_BYTES = 1 << 20
@@ -58,7 +58,7 @@ class Location:
 def open_location(url: str, storage_options: dict | None = None) -> Location:
     """Resolve `url` (local path or fsspec URL); an unknown protocol is a `CheckpointError`."""
     try:
-        fs, root = fsspec.core.url_to_fs(str(url), **(storage_options or {}))
+        fs, root = open_filesystem(str(url), storage_options)
     except ValueError as e:
         protocol = str(url).split("://", 1)[0]
         raise CheckpointError(
