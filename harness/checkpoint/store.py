@@ -51,8 +51,8 @@ log = get_logger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
 MAX_STATE_BYTES = 1 << 30
-_STEP_DIR = re.compile(r"step-(\d{8,})")
-_TMP_DIR = re.compile(r"step-(\d{8,})\.tmp-(.+)-[0-9a-f]{8}")
+STEP_DIR = re.compile(r"step-(\d{8,})")
+TMP_DIR = re.compile(r"step-(\d{8,})\.tmp-(.+)-[0-9a-f]{8}")
 
 
 @dataclass(frozen=True, order=True)
@@ -64,7 +64,7 @@ class CheckpointRef:
     url: str
 
 
-def _basename(path: str) -> str:
+def folder_name(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
@@ -100,7 +100,7 @@ class CheckpointStore:
     def _names(self) -> list[str]:
         if not self.loc.fs.isdir(self.dir):
             return []
-        return sorted(_basename(p) for p in self.loc.fs.ls(self.dir, detail=False))
+        return sorted(folder_name(p) for p in self.loc.fs.ls(self.dir, detail=False))
 
     def ref(self, step: int) -> CheckpointRef:
         path = f"{self.dir}/step-{step:08d}"
@@ -108,7 +108,7 @@ class CheckpointStore:
 
     def list(self) -> list[CheckpointRef]:
         """Committed checkpoints (a manifest exists; not yet verified), oldest first."""
-        refs = [self.ref(int(m[1])) for n in self._names() if (m := _STEP_DIR.fullmatch(n))]
+        refs = [self.ref(int(m[1])) for n in self._names() if (m := STEP_DIR.fullmatch(n))]
         return [r for r in refs if self.loc.fs.exists(f"{r.path}/{MANIFEST_FILE}")]
 
     def incomplete(self) -> list[str]:
@@ -116,7 +116,7 @@ class CheckpointStore:
         out = []
         for name in self._names():
             path = f"{self.dir}/{name}"
-            if _TMP_DIR.fullmatch(name) or (_STEP_DIR.fullmatch(name) and not self.loc.fs.exists(f"{path}/{MANIFEST_FILE}")):
+            if TMP_DIR.fullmatch(name) or (STEP_DIR.fullmatch(name) and not self.loc.fs.exists(f"{path}/{MANIFEST_FILE}")):
                 out.append(path)
         return out
 
@@ -167,7 +167,7 @@ class CheckpointStore:
         """The newest checkpoint that verifies fully; bad ones are logged and skipped. None if none."""
         committed = {r.path for r in self.list()}
         for path in self.incomplete():
-            if path not in committed and _STEP_DIR.fullmatch(_basename(path)):
+            if path not in committed and STEP_DIR.fullmatch(folder_name(path)):
                 log.warning("ignoring a checkpoint folder without manifest (an interrupted save?)", path=self.loc.url_of(path))
         for ref in reversed(self.list()):
             problems = self.verify(ref)
@@ -251,7 +251,7 @@ class CheckpointStore:
         if holder is not None and self._lease.gone_reason(holder) is None:
             alive.add(str(holder["owner"]))
         for path in self.incomplete():
-            tmp = _TMP_DIR.fullmatch(_basename(path))
+            tmp = TMP_DIR.fullmatch(folder_name(path))
             if tmp is not None and tmp[2] in alive:
                 continue
             self.loc.fs.rm(path, recursive=True)

@@ -1,0 +1,164 @@
+"""`harness ckpt ls|verify|show|diff|gc`: look at, check and prune checkpoints from the shell.
+
+Every command takes local paths or fsspec URLs. A checkpoint is named by its folder
+(`RUN_DIR/checkpoints/step-00001200`); `verify` also takes a run dir and checks every
+checkpoint in it. Exit codes: 0 good/equal, 1 a verification failure or a difference,
+2 a user error (missing run dir, unknown protocol, not a checkpoint).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from harness.checkpoint.diff import diff_checkpoints
+from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.format import tensor_refs
+from harness.checkpoint.manifest import MANIFEST_FILE, parse_manifest
+from harness.checkpoint.storage import open_location, read_bytes
+from harness.checkpoint.store import STEP_DIR, CHECKPOINTS_DIR, CheckpointRef, CheckpointStore, folder_name
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def open_target(url: str) -> tuple[CheckpointStore, CheckpointRef | None]:
+    """A run dir (ref None) or a checkpoint folder (its store and ref) at `url`."""
+    loc = open_location(url)
+    if not loc.fs.isdir(loc.root):
+        raise CheckpointError(f"{url}: no such run dir or checkpoint folder")
+    name, parent = folder_name(loc.root), loc.root.rstrip("/").rsplit("/", 1)[0]
+    manifest = f"{loc.root}/{MANIFEST_FILE}"
+    step_name = STEP_DIR.fullmatch(name)
+    if not step_name and not loc.fs.exists(manifest):
+        return CheckpointStore(url), None
+    if step_name:
+        step = int(step_name[1])
+    else:
+        step = parse_manifest(read_bytes(loc, manifest, 1 << 24), loc.url_of(manifest)).step
+    run = parent.rsplit("/", 1)[0] if folder_name(parent) == CHECKPOINTS_DIR else parent
+    return CheckpointStore(loc.url_of(run)), CheckpointRef(step, loc.root, loc.url_of(loc.root))
+
+
+def _checkpoint(url: str) -> tuple[CheckpointStore, CheckpointRef]:
+    store, ref = open_target(url)
+    if ref is None:
+        raise CheckpointError(f"{url} is a run dir, not a checkpoint; name one folder, e.g. {url.rstrip('/')}/{CHECKPOINTS_DIR}/step-00000100")
+    return store, ref
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    store, ref = open_target(args.run_dir)
+    if ref is not None:
+        raise CheckpointError(f"{args.run_dir} is a checkpoint; `harness ckpt ls` takes its run dir")
+    refs, incomplete = store.list(), store.incomplete()
+    if not refs and not incomplete:
+        print(f"no checkpoints in {store.url}")
+        return 0
+    print(f"{'step':>10}  {'size':>10}  {'created':20}  status")
+    for r in refs:
+        problems = store.verify(r)
+        try:
+            m = store.manifest(r)
+            size, created = _size(m.nbytes), time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.created))
+        except CheckpointError:
+            size, created = "?", "?"
+        status = "verified" if not problems else f"BAD ({len(problems)} problem(s)): {problems[0]}"
+        print(f"{r.step:>10}  {size:>10}  {created:20}  {status}")
+    for path in incomplete:
+        print(f"{'-':>10}  {'-':>10}  {'-':20}  incomplete, not a checkpoint: {store.loc.url_of(path)}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    store, ref = open_target(args.target)
+    refs = [ref] if ref is not None else store.list()
+    if ref is None:
+        for path in store.incomplete():
+            if STEP_DIR.fullmatch(folder_name(path)):
+                refs.append(CheckpointRef(int(STEP_DIR.fullmatch(folder_name(path))[1]), path, store.loc.url_of(path)))
+    if not refs:
+        print(f"no checkpoints in {store.url}")
+        return 1
+    bad = 0
+    for r in sorted(refs):
+        problems = store.verify(r)
+        bad += bool(problems)
+        print(f"{r.url}: " + ("ok" if not problems else "FAILED"))
+        for p in problems:
+            print(f"  {p}")
+    return 1 if bad else 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    store, ref = _checkpoint(args.checkpoint)
+    manifest, state = store.manifest(ref), store.read_state(ref)
+    headers = store.tensor_headers(ref)
+    print(f"checkpoint {ref.url}")
+    print(f"  step {manifest.step}, written by {manifest.writer} at "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(manifest.created))}, {_size(manifest.nbytes)}")
+    print("files:")
+    for f in manifest.files:
+        print(f"  {f.name:28} {_size(f.size):>10}  sha256 {f.sha256[:16]}")
+    print("parts:")
+    for part, tree in state["parts"].items():
+        refs = tensor_refs(tree)
+        print(f"  {part}: {len(refs)} tensor(s)" + (f" in {sorted({f for f, _ in refs.values()})}" if refs else ""))
+    for file, entries in headers.items():
+        print(f"tensors in {file}:")
+        for e in sorted(entries.values(), key=lambda e: e.start):
+            print(f"  {e.name:48} {e.describe():24} {_size(e.end - e.start):>10}")
+    print("meta:")
+    print("  " + json.dumps(state.get("meta", {}), indent=1).replace("\n", "\n  "))
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    lines, equal = diff_checkpoints(_checkpoint(args.a), _checkpoint(args.b))
+    for line in lines:
+        print(line)
+    print("bitwise equal" if equal else "checkpoints differ")
+    return 0 if equal else 1
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    store, ref = open_target(args.run_dir)
+    if ref is not None:
+        raise CheckpointError(f"{args.run_dir} is a checkpoint; `harness ckpt gc` takes its run dir")
+    store = CheckpointStore(store.url, keep_last=args.keep_last, keep_every=args.keep_every)
+    with store.lease(takeover=args.takeover):
+        removed = store.gc()
+    for url in removed:
+        print(f"removed {url}")
+    print(f"{len(removed)} removed, {len(store.list())} checkpoint(s) kept")
+    return 0
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("ckpt", help="inspect, verify and prune checkpoints", description=__doc__)
+    commands = parser.add_subparsers(dest="ckpt_command", required=True, metavar="SUBCOMMAND")
+    p = commands.add_parser("ls", help="list checkpoints with sizes and whether they verify")
+    p.add_argument("run_dir")
+    p.set_defaults(func=cmd_ls)
+    p = commands.add_parser("verify", help="check sizes and sha256 of a checkpoint or of every one in a run dir")
+    p.add_argument("target", metavar="RUN_DIR|CKPT")
+    p.set_defaults(func=cmd_verify)
+    p = commands.add_parser("show", help="parts, tensors and metadata of one checkpoint")
+    p.add_argument("checkpoint", metavar="CKPT")
+    p.set_defaults(func=cmd_show)
+    p = commands.add_parser("diff", help="compare two checkpoints; exit 0 only when bitwise equal")
+    p.add_argument("a", metavar="CKPT_A")
+    p.add_argument("b", metavar="CKPT_B")
+    p.set_defaults(func=cmd_diff)
+    p = commands.add_parser("gc", help="apply retention and remove leftovers of dead writers")
+    p.add_argument("run_dir")
+    p.add_argument("--keep-last", type=int, default=3, help="keep the newest K checkpoints (K >= 2; default 3)")
+    p.add_argument("--keep-every", type=int, default=0, help="also keep steps divisible by M (default 0: off)")
+    p.add_argument("--takeover", action="store_true", help="take the run dir lease even if a writer holds it")
+    p.set_defaults(func=cmd_gc)

@@ -1,0 +1,102 @@
+"""Comparing two checkpoints: which tensors and JSON values differ, and by how much.
+
+Equal means bitwise equal parts: every tensor has the same name, dtype, shape and bytes (so NaN
+payloads and -0.0 count), and every non-tensor value in state.json is the same. The step and
+the saved meta are reported when they differ but do not make checkpoints unequal: two runs that
+reach the same state are equal even if one was resumed. Tensors are read one pair at a time, so
+comparing needs memory for the two largest tensors only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from harness.checkpoint.store import CheckpointRef, CheckpointStore
+from harness.checkpoint.tensorfile import TensorEntry, read_tensor
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MAX_JSON_LINES = 50
+
+
+def diff_checkpoints(a: tuple[CheckpointStore, CheckpointRef], b: tuple[CheckpointStore, CheckpointRef]) -> tuple[list[str], bool]:
+    """(report lines, equal) for checkpoints `a` and `b`."""
+    (store_a, ref_a), (store_b, ref_b) = a, b
+    state_a, state_b = store_a.read_state(ref_a), store_b.read_state(ref_b)
+    lines: list[str] = []
+    if state_a["step"] != state_b["step"]:
+        lines.append(f"note: steps differ: {state_a['step']} vs {state_b['step']}")
+    if _canon(state_a.get("meta")) != _canon(state_b.get("meta")):
+        lines.append("note: meta differs (not compared further)")
+    differences = list(_json_diff(_strip(state_a["parts"]), _strip(state_b["parts"]), "parts"))
+    lines += differences[:_MAX_JSON_LINES]
+    if len(differences) > _MAX_JSON_LINES:
+        lines.append(f"... and {len(differences) - _MAX_JSON_LINES} more JSON differences")
+    equal = not differences
+    with store_a.open_tensor_files(ref_a) as files_a, store_b.open_tensor_files(ref_b) as files_b:
+        for file in sorted(set(files_a) | set(files_b)):
+            if file not in files_a or file not in files_b:
+                lines.append(f"{file}: only in {'A' if file in files_a else 'B'}")
+                equal = False
+                continue
+            (fa, ea, wa), (fb, eb, wb) = files_a[file], files_b[file]
+            for name in sorted(set(ea) | set(eb)):
+                line = _tensor_diff(file, name, ea.get(name), eb.get(name), lambda e: read_tensor(fa, e, wa),
+                                    lambda e: read_tensor(fb, e, wb))
+                if line:
+                    lines.append(line)
+                    equal = False
+    return lines, equal
+
+
+def _tensor_diff(file: str, name: str, ea: TensorEntry | None, eb: TensorEntry | None, read_a, read_b) -> str | None:
+    label = f"{file}:{name}"
+    if ea is None or eb is None:
+        return f"{label}: only in {'A' if eb is None else 'B'}"
+    if ea.dtype != eb.dtype or ea.shape != eb.shape:
+        return f"{label}: A is {ea.describe()}, B is {eb.describe()}"
+    ta, tb = read_a(ea).reshape(-1), read_b(eb).reshape(-1)
+    bits = _BITS[ta.element_size()]
+    differ = ta.view(bits) != tb.view(bits)
+    count = int(differ.sum())
+    if not count:
+        return None
+    first = int(differ.nonzero()[0, 0])
+    index = list(torch.unravel_index(torch.tensor(first), ea.shape)) if ea.shape else []
+    wide = torch.float64 if ta.is_floating_point() or ta.dtype == torch.bool else torch.int64
+    delta = (ta.to(wide) - tb.to(wide)).abs()
+    max_abs = float(delta[~torch.isnan(delta)].max()) if not bool(torch.isnan(delta).all()) else float("nan")
+    return (f"{label}: {count}/{ta.numel()} elements differ, max abs difference {max_abs:.6g}, first at "
+            f"{[int(i) for i in index]}: A={ta[first].item()!r} B={tb[first].item()!r}")
+
+
+def _strip(node: Any) -> Any:
+    """The JSON tree with tensor references replaced by a marker (tensors are compared by value)."""
+    if isinstance(node, dict):
+        if set(node) == {"$tensor"}:
+            return "<tensor>"
+        return {k: _strip(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_strip(v) for v in node]
+    return node
+
+
+def _canon(x: Any) -> str:
+    return json.dumps(x, sort_keys=True)
+
+
+def _json_diff(a: Any, b: Any, path: str) -> Iterator[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in list(a) + [k for k in b if k not in a]:
+            if k not in b or k not in a:
+                yield f"{path}/{k}: only in {'A' if k in a else 'B'}"
+            else:
+                yield from _json_diff(a[k], b[k], f"{path}/{k}")
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            yield from _json_diff(x, y, f"{path}/{i}")
+    elif _canon(a) != _canon(b):
+        yield f"{path}: A={_canon(a)[:80]} B={_canon(b)[:80]}"
