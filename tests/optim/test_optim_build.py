@@ -1,0 +1,159 @@
+"""Optimizer config and build_bundle: the union, the split, the knobs, the AdamW default bit for bit."""
+
+import math
+
+import pydantic
+import pytest
+import torch
+
+from harness.errors import UserError
+from optim import build
+from optim.adafactor import Adafactor2D
+from optim.build import build_bundle, parse_optim_config
+from optim.lion import Lion
+from optim.muon import Muon
+from optim.olion import OLion
+
+ARMS = ["adamw", "muon", "lion", "olion", "adafactor", "sgdm"]
+MEMBERS = [build.AdamWConfig, build.MuonConfig, build.LionConfig, build.OLionConfig,
+           build.AdafactorConfig, build.SGDMConfig]
+
+
+def names(opt):
+    return sorted(n for g in opt.param_groups for n in g["param_names"])
+
+
+def test_config_without_type_is_adamw_with_the_reference_defaults():
+    cfg = parse_optim_config({"lr": 1e-3})
+    assert isinstance(cfg, build.AdamWConfig) and cfg.type == "adamw"
+    assert (cfg.weight_decay, cfg.adam_betas, cfg.lr_min_ratio, cfg.total_steps) == (1e-4, (0.9, 0.999), 0.1, None)
+    muon = parse_optim_config({"type": "muon"})
+    assert (muon.lr_muon, muon.momentum, muon.nesterov, muon.ns_steps, muon.consistent_rms,
+            muon.ns_dtype, muon.muon_weight_decay) == (0.02, 0.95, True, 5, None, "float32", 0.0)
+    assert parse_optim_config({"type": "olion"}).gamma == 0.2
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_every_arm_parses_and_rejects_unknown_keys(arm):
+    assert parse_optim_config({"type": arm}).type == arm
+    with pytest.raises(pydantic.ValidationError, match="lr_muonn"):
+        parse_optim_config({"type": arm, "lr_muonn": 0.1})
+
+
+def test_unknown_type_and_bad_values_are_rejected():
+    with pytest.raises(pydantic.ValidationError):
+        parse_optim_config({"type": "adam"})
+    with pytest.raises(pydantic.ValidationError, match="ns_dtype"):
+        parse_optim_config({"type": "muon", "ns_dtype": "float16"})
+    with pytest.raises(pydantic.ValidationError, match="head_pattern"):
+        parse_optim_config({"head_lr_mult": 2.0})
+
+
+@pytest.mark.parametrize("member", MEMBERS)
+def test_every_field_is_documented_and_extra_is_forbidden(member):
+    assert member.model_config["extra"] == "forbid"
+    assert all(f.description for f in member.model_fields.values())
+
+
+def test_the_union_works_as_a_field_type():
+    class Run(pydantic.BaseModel):
+        optim: build.OptimConfig = pydantic.Field(default_factory=build.AdamWConfig)
+
+    assert isinstance(Run().optim, build.AdamWConfig)
+    assert isinstance(Run(optim={"type": "lion", "wd": 0.1}).optim, build.LionConfig)
+    assert isinstance(Run(optim={}).optim, build.AdamWConfig)
+
+
+def test_untyped_config_reproduces_plain_adamw_and_lambdalr_bit_for_bit(tiny_gpt, train):
+    cfg = parse_optim_config({"lr": 2e-3, "warmup": 2, "weight_decay": 0.05,
+                              "adam_betas": [0.85, 0.98], "lr_min_ratio": 0.2})
+    ours = tiny_gpt()
+    opt, sched = build_bundle(cfg, ours, total_steps=6)
+    plain = tiny_gpt()
+    adamw = torch.optim.AdamW(plain.parameters(), lr=2e-3, betas=(0.85, 0.98), weight_decay=0.05)
+
+    def fn(s):
+        if s < 2:
+            return (s + 1) / 2
+        p = min(1.0, (s - 2) / max(1, 6 - 2))
+        return 0.2 + 0.5 * (1 - 0.2) * (1 + math.cos(math.pi * p))
+
+    lambdalr = torch.optim.lr_scheduler.LambdaLR(adamw, fn)
+    train(ours, opt, sched, 0, 7)
+    train(plain, adamw, lambdalr, 0, 7)
+    for (n, a), b in zip(ours.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), n
+    for p, q in zip(ours.parameters(), plain.parameters()):
+        st, ref = opt.optimizers["adamw"].state[p], adamw.state[q]
+        assert all(torch.equal(st[k], ref[k]) for k in ref)
+    assert list(opt.optimizers) == ["adamw"]
+
+
+@pytest.mark.parametrize(("arm", "cls"), [("muon", Muon), ("lion", Lion), ("olion", OLion),
+                                          ("adafactor", Adafactor2D)])
+def test_default_split_is_the_2d_block_parameters(tiny_gpt, arm, cls):
+    model = tiny_gpt()
+    opt, sched = build_bundle(parse_optim_config({"type": arm}), model, 10)
+    assert list(opt.optimizers) == [arm, "adamw"] and list(sched.schedulers) == [arm, "adamw"]
+    assert isinstance(opt.optimizers[arm], cls)
+    blocks = sorted(n for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2)
+    assert names(opt.optimizers[arm]) == blocks
+    assert names(opt.optimizers["adamw"]) == sorted(set(n for n, _ in model.named_parameters()) - set(blocks))
+    assert len(opt.param_groups) == 2
+
+
+def test_matrix_patterns_choose_the_matrices_and_only_2d_ones(tiny_gpt):
+    model = tiny_gpt()
+    cfg = parse_optim_config({"type": "lion", "matrix_patterns": ["blocks.*.fc.*", "head.*", "ln_f.*"]})
+    opt, _ = build_bundle(cfg, model, 10)
+    assert names(opt.optimizers["lion"]) == ["blocks.0.fc.weight", "blocks.1.fc.weight", "head.weight"]
+    with pytest.raises(UserError, match=r"match no 2D parameter"):
+        build_bundle(parse_optim_config({"type": "muon", "matrix_patterns": ["block.*"]}), model, 10)
+
+
+def test_knobs_reach_the_optimizers(tiny_gpt):
+    model = tiny_gpt()
+    opt, _ = build_bundle(parse_optim_config(
+        {"type": "muon", "lr_muon": 0.05, "momentum": 0.9, "nesterov": False, "ns_steps": 6,
+         "consistent_rms": 0.2, "ns_dtype": "bfloat16", "muon_weight_decay": 0.1, "lr": 1e-3}), model, 10)
+    g = opt.optimizers["muon"].param_groups[0]
+    assert (g["initial_lr"], g["momentum"], g["nesterov"], g["ns_steps"], g["consistent_rms"],
+            g["ns_dtype"], g["weight_decay"]) == (0.05, 0.9, False, 6, 0.2, "bfloat16", 0.1)
+    assert opt.optimizers["adamw"].param_groups[0]["initial_lr"] == 1e-3
+    opt, _ = build_bundle(parse_optim_config({"type": "olion", "lr": 1e-3, "gamma": 0.3, "wd": 0.1}), model, 10)
+    g = opt.optimizers["olion"].param_groups[0]
+    assert (g["initial_lr"], g["gamma"], g["wd"]) == (1e-3, 0.3, 0.1)
+    opt, _ = build_bundle(parse_optim_config({"type": "adafactor", "lr_matrix": 0.01}), model, 10)
+    assert opt.optimizers["adafactor"].param_groups[0]["initial_lr"] == 0.01
+
+
+def test_sgdm_is_nesterov_sgd_on_everything(tiny_gpt):
+    model = tiny_gpt()
+    opt, _ = build_bundle(parse_optim_config({"type": "sgdm", "lr": 0.1}), model, 10)
+    (sgd,) = opt.optimizers.values()
+    assert isinstance(sgd, torch.optim.SGD) and list(opt.optimizers) == ["sgdm"]
+    assert names(sgd) == sorted(n for n, _ in model.named_parameters())
+    assert (sgd.param_groups[0]["momentum"], sgd.param_groups[0]["nesterov"]) == (0.95, True)
+
+
+@pytest.mark.parametrize("arm", ["adamw", "muon", "sgdm"])
+def test_head_lr_mult_scales_the_head_group(tiny_gpt, arm):
+    model = tiny_gpt()
+    cfg = parse_optim_config({"type": arm, "lr": 1e-3, "head_lr_mult": 3.0, "head_pattern": "head.*"})
+    opt, sched = build_bundle(cfg, model, 10)
+    holder = opt.optimizers["sgdm" if arm == "sgdm" else "adamw"]
+    rest, head = holder.param_groups
+    assert head["param_names"] == ["head.weight"] and "head.weight" not in rest["param_names"]
+    assert (rest["initial_lr"], head["initial_lr"]) == (1e-3, 3e-3)
+    with pytest.raises(UserError, match="'lm_head'"):
+        build_bundle(parse_optim_config({"head_lr_mult": 2.0, "head_pattern": "lm_head"}), model, 10)
+
+
+@pytest.mark.parametrize(("cfg_total", "arg_total", "lr_at_10"),
+                         [(None, 10, 0.1), (0, 10, 1.0), (20, 10, 0.55)])
+def test_total_steps_comes_from_the_config_else_the_run(tiny_gpt, cfg_total, arg_total, lr_at_10):
+    opt, sched = build_bundle(parse_optim_config({"lr": 1.0, "total_steps": cfg_total}), tiny_gpt(), arg_total)
+    for _ in range(10):
+        opt.step()
+        sched.step()
+    assert sched.get_last_lr()["adamw"] == [pytest.approx(lr_at_10)]
