@@ -7,7 +7,7 @@
   stop with the same code so the launcher requeues (restarting here would fight the preemption).
 - USER_ERROR (2): a config or usage error does not heal by retrying; exit 2.
 - anything else (non-zero, killed by a signal): a crash. The child is restarted after an
-  exponential backoff with jitter (`tenacity.wait_exponential_jitter`) and resumes by itself
+  exponential backoff with jitter (tenacity's wait functions) and resumes by itself
   from the newest good checkpoint.
 
 Crash loops: `progress()` returns the newest committed checkpoint step (or None). A crash after
@@ -63,7 +63,8 @@ class Supervisor:
     Arguments: `max_restarts` (>= 0) bounds the restarts in all; `crash_loop_limit` (>= 1) the
     consecutive crashes without a newer checkpoint; `progress()` returns the newest committed
     step or None; backoff before restart n of a crash streak is
-    `min(backoff_initial * 2**(n-1) + uniform(0, jitter), backoff_max)` seconds; `events`
+    `min(backoff_initial * 2**(n-1), backoff_max) + uniform(0, jitter)` seconds (the jitter
+    spreads restarts of many jobs that crashed together, e.g. on a storage outage); `events`
     receives "restart" and "gave_up"; `tail_lines` of the child's stderr are quoted on give-up.
     """
 
@@ -91,8 +92,8 @@ class Supervisor:
         self.max_restarts = max_restarts
         self.crash_loop_limit = crash_loop_limit
         self._progress = progress
-        self._wait = tenacity.wait_exponential_jitter(
-            initial=backoff_initial, max=backoff_max, jitter=jitter
+        self._wait = tenacity.wait_exponential(multiplier=backoff_initial, max=backoff_max) + (
+            tenacity.wait_random(0, jitter)
         )
         self._events = events
         self._signals = tuple(signals)
@@ -121,7 +122,7 @@ class Supervisor:
                 if streak >= self.crash_loop_limit or restarts >= self.max_restarts:
                     return self._give_up(cause, step, streak, restarts)
                 restarts += 1
-                backoff = self._backoff(max(streak, 1))
+                backoff = self.backoff(max(streak, 1))
                 log.warning("child crashed; restarting", cause=cause, step=step,
                             restart=restarts, backoff_s=round(backoff, 3))
                 if self._events is not None:
@@ -130,7 +131,8 @@ class Supervisor:
                 if not _sleep_unless(watch, backoff):
                     return PREEMPTED
 
-    def _backoff(self, attempt: int) -> float:
+    def backoff(self, attempt: int) -> float:
+        """Seconds to wait before restart number `attempt` (from 1) of a crash streak."""
         state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})
         state.attempt_number = attempt
         return self._wait(state)
