@@ -7,6 +7,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 from torch import nn
 
@@ -124,3 +125,10 @@ def rewrite_manifest(ref: CheckpointRef) -> None:
 @pytest.fixture
 def run_dir(tmp_path: Path) -> str:
     return str(tmp_path / "run")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging():
+    """`harness.cli.main` binds structlog to the current (captured) stderr; unbind it after each test."""
+    yield
+    structlog.reset_defaults()
