@@ -91,7 +91,10 @@ class RetryingS3FileSystem(S3FileSystem):
     def _open(self, path, mode="rb", *args, **kwargs):
         f = super()._open(path, mode, *args, **kwargs)
         # s3fs builds its S3File by name; switching the class adds retried reads and abort-on-error.
+        # A reader's cache holds the fetch method bound at construction, so it is rebound too.
         f.__class__ = _RetryingS3File
+        if f.readable():
+            f.cache.fetcher = f._fetch_range
         return f
 
 

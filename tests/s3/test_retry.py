@@ -71,8 +71,10 @@ def test_transient_faults_are_retried(proxy, s3_url, mode):
     with fs.open(f"{root}/big", "wb") as f:
         f.write(big[: 6 << 20])
         f.write(big[6 << 20:])
+    proxy.script = [mode]  # the GET of a whole object
     assert fs.cat_file(f"{root}/small") == small
     with fs.open(f"{root}/big", "rb") as f:
+        proxy.script = [mode]  # the GET of a range, through the file's cache
         assert f.read() == big
     assert proxy.faults[mode] > 0
 
