@@ -8,8 +8,9 @@ policy's deadline really bounds an operation. Other protocols are fsspec's own: 
 `memory://` have no transient errors worth retrying.
 
 S3 storage options are s3fs's (`endpoint_url`, `key`, `secret`, `token`, `profile`,
-`client_kwargs`, `config_kwargs`, ...) plus two conveniences: `region` (the client's region_name)
-and `retry` (a table of `RetryPolicy` fields: attempts, initial, max_wait, deadline_s).
+`client_kwargs = {region_name = ...}`, `config_kwargs`, ...) plus `retry`, a table of
+`RetryPolicy` fields (attempts, initial, max_wait, deadline_s). Anything else that opens the run
+dir must go through `open_filesystem` too: plain fsspec would pass `retry` on to botocore.
 Credentials come from the usual places (AWS_* environment variables, AWS_PROFILE and ~/.aws, or
 `key`/`secret` here); this module never logs or stores them.
 
@@ -40,17 +41,14 @@ READ_TIMEOUT_S = 60
 
 def s3_storage_options(user_options: dict[str, Any] | None) -> dict[str, Any]:
     """s3fs keyword arguments: the user's options over the harness defaults (no botocore retries,
-    bounded socket timeouts), with `region` and `retry` turned into what s3fs expects."""
+    bounded socket timeouts), with `retry` turned into a `RetryPolicy`."""
     options = dict(user_options or {})
     policy = RetryPolicy(**options.pop("retry", {}))
-    client_kwargs = dict(options.pop("client_kwargs", {}))
-    if "region" in options:
-        client_kwargs.setdefault("region_name", options.pop("region"))
     config_kwargs = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
                      **options.pop("config_kwargs", {})}
     # Retries are ours alone: botocore's would multiply attempts and hide a 403 behind several requests.
     config_kwargs["retries"] = {"total_max_attempts": 1, "mode": "standard"}
-    return {**options, "client_kwargs": client_kwargs, "config_kwargs": config_kwargs, "retry_policy": policy}
+    return {**options, "config_kwargs": config_kwargs, "retry_policy": policy}
 
 
 def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
