@@ -199,7 +199,7 @@ def dump_state(step: int, snapshot: Snapshot, meta: Mapping[str, Any] | None) ->
     doc = {"format_version": FORMAT_VERSION, "step": step, "rank": snapshot.rank,
            "parts": dict(snapshot.parts), "meta": dict(meta or {})}
     try:
-        return json.dumps(doc, indent=1, allow_nan=True).encode()
+        return json.dumps(doc, allow_nan=True).encode()  # no indent: the C encoder, 10x faster
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint meta for step {step} is not JSON-able: {e}") from e
 

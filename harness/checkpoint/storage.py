@@ -8,9 +8,10 @@ kind on purpose:
 * Object stores and `memory://`: a single PUT is atomic and there is nothing to fsync; the
   commit point is the manifest object, written last (see store.py).
 
-`write_stream` hashes what it writes in a second thread while the first one writes: sha256 runs at
-about 1.3 GB/s here, a disk at a few hundred MB/s, so the hash is free when overlapped and would
-cost 15-50% of the save when done in line. hashlib and file writes both release the GIL.
+`write_stream` hashes what it writes in a second thread, behind the writes and during the fsync:
+sha256 runs at about 1.3 GB/s here, a disk at a few hundred MB/s, so the hash is free when
+overlapped and would cost 15-50% of the save when done in line. hashlib and file writes both
+release the GIL.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +29,8 @@ from fsspec.implementations.local import LocalFileSystem
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.filesystem import open_filesystem
 
-# Below this, hashing in line is cheaper than handing the buffer to the hashing thread.
-_INLINE_HASH_BYTES = 1 << 20
+# Written-but-not-yet-hashed bytes allowed in flight; see write_stream.
+_HASH_BACKLOG_BYTES = 512 << 20
 _READ_CHUNK = 8 << 20
 
 
@@ -82,25 +84,34 @@ def fsync_dir(path: str) -> None:
 
 
 def write_stream(loc: Location, path: str, chunks: Iterable[memoryview | bytes]) -> tuple[int, str]:
-    """Write `chunks` to `path`, durably on local disk; return (size, sha256 hex)."""
+    """Write `chunks` to `path`, durably on local disk; return (size, sha256 hex).
+
+    The hash runs behind the writes and finishes during the fsync; at most
+    `_HASH_BACKLOG_BYTES` of written-but-unhashed chunks are kept alive (a chunk may be a CPU
+    copy of a GPU tensor, so an unbounded backlog could hold the whole state twice).
+    """
     digest = hashlib.sha256()
     size = 0
+    backlog: deque[tuple[Future, int]] = deque()
+    pending = 0
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") as hasher:
         handle = open(path, "wb") if loc.is_local else loc.fs.open(path, "wb")
         with handle as f:
             for chunk in chunks:
                 n = len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
-                if n < _INLINE_HASH_BYTES:
-                    digest.update(chunk)
-                    f.write(chunk)
-                else:
-                    hashed = hasher.submit(digest.update, chunk)
-                    f.write(chunk)
-                    hashed.result()
+                backlog.append((hasher.submit(digest.update, chunk), n))
+                pending += n
+                f.write(chunk)
                 size += n
+                while pending > _HASH_BACKLOG_BYTES:
+                    done, n_done = backlog.popleft()
+                    done.result()
+                    pending -= n_done
             if loc.is_local:
                 f.flush()
                 os.fsync(f.fileno())
+        for done, _ in backlog:
+            done.result()
     return size, digest.hexdigest()
 
 
@@ -109,12 +120,17 @@ def write_small(loc: Location, path: str, data: bytes) -> None:
     write_stream(loc, path, [data])
 
 
-def open_read(loc: Location, path: str):
+def open_read(loc: Location, path: str, prefetch: bool = False):
     """A binary reader with `seek` and `readinto`; unbuffered on local disk (large reads go
-    straight into the destination tensor)."""
-    if loc.is_local:
-        return open(path, "rb", buffering=0)
-    return loc.fs.open(path, "rb")
+    straight into the destination tensor). `prefetch` asks the kernel to read the whole file
+    ahead asynchronously (into the page cache, not this process's memory): loading reads every
+    tensor in order, and without it each tensor-sized read waits for the disk on its own."""
+    if not loc.is_local:
+        return loc.fs.open(path, "rb")
+    f = open(path, "rb", buffering=0)
+    if prefetch and hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+    return f
 
 
 def hash_file(loc: Location, path: str) -> tuple[int, str]:

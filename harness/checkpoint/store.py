@@ -288,7 +288,7 @@ class CheckpointStore:
             yield {rec.name: self._open_tensors(stack, ref, rec)
                    for rec in self.manifest(ref).files if rec.name.endswith(".safetensors")}
 
-    def _open_tensors(self, stack: ExitStack, ref: CheckpointRef, rec: FileRecord):
+    def _open_tensors(self, stack: ExitStack, ref: CheckpointRef, rec: FileRecord, prefetch: bool = False):
         path = f"{ref.path}/{rec.name}"
         where = self.loc.url_of(path)
         if not self.loc.fs.exists(path):
@@ -296,7 +296,7 @@ class CheckpointStore:
         size = self.loc.fs.size(path)
         if size != rec.size:
             raise CheckpointError(f"{where}: {size} bytes, the manifest says {rec.size}; the file is damaged, resume from an older checkpoint")
-        f = stack.enter_context(open_read(self.loc, path))
+        f = stack.enter_context(open_read(self.loc, path, prefetch=prefetch))
         return f, read_header(f, size, where), where
 
     def load(self, ref: CheckpointRef, targets: Mapping[str, Any], *, skip: Collection[str] = (),
@@ -311,7 +311,7 @@ class CheckpointStore:
         def open_tensors(stack: ExitStack, file: str):
             if file not in records or not file.endswith(".safetensors"):
                 raise CheckpointError(f"{ref.url}: state.json refers to {file!r}, which the manifest does not list; the checkpoint is corrupt")
-            return self._open_tensors(stack, ref, records[file])
+            return self._open_tensors(stack, ref, records[file], prefetch=True)
 
         restore_parts(doc, targets, skip, open_tensors, where=f"checkpoint {ref.url}")
         return doc["meta"]

@@ -1,0 +1,226 @@
+"""Checkpoint I/O benchmark: the harness store against raw I/O, torch.save and torch DCP.
+
+For a model + AdamW state of about `--size-mib` (default 1024), in one run:
+* save: `CheckpointStore.save` (serialize, sha256, write, fsync, atomic rename) against a raw
+  write + fsync of the same tensor bytes to the same folder, `torch.save` (+ fsync), and
+  `torch.distributed.checkpoint.save` (single process, no process group);
+* load: `CheckpointStore.load` into the live model and optimizer against a raw read of the same
+  bytes into preallocated memory and `torch.load(weights_only=True)`; `verify` (the sha256 pass
+  `latest_good` does before resuming) is timed on its own;
+* memory: peak RSS (ru_maxrss) of a child process that builds the model and a fresh optimizer
+  and loads the checkpoint, against a child that builds the model and optimizer state of a
+  fresh start (what training holds after its first step).
+
+Every figure is the best of `--repeat` runs. Save figures include fsync, so they measure the
+disk. Loads are measured twice: cold (the files are first evicted from the page cache with
+posix_fadvise, as after a restart on a new node) and warm (read again at once: the code path). Run: `python ops/bench/ckpt_io.py --size-mib 1024`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from harness.checkpoint import CheckpointStore  # noqa: E402
+from harness.checkpoint.tensorfile import tensor_bytes  # noqa: E402
+
+WIDTH = 2048
+
+
+def build(size_mib: int, optimizer_state: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A stack of square layers holding a third of the state; AdamW's two moments hold the rest."""
+    width = WIDTH if size_mib >= 192 else 256
+    layers = max(1, round(size_mib * 2**20 / 3 / (width * width * 4)))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if optimizer_state:
+        for p in model.parameters():
+            opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.randn_like(p), "exp_avg_sq": torch.rand_like(p)}
+    return model, opt
+
+
+def tensors_of(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    flat = {f"model/{k}": v for k, v in model.state_dict().items()}
+    for i, state in enumerate(opt.state.values()):
+        flat.update({f"optim/{i}/{k}": v for k, v in state.items()})
+    return flat
+
+
+def best(repeat: int, fn, before=None) -> float:
+    times = []
+    for _ in range(repeat):
+        if before is not None:
+            before()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def drop_cache(*paths: Path) -> None:
+    """Evict these (already fsynced) files from the page cache, so the next read hits the disk."""
+    for path in paths:
+        for f in ([path] if path.is_file() else sorted(path.rglob("*"))):
+            if f.is_file():
+                fd = os.open(f, os.O_RDONLY)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                os.close(fd)
+
+
+def fsync_path(path: Path) -> None:
+    for f in ([path] if path.is_file() else sorted(path.rglob("*"))):
+        if f.is_file():
+            with open(f, "rb+") as h:
+                os.fsync(h.fileno())
+
+
+def raw_write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    with open(path, "wb") as f:
+        for t in tensors.values():
+            f.write(tensor_bytes(t))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def raw_read(path: Path, into: torch.Tensor) -> None:
+    view = memoryview(into.numpy())
+    with open(path, "rb", buffering=0) as f:
+        pos = 0
+        while got := f.readinto(view[pos:]):
+            pos += got
+
+
+def child(args: argparse.Namespace) -> None:
+    """Runs in a fresh process: report peak RSS after `fresh` (build with optimizer state),
+    `load` (build with a fresh optimizer, then load the newest checkpoint) or `load-inplace`
+    (build with optimizer state, then load: every tensor is read into live storage)."""
+    model, opt = build(args.size_mib, optimizer_state=args.child != "load")
+    if args.child != "fresh":
+        store = CheckpointStore(args.dir)
+        store.load(store.list()[-1], {"model": model, "optim": opt})
+        assert len(opt.state) == len(list(model.parameters()))
+    print(json.dumps({"maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+
+
+def measure(args: argparse.Namespace, folder: Path) -> dict:
+    model, opt = build(args.size_mib, optimizer_state=True)
+    tensors = tensors_of(model, opt)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    parts = {"model": model, "optim": opt}
+    r: dict = {"state_bytes": nbytes, "tensors": len(tensors)}
+
+    raw = folder / "raw.bin"
+    r["save_raw_s"] = best(args.repeat, lambda: raw_write(raw, tensors))
+    store = CheckpointStore(str(folder / "run"), keep_last=2)
+    step = iter(range(1, 1000))
+    r["save_store_s"] = best(args.repeat, lambda: store.save(next(step), parts))
+    pt = folder / "state.pt"
+    r["save_torch_s"] = best(args.repeat, lambda: (torch.save(parts_state(model, opt), pt), fsync_path(pt)))
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+
+        def dcp_save() -> None:
+            shutil.rmtree(folder / "dcp", ignore_errors=True)
+            dcp.save(dict(tensors), checkpoint_id=str(folder / "dcp"))
+
+        r["save_dcp_s"] = best(args.repeat, dcp_save)
+    shutil.rmtree(folder / "dcp", ignore_errors=True)
+
+    buffer = torch.zeros(nbytes, dtype=torch.uint8)
+    ref = store.list()[-1]
+    ckpt = Path(ref.path)
+    for mode, before in (("cold", lambda *p: (lambda: drop_cache(*p))), ("warm", lambda *p: None)):
+        r[f"load_raw_{mode}_s"] = best(args.repeat, lambda: raw_read(raw, buffer), before(raw))
+        r[f"load_store_{mode}_s"] = best(args.repeat, lambda: store.load(ref, parts), before(ckpt))
+        r[f"load_torch_{mode}_s"] = best(args.repeat, lambda: torch.load(pt, weights_only=True), before(pt))
+    del buffer
+    r["verify_s"] = best(args.repeat, lambda: store.verify(ref))
+    raw.unlink()
+    pt.unlink()
+    del model, opt, parts, tensors
+
+    def rss(kind: str) -> int:
+        out = subprocess.run([sys.executable, __file__, "--child", kind, "--size-mib", str(args.size_mib),
+                              "--dir", str(folder / "run")], check=True, capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])["maxrss_bytes"]
+
+    r["rss_fresh_bytes"], r["rss_load_bytes"], r["rss_load_inplace_bytes"] = rss("fresh"), rss("load"), rss("load-inplace")
+    return r
+
+
+def parts_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+def report(r: dict, command: str) -> str:
+    gb = r["state_bytes"] / 1e9
+    rate = {k: gb / v for k, v in r.items() if k.endswith("_s")}
+    extra = max(r["rss_load_bytes"], r["rss_load_inplace_bytes"]) - r["rss_fresh_bytes"]
+    lines = [
+        f"command: {command}",
+        f"state: {r['state_bytes'] / 2**30:.3f} GiB in {r['tensors']} tensors",
+        "",
+        "| operation | seconds | GB/s | vs raw |",
+        "|---|---|---|---|",
+    ]
+    for op, raw_key in (("save", "save_raw_s"), ("load cold", "load_raw_cold_s"), ("load warm", "load_raw_warm_s")):
+        for who in ("raw", "store", "torch", "dcp"):
+            k = raw_key.replace("raw", who)
+            if k in r:
+                lines.append(f"| {op.split()[0]} {who} {' '.join(op.split()[1:])} | {r[k]:.3f} | {rate[k]:.2f} | {r[raw_key] / r[k]:.2f}x |")
+    lines.append(f"| verify (sha256 of every file) | {r['verify_s']:.3f} | {rate['verify_s']:.2f} | |")
+    lines += [
+        "",
+        f"peak RSS, fresh start (model + optimizer state): {r['rss_fresh_bytes'] / 2**20:.0f} MiB",
+        f"peak RSS, build (fresh optimizer) + load:       {r['rss_load_bytes'] / 2**20:.0f} MiB",
+        f"peak RSS, build (optimizer state) + load:       {r['rss_load_inplace_bytes'] / 2**20:.0f} MiB",
+        f"extra while loading: {extra / 2**20:.1f} MiB = {100 * extra / r['state_bytes']:.1f}% of the state",
+        "",
+        f"targets: save >= 0.9x raw: {r['save_raw_s'] / r['save_store_s']:.2f}x; load >= 0.9x raw: "
+        f"{r['load_raw_cold_s'] / r['load_store_cold_s']:.2f}x cold, {r['load_raw_warm_s'] / r['load_store_warm_s']:.2f}x warm; "
+        f"extra memory <= 10%: {100 * extra / r['state_bytes']:.1f}%",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mib", type=int, default=1024, help="approximate state size (default 1024)")
+    parser.add_argument("--repeat", type=int, default=2, help="runs per measurement; the best is reported")
+    parser.add_argument("--dir", default=None, help="folder to write in (default: a temporary one under /tmp)")
+    parser.add_argument("--json", action="store_true", help="print the raw figures as JSON too")
+    parser.add_argument("--child", choices=["fresh", "load", "load-inplace"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.child:
+        child(args)
+        return
+    folder = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
+    try:
+        r = measure(args, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    print(report(r, "python ops/bench/ckpt_io.py " + " ".join(sys.argv[1:])))
+    if args.json:
+        print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()
