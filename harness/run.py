@@ -173,7 +173,8 @@ class Loop:
 
     def record(self, r) -> None:
         self.metrics.write({"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
-                            "tokens_per_s": r.tokens / r.seconds if r.seconds else None, "time": time.time()})
+                            "tokens_per_s": r.tokens / r.seconds if r.seconds else None, "optim_s": r.optim_seconds,
+                            "time": time.time()})
         if r.step % self.cfg.train.log_every == 0 or r.step == self.cfg.train.steps:
             log.info("step", step=r.step, loss=round(r.loss, 4), grad_norm=round(r.grad_norm, 3))
 
