@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -63,7 +63,10 @@ class TrainSection(Section):
 class CheckpointSection(Section):
     """When and how checkpoints are written; none of these change the math."""
 
-    every_steps: int = Field(50, ge=0, description="Checkpoint every N optimizer steps (0 = off; the final step is always saved).")
+    every_steps: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(50, description="Checkpoint every N optimizer steps (0 = off; the final step is always saved), or \"auto\": save once after the first step, measure the blocking save time and the mean step time, then save every sqrt(2 * blocking_s * mtbf) seconds' worth of steps (Young/Daly), logged with its inputs.")
+    mtbf_hours: float = Field(24.0, gt=0.0, description="Expected mean time between failures (crash, node loss, preemption) of this job, in hours; used by every_steps = \"auto\".")
+    async_save: bool = Field(True, description="Snapshot the state into reusable CPU buffers at the step boundary and persist it in a background thread, so the step loop blocks only for the copy; false = write the checkpoint inside the step loop. The files are byte-identical either way.")
+    when_busy: Literal["wait", "skip"] = Field("wait", description="With async_save, when a save is due while the previous one is still being persisted: wait for it, or skip this save (logged). The final and the preemption save always wait.")
     every_minutes: float = Field(0.0, ge=0.0, description="Also checkpoint when this many minutes passed since the last one (0 = off).")
     keep_last: int = Field(3, ge=2, description="Keep the newest K checkpoints (>= 2: the newest may be the one a crash interrupted).")
     keep_every: int = Field(0, ge=0, description="Also keep every checkpoint whose step is a multiple of M (0 = none).")
@@ -79,6 +82,7 @@ class DebugSection(Section):
     crash_mode: Literal["exit", "raise"] = Field("exit", description="exit = os._exit(13); raise = an uncaught exception.")
     crash_once: bool = Field(True, description="Crash only the first time (a marker file in the log dir remembers).")
     step_sleep_s: float = Field(0.0, ge=0.0, description="Sleep after each step, to give kill tests a window.")
+    persist_delay_s: float = Field(0.0, ge=0.0, description="Sleep this long in the background persist before writing (async_save), to give kill tests a window in which a save is in flight.")
 
 
 class RunConfig(Section):
