@@ -106,7 +106,7 @@ class Supervisor:
         streak = 0  # consecutive crashes that committed no newer checkpoint
         with PreemptionWatch(self._signals, on_signal=self._forward) as watch:
             while True:
-                before = self._progress()
+                before = self._probe()
                 code = self._run_child(watch)
                 if watch.requested:
                     return code if code in REQUEUE or code in (FINISHED, USER_ERROR) else PREEMPTED
@@ -115,7 +115,7 @@ class Supervisor:
                 if code == USER_ERROR:
                     log.error("child failed with a user error; not restarting", exit_code=code)
                     return USER_ERROR
-                step = self._progress()
+                step = self._probe()
                 advanced = step is not None and (before is None or step > before)
                 streak = 0 if advanced else streak + 1
                 cause = describe_exit(code)
@@ -130,6 +130,15 @@ class Supervisor:
                                       restart=restarts, backoff_s=backoff)
                 if not _sleep_unless(watch, backoff):
                     return PREEMPTED
+
+    def _probe(self) -> int | None:
+        try:
+            return self._progress()
+        except OSError as e:
+            # A storage hiccup must not end the supervision of a healthy run; an unknown step
+            # only makes this crash count toward the crash-loop limit.
+            log.warning("cannot read the newest checkpoint step", error=str(e))
+            return None
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before restart number `attempt` (from 1) of a crash streak."""

@@ -138,8 +138,8 @@ class Run:
 
     def supervisor(self, crash="", **kw):
         kw = {"max_restarts": 10, "crash_loop_limit": 3, "backoff_initial": 0.01,
-              "backoff_max": 0.05, "jitter": 0.01, **kw}
-        return Supervisor(self.cmd, progress=self.progress, events=self.events,
+              "backoff_max": 0.05, "jitter": 0.01, "progress": self.progress, **kw}
+        return Supervisor(self.cmd, events=self.events,
                           env={**ENV, "FAKE_CRASH": crash}, **kw)
 
     def start_driver(self, crash=""):
@@ -209,6 +209,14 @@ def test_max_restarts_bounds_the_total(run, capsys):
     code = run.supervisor(crash="after_each_checkpoint", max_restarts=1).run()
     assert code == GAVE_UP
     assert "--max-restarts 1" in capsys.readouterr().err
+
+
+def test_an_unreadable_checkpoint_store_does_not_stop_the_supervision(run):
+    def broken_store():
+        raise ConnectionResetError("connection reset by peer")
+
+    assert run.supervisor(crash="once:7:exit", progress=broken_store).run() == FINISHED
+    assert [r["step"] for r in run.kinds("restart")] == [None]
 
 
 def test_user_error_is_not_retried(run, capsys):
