@@ -21,7 +21,7 @@ Only 2D parameters are accepted (the reference's non-2D fallback is AdamW's job 
 
 import torch
 
-from optim.newton_schulz import NS_DTYPES, orthogonalize, require_matrices
+from optim.newton_schulz import NS_DTYPES, ns_batches, orthogonalize, require_matrices
 
 
 class Muon(torch.optim.Optimizer):
@@ -79,23 +79,23 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
+            momentum, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
             params = [p for p in group["params"] if p.grad is not None]
-            momentum = group["momentum"]
-            updates = []
-            for p in params:
-                g = p.grad
-                state = self.state[p]
-                if "mom" not in state:
-                    state["mom"] = torch.zeros_like(g)
-                buf = state["mom"]
-                buf.mul_(momentum).add_(g)
-                updates.append(g.add(buf, alpha=momentum) if group["nesterov"] else buf)
-            ortho = orthogonalize(
-                updates, group["ns_steps"], NS_DTYPES[group["ns_dtype"]], group["ns_batched"]
-            )
-            lr, wd = group["lr"], group["weight_decay"]
-            for p, o in zip(params, ortho):
-                if wd > 0:
-                    p.mul_(1 - lr * wd)
-                p.add_(o * self.update_scale(p.shape, group["consistent_rms"]), alpha=-lr)
+            for batch in ns_batches(params, group["ns_batched"]):
+                updates = []
+                for p in batch:
+                    g = p.grad
+                    state = self.state[p]
+                    if "mom" not in state:
+                        state["mom"] = torch.zeros_like(g)
+                    buf = state["mom"]
+                    buf.mul_(momentum).add_(g)
+                    updates.append(g.add(buf, alpha=momentum) if group["nesterov"] else buf)
+                ortho = orthogonalize(updates, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
+                for p, o in zip(batch, ortho):
+                    if wd > 0:
+                        p.mul_(1 - lr * wd)
+                    scale = self.update_scale(p.shape, group["consistent_rms"])
+                    # x * 1.0 == x exactly: skipping it saves a pass over wide and square matrices.
+                    p.add_(o if scale == 1.0 else o * scale, alpha=-lr)
         return loss

@@ -15,7 +15,7 @@ Update, per 2D parameter p with gradient g (the team's reference rule):
 
 import torch
 
-from optim.newton_schulz import orthogonalize, require_matrices
+from optim.newton_schulz import ns_batches, orthogonalize, require_matrices
 
 
 class OLion(torch.optim.Optimizer):
@@ -52,20 +52,19 @@ class OLion(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            b1, b2 = group["betas"]
+            (b1, b2), lr, wd = group["betas"], group["lr"], group["wd"]
             params = [p for p in group["params"] if p.grad is not None]
-            mixed = []
-            for p in params:
-                state = self.state[p]
-                if "m" not in state:
-                    state["m"] = torch.zeros_like(p)
-                m = state["m"]
-                m.mul_(b2).add_(p.grad, alpha=1 - b2)
-                mixed.append((1 - b1) * p.grad + b1 * m)
-            ortho = orthogonalize(mixed, group["ns_steps"], batched=group["ns_batched"])
-            lr, wd = group["lr"], group["wd"]
-            for p, q in zip(params, ortho):
-                if wd > 0:
-                    p.mul_(1 - lr * wd)
-                p.add_(q.sign_(), alpha=-lr * group["gamma"])
+            for batch in ns_batches(params, group["ns_batched"]):
+                mixed = []
+                for p in batch:
+                    state = self.state[p]
+                    if "m" not in state:
+                        state["m"] = torch.zeros_like(p)
+                    m = state["m"]
+                    m.mul_(b2).add_(p.grad, alpha=1 - b2)
+                    mixed.append((1 - b1) * p.grad + b1 * m)
+                for p, q in zip(batch, orthogonalize(mixed, group["ns_steps"])):
+                    if wd > 0:
+                        p.mul_(1 - lr * wd)
+                    p.add_(q.sign_(), alpha=-lr * group["gamma"])
         return loss

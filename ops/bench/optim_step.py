@@ -1,0 +1,225 @@
+"""Optimizer step time on a GPT-shaped parameter set, as ratios measured in one run.
+
+Parameters: token and position embeddings, `blocks` of four d x d attention matrices, a 4d x d
+and a d x 4d MLP matrix and two LayerNorms each, a final LayerNorm and a vocab x d head. Every
+parameter gets a fixed random gradient; a "step" is one optimizer step on those gradients.
+
+Two comparisons, each timed by alternating its contenders step by step (so drift in a shared
+machine's load hits all of them alike) and reporting medians:
+1. Muon on the block matrices alone: ours (optim.muon, default batching), ours with every
+   same-shape group batched, the reference rule's plain per-matrix Muon (the team's seed, below,
+   verbatim), and `torch.optim.Muon` (which runs Newton-Schulz in bfloat16: on CPUs without
+   bfloat16 matrix units that is many times slower, and it is measured all the same).
+   Target: ours / reference <= 1.0.
+2. Every arm of optim.build: the bundle's `step()` against calling its optimizers' `step()`
+   directly. Target: bundle / direct within 1.02. On a shared machine those ratios carry a few
+   percent of noise either way, so the bundle's own cost is also measured alone: MultiOpt.step
+   against the same loop inline, over optimizers that do no work.
+
+    PYTHONPATH=. python ops/bench/optim_step.py                      # d=256, 4 blocks, CPU
+    PYTHONPATH=. python ops/bench/optim_step.py --d 768 --blocks 12 --device cuda  # a GPU
+Prints a markdown table (record it in docs/bench-optim.md).
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from optim.build import build_bundle, parse_optim_config
+from optim.bundle import MultiOpt
+from optim.muon import Muon
+
+ARMS = ["adamw", "muon", "lion", "olion", "adafactor", "sgdm"]
+
+
+class ReferenceMuon(torch.optim.Optimizer):
+    """The team's seed Muon (reference_optim.py), verbatim in its ops: the baseline to beat."""
+
+    def __init__(self, params, lr=0.02, momentum=0.95, ns_steps=5, nesterov=True):
+        super().__init__(params, dict(lr=lr, momentum=momentum, ns_steps=ns_steps, nesterov=nesterov))
+
+    @staticmethod
+    def newton_schulz(G, steps=5, eps=1e-7):
+        a, b, c = 3.4445, -4.7750, 2.0315
+        X = G / (G.norm() + eps)
+        transposed = X.size(0) > X.size(1)
+        if transposed:
+            X = X.T
+        for _ in range(steps):
+            A = X @ X.T
+            B = b * A + c * (A @ A)
+            X = a * X + B @ X
+        return X.T if transposed else X
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                st = self.state[p]
+                if "mom" not in st:
+                    st["mom"] = torch.zeros_like(g)
+                buf = st["mom"]
+                buf.mul_(group["momentum"]).add_(g)
+                u = g.add(buf, alpha=group["momentum"]) if group["nesterov"] else buf
+                if u.ndim == 2:
+                    u = self.newton_schulz(u, group["ns_steps"])
+                    u = u * max(1.0, u.size(0) / u.size(1)) ** 0.5
+                p.add_(u, alpha=-group["lr"])
+
+
+class GPTShapes(torch.nn.Module):
+    """The parameters of a GPT (no forward: only shapes and names matter here)."""
+
+    def __init__(self, d: int, n_blocks: int, vocab: int, ctx: int):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.pos = torch.nn.Embedding(ctx, d)
+        self.blocks = torch.nn.ModuleList()
+        for _ in range(n_blocks):
+            block = torch.nn.Module()
+            block.ln1, block.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+            for name in ("q", "k", "v", "o"):
+                setattr(block, name, torch.nn.Linear(d, d, bias=False))
+            block.fc = torch.nn.Linear(d, 4 * d, bias=False)
+            block.proj = torch.nn.Linear(4 * d, d, bias=False)
+            self.blocks.append(block)
+        self.ln_f = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+
+def model_with_grads(args) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = GPTShapes(args.d, args.blocks, args.vocab, args.ctx).to(args.device)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    return model
+
+
+def alternate(contenders: dict, reps: dict, device: str) -> dict[str, list[float]]:
+    """Seconds per call of each contender, calls interleaved round-robin.
+
+    On CPU the clock is this thread's CPU time (torch runs one thread here), so time the OS gives
+    to other processes on a shared machine is not counted; on a GPU it is wall time between
+    synchronisations.
+    """
+    clock = time.thread_time if device == "cpu" else time.perf_counter
+
+    def timed(fn):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = clock()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return clock() - t0
+
+    for fn in contenders.values():
+        fn()  # first step allocates state
+    times = {name: [] for name in contenders}
+    names = list(contenders)
+    for r in range(max(reps.values())):
+        # Rotate who goes first: the first call of a round measurably pays for the others' cache
+        # evictions, which would otherwise bias every ratio by a few percent.
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if r < reps[name]:
+                times[name].append(timed(contenders[name]))
+    return times
+
+
+def ratio(times: dict, a: str, b: str) -> float:
+    """Median over rounds of a's time / b's time in the same round (neighbours in time share
+    the machine's load, so the ratio is steadier than a ratio of medians)."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+
+def muon_comparison(args) -> list[tuple[str, float, float]]:
+    def matrices():
+        model = model_with_grads(args)
+        return [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2]
+
+    contenders = {
+        "ours (optim.muon, auto batching)": Muon(matrices()).step,
+        "ours, every same-shape group batched": Muon(matrices(), ns_batched=True).step,
+        "reference per-matrix Muon": ReferenceMuon(matrices()).step,
+        "torch.optim.Muon (bf16 NS)": torch.optim.Muon(
+            matrices(), lr=0.02, weight_decay=0.0, adjust_lr_fn="original").step,
+    }
+    reps = {name: args.reps for name in contenders}
+    reps["torch.optim.Muon (bf16 NS)"] = args.torch_muon_reps
+    times = alternate(contenders, reps, args.device)
+    base = "reference per-matrix Muon"
+    return [(name, statistics.median(t), ratio(times, name, base)) for name, t in times.items()]
+
+
+def bundle_comparison(args) -> list[tuple[str, float, float, float]]:
+    rows = []
+    adamw_time = None
+    for arm in ARMS:
+        opt, _ = build_bundle(parse_optim_config({"type": arm}), model_with_grads(args), 0)
+
+        def direct(optimizers=tuple(opt.optimizers.values())):
+            for o in optimizers:
+                o.step()
+
+        times = alternate({"bundle": opt.step, "direct": direct},
+                          {"bundle": args.reps, "direct": args.reps}, args.device)
+        direct_time = statistics.median(times["direct"])
+        adamw_time = adamw_time or direct_time
+        rows.append((arm, statistics.median(times["bundle"]), ratio(times, "bundle", "direct"),
+                     direct_time / adamw_time))
+    return rows
+
+
+def dispatch_overhead(calls: int = 20000) -> float:
+    """Seconds MultiOpt.step adds per step over an inline loop, measured on two optimizers whose
+    step does no work (their parameters have no gradient), so nothing else is timed."""
+    optimizers = {name: torch.optim.SGD([(name, torch.nn.Parameter(torch.zeros(1)))], lr=0.1)
+                  for name in ("matrix", "rest")}
+    bundle = MultiOpt(optimizers)
+
+    def direct(optimizers=tuple(optimizers.values())):
+        for o in optimizers:
+            o.step()
+
+    times = alternate({"bundle": lambda: [bundle.step() for _ in range(calls)],
+                       "direct": lambda: [direct() for _ in range(calls)]},
+                      {"bundle": 5, "direct": 5}, "cpu")
+    return (statistics.median(times["bundle"]) - statistics.median(times["direct"])) / calls
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--d", type=int, default=256)
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--ctx", type=int, default=1024)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--reps", type=int, default=15, help="timed steps per contender")
+    parser.add_argument("--torch-muon-reps", type=int, default=3,
+                        help="timed steps of torch.optim.Muon (slow on CPU: bf16 NS)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    print(f"d={args.d} blocks={args.blocks} vocab={args.vocab} ctx={args.ctx} "
+          f"device={args.device} threads={args.threads} torch={torch.__version__}\n")
+    print("| Muon on the block matrices | ms/step | / reference |\n|---|---:|---:|")
+    for name, t, ratio in muon_comparison(args):
+        print(f"| {name} | {t * 1e3:.1f} | {ratio:.3f} |")
+    print("\n| arm | bundle ms/step | bundle / direct | direct / adamw |\n|---|---:|---:|---:|")
+    rows = bundle_comparison(args)
+    for arm, t, overhead, vs_adamw in rows:
+        print(f"| {arm} | {t * 1e3:.1f} | {overhead:.3f} | {vs_adamw:.2f} |")
+    overhead = dispatch_overhead()
+    cheapest = min(t for _, t, _, _ in rows)
+    print(f"\nBundle dispatch overhead: {overhead * 1e6:.2f} us per step "
+          f"({overhead / cheapest:.4%} of the cheapest arm's step).")
+
+
+if __name__ == "__main__":
+    main()
