@@ -199,10 +199,16 @@ def _describe(e: ValidationError) -> str:
     parts = []
     for err in e.errors():
         loc = ".".join(str(x) for x in err["loc"] if not (isinstance(x, str) and x in _UNION_TAGS))
-        msg = "unknown key (check the spelling; see configs/ for the valid keys)" if err["type"] == "extra_forbidden" else err["msg"]
+        template = _MESSAGES.get(err["type"])
+        msg = template.format(**err.get("ctx", {}), input=err.get("input")) if template else err["msg"]
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
 
+
+_MESSAGES = {
+    "extra_forbidden": "unknown key (check the spelling; see configs/ for the valid keys)",
+    "union_tag_invalid": "unknown type {tag!r}; expected one of {expected_tags}",
+}
 
 # Discriminated-union members appear in pydantic's error locations; users never write them.
 _UNION_TAGS = {"adamw", "muon", "lion", "olion", "adafactor", "sgdm"}

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from harness import exit_codes
 from harness.checkpoint import CheckpointRef, CheckpointStore
+from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR
 from harness.config import RunConfig, config_changes
 from harness.errors import UserError
 from harness.events import EventLog
@@ -42,12 +43,14 @@ log = get_logger(__name__)
 def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = False,
           takeover: bool = False) -> int:
     log_dir = Path(resolve_log_dir(cfg))
-    events = EventLog(log_dir / "events.jsonl")
     store = open_store(cfg)
-    store.acquire_lease(takeover=takeover)
     try:
-        ref = choose_checkpoint(store, cfg, resume)
-        saved = store.read_state(ref) if ref is not None else None
+        store.acquire_lease(takeover=takeover)
+    except OSError as e:
+        raise UserError(f"cannot write to run dir {cfg.run_dir}: {e}; choose a writable --run-dir") from None
+    try:
+        source, ref = choose_checkpoint(store, cfg, resume)
+        saved = source.read_state(ref) if ref is not None else None
         if saved is not None and saved["meta"].get("finished") and ref.step >= cfg.train.steps:
             log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
             print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
@@ -57,12 +60,11 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
         trainer = Trainer(cfg)
         try:
             write_run_json(cfg, trainer)
+            events = EventLog(log_dir / "events.jsonl")
             metrics = MetricsLog(log_dir / "metrics.jsonl")
             if ref is not None:
-                store.load(ref, trainer.state.parts())
-                metrics.truncate_after(trainer.step)
-            else:
-                metrics.truncate_after(0)
+                source.load(ref, trainer.state.parts())
+            metrics.truncate_after(trainer.step)
             events.emit("start", step=trainer.step, resumed_from=ref.step if ref else None, pid=os.getpid(),
                         host=socket.gethostname())
             return Loop(cfg, trainer, store, metrics, events, log_dir).run()
@@ -88,16 +90,34 @@ def resolve_log_dir(cfg: RunConfig) -> str:
     return os.path.join("runs", cfg.run_dir.rstrip("/").rsplit("/", 1)[-1])
 
 
-def choose_checkpoint(store: CheckpointStore, cfg: RunConfig, resume: str) -> CheckpointRef | None:
+def choose_checkpoint(store: CheckpointStore, cfg: RunConfig,
+                      resume: str) -> tuple[CheckpointStore, CheckpointRef | None]:
+    """(the store to load from, the checkpoint) for `--resume auto|never|CKPT_URL`."""
     if resume == "auto":
-        return store.latest_good()
+        return store, store.latest_good()
     if resume == "never":
         existing = store.latest_good()
         if existing is not None:
             raise UserError(f"--resume never, but {cfg.run_dir} already has checkpoints (newest: step "
                             f"{existing.step}); use another --run-dir, or --resume auto to continue it")
-        return None
-    return store.ref_from_url(resume)
+        return store, None
+    return checkpoint_at(resume, cfg.checkpoint.storage_options)
+
+
+def checkpoint_at(url: str, storage_options: dict[str, Any]) -> tuple[CheckpointStore, CheckpointRef]:
+    """The checkpoint folder `RUN_DIR/checkpoints/step-N` at `url`, verified."""
+    head, _, name = url.rstrip("/").rpartition("/")
+    run_url, _, parent = head.rpartition("/")
+    match = STEP_DIR.fullmatch(name)
+    if not match or parent != CHECKPOINTS_DIR:
+        raise UserError(f"--resume {url}: expected a checkpoint folder RUN_DIR/{CHECKPOINTS_DIR}/step-NNNNNNNN, "
+                        f"or auto / never")
+    source = CheckpointStore(run_url or ".", storage_options=storage_options or None)
+    ref = source.ref(int(match[1]))
+    problems = source.verify(ref)
+    if problems:
+        raise UserError(f"--resume {url}: the checkpoint fails verification: {problems[0]}")
+    return source, ref
 
 
 def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: bool) -> None:
@@ -147,6 +167,7 @@ class Loop:
                     if watch.requested:
                         return self.preempt(watch)
                     result = trainer.train_step()
+                    self.store.heartbeat()
                     self.train_s += result.seconds
                     self.record(result)
                     bar.update(1)
