@@ -16,13 +16,22 @@ Credentials come from the usual places (AWS_* environment variables, AWS_PROFILE
 
 A write that fails part-way aborts its multipart upload (s3fs would otherwise complete it with the
 parts it has on `close()`), so no orphan uploads are left to be billed.
+
+Local paths get a `LocalDiskFileSystem`: fsspec's local filesystem plus the durability calls of the
+commit protocol (fsync of a file and of a folder, atomic rename, exclusive create), so every
+storage operation of every store goes through the filesystem object. That is the seam of the fault
+layer (faults.py): `faults` in the storage options, or the `HARNESS_FAULTS` environment variable
+(a debug option, never set by default), wraps the filesystem in a `FaultyFileSystem`.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Any
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 from fsspec.asyn import sync, sync_wrapper
 from s3fs import S3FileSystem
 from s3fs.core import S3File, _inner_fetch
@@ -33,6 +42,7 @@ from harness.log import get_logger
 log = get_logger(__name__)
 
 S3_PROTOCOLS = ("s3", "s3a")
+FAULTS_ENV = "HARNESS_FAULTS"
 # Per-request socket timeouts: a stalled request becomes a retryable timeout well within the
 # operation's deadline. 60 s of read silence is generous even for a 5 GiB part.
 CONNECT_TIMEOUT_S = 10
@@ -53,11 +63,58 @@ def s3_storage_options(user_options: dict[str, Any] | None) -> dict[str, Any]:
 
 def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
     """(filesystem, path inside it) for `url`; raises ValueError/ImportError like fsspec."""
+    options = dict(storage_options or {})
+    faults = options.pop("faults", None) or os.environ.get(FAULTS_ENV)
     protocol = str(url).split("://", 1)[0] if "://" in str(url) else ""
     if protocol in S3_PROTOCOLS:
-        fs = RetryingS3FileSystem(**s3_storage_options(storage_options))
-        return fs, fs._strip_protocol(str(url))
-    return fsspec.core.url_to_fs(str(url), **(storage_options or {}))
+        fs = RetryingS3FileSystem(**s3_storage_options(options))
+        path = fs._strip_protocol(str(url))
+    else:
+        fs, path = fsspec.core.url_to_fs(str(url), **options)
+        if type(fs) is LocalFileSystem:
+            fs = LocalDiskFileSystem()
+    if faults:
+        from harness.checkpoint.faults import wrap_filesystem  # debug only: not imported otherwise
+        fs = wrap_filesystem(fs, faults)
+    return fs, path
+
+
+class LocalDiskFileSystem(LocalFileSystem):
+    """Local disk with the calls a crash-safe commit needs; `open` returns plain Python files
+    (unbuffered for reading, so large reads go straight into a tensor's storage)."""
+
+    local_disk = True
+
+    def open(self, path, mode="rb", **kwargs):
+        if "b" not in mode or kwargs:
+            return super().open(path, mode, **kwargs)
+        path = self._strip_protocol(path)
+        return open(path, mode, buffering=0) if "r" in mode else open(path, mode)
+
+    def fsync(self, f) -> None:
+        """Flush `f` (a file from `open`) and make its bytes durable."""
+        f.flush()
+        os.fsync(f.fileno())
+
+    def fsync_dir(self, path: str) -> None:
+        """Make the creations, renames and removals inside folder `path` durable."""
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def replace(self, src: str, dst: str) -> None:
+        """Atomic rename (over an existing file, or an empty folder)."""
+        os.replace(src, dst)
+
+    def create_new(self, path: str):
+        """A writable file at `path` that did not exist; `FileExistsError` if it did (O_EXCL)."""
+        return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb")
+
+    def remove_tree(self, path: str) -> None:
+        """Remove a folder and everything in it; what is already gone is not an error."""
+        shutil.rmtree(path, ignore_errors=True)
 
 
 class RetryingS3FileSystem(S3FileSystem):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import psutil
 
 from harness.checkpoint.errors import CheckpointError
-from harness.checkpoint.storage import Location, fsync_dir, read_bytes, write_small
+from harness.checkpoint.storage import Location, fsync_dir, read_bytes, rename, write_small
 from harness.log import get_logger
 
 log = get_logger(__name__)
@@ -135,19 +135,18 @@ class Lease:
         if not self.loc.is_local:
             write_small(self.loc, self.path, data)
             return True
-        os.makedirs(self.loc.root, exist_ok=True)
+        self.loc.fs.makedirs(self.loc.root, exist_ok=True)
         if exclusive:
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                f = self.loc.fs.create_new(self.path)
             except FileExistsError:
                 return False
-            with os.fdopen(fd, "wb") as f:
+            with f:
                 f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+                self.loc.fs.fsync(f)
         else:
             tmp = f"{self.path}.tmp-{self.pid}"
             write_small(self.loc, tmp, data)
-            os.replace(tmp, self.path)  # readers see the old or the new lease, never half of one
-        fsync_dir(self.loc.root)
+            rename(self.loc, tmp, self.path)  # readers see the old or the new lease, never half of one
+        fsync_dir(self.loc, self.loc.root)
         return True

@@ -3,8 +3,9 @@
 `open_location(url)` turns a local path or any fsspec URL into a `Location`. Writes differ by
 kind on purpose:
 
-* Local disk: files are written with `open(..., "wb")` and `os.fsync`, folders are fsynced after
-  a rename, so a power loss after `commit` returns cannot lose or tear the checkpoint.
+* Local disk: files are written and fsynced, folders are fsynced after a rename, so a power loss
+  after `commit` returns cannot lose or tear the checkpoint. Every local operation is a method of
+  the `LocalDiskFileSystem` (filesystem.py), never a bare `os` call, so the fault layer sees it.
 * Object stores and `memory://`: a single PUT is atomic and there is nothing to fsync; the
   commit point is the manifest object, written last (see store.py).
 
@@ -24,8 +25,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from fsspec.implementations.local import LocalFileSystem
-
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.filesystem import open_filesystem
 
@@ -44,7 +43,7 @@ class Location:
 
     @property
     def is_local(self) -> bool:
-        return isinstance(self.fs, LocalFileSystem)
+        return getattr(self.fs, "local_disk", False)
 
     def join(self, *names: str) -> str:
         return "/".join([self.root.rstrip("/"), *names])
@@ -69,18 +68,19 @@ def open_location(url: str, storage_options: dict | None = None) -> Location:
         ) from e
     except ImportError as e:
         raise CheckpointError(f"storage URL {url!r} needs a package that is not installed: {e}") from e
-    if isinstance(fs, LocalFileSystem):
+    if getattr(fs, "local_disk", False):
         root = os.path.abspath(root)
     return Location(fs=fs, root=root.rstrip("/") or "/", url=str(url))
 
 
-def fsync_dir(path: str) -> None:
+def fsync_dir(loc: Location, path: str) -> None:
     """Make a rename or file creation inside local folder `path` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    loc.fs.fsync_dir(path)
+
+
+def rename(loc: Location, src: str, dst: str) -> None:
+    """Atomically rename `src` to `dst` on local disk (not durable until `fsync_dir` of the parent)."""
+    loc.fs.replace(src, dst)
 
 
 def write_stream(loc: Location, path: str, chunks: Iterable[memoryview | bytes]) -> tuple[int, str]:
@@ -95,8 +95,7 @@ def write_stream(loc: Location, path: str, chunks: Iterable[memoryview | bytes])
     backlog: deque[tuple[Future, int]] = deque()
     pending = 0
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") as hasher:
-        handle = open(path, "wb") if loc.is_local else loc.fs.open(path, "wb")
-        with handle as f:
+        with loc.fs.open(path, "wb") as f:
             for chunk in chunks:
                 n = len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
                 backlog.append((hasher.submit(digest.update, chunk), n))
@@ -108,8 +107,7 @@ def write_stream(loc: Location, path: str, chunks: Iterable[memoryview | bytes])
                     done.result()
                     pending -= n_done
             if loc.is_local:
-                f.flush()
-                os.fsync(f.fileno())
+                loc.fs.fsync(f)
         for done, _ in backlog:
             done.result()
     return size, digest.hexdigest()
@@ -125,10 +123,8 @@ def open_read(loc: Location, path: str, prefetch: bool = False):
     straight into the destination tensor). `prefetch` asks the kernel to read the whole file
     ahead asynchronously (into the page cache, not this process's memory): loading reads every
     tensor in order, and without it each tensor-sized read waits for the disk on its own."""
-    if not loc.is_local:
-        return loc.fs.open(path, "rb")
-    f = open(path, "rb", buffering=0)
-    if prefetch and hasattr(os, "posix_fadvise"):
+    f = loc.fs.open(path, "rb")
+    if loc.is_local and prefetch and hasattr(os, "posix_fadvise"):
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
     return f
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
 import socket
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -43,7 +42,7 @@ from harness.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, FileR
 from harness.checkpoint.restore import restore_parts
 from harness.checkpoint.retention import check_policy, steps_to_keep
 from harness.checkpoint.storage import (Location, fsync_dir, hash_file, open_location, open_read, read_bytes,
-                                        write_small, write_stream)
+                                        rename, write_small, write_stream)
 from harness.checkpoint.tensorfile import TensorEntry, read_header, serialize
 from harness.log import get_logger
 
@@ -209,14 +208,14 @@ class CheckpointStore:
                                 created=self.clock(), writer=self.writer_id)
             write_small(self.loc, f"{work}/{MANIFEST_FILE}", manifest.to_bytes())
             if local:
-                fsync_dir(work)
-                if os.path.exists(ref.path):
+                fsync_dir(self.loc, work)
+                if self.loc.fs.exists(ref.path):
                     self.delete(ref)
-                os.rename(work, ref.path)
-                fsync_dir(self.dir)
+                rename(self.loc, work, ref.path)
+                fsync_dir(self.loc, self.dir)
         except BaseException:
             if local:
-                shutil.rmtree(work, ignore_errors=True)
+                self.loc.fs.remove_tree(work)
             raise
         log.info("checkpoint committed", step=step, url=ref.url, bytes=manifest.nbytes,
                  seconds=round(time.perf_counter() - started, 3))
@@ -233,7 +232,7 @@ class CheckpointStore:
         if self.loc.fs.exists(manifest):
             self.loc.fs.rm(manifest)
         if self.loc.is_local:
-            shutil.rmtree(ref.path, ignore_errors=True)
+            self.loc.fs.remove_tree(ref.path)
         elif self.loc.fs.exists(ref.path):
             self.loc.fs.rm(ref.path, recursive=True)
 
