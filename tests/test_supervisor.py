@@ -73,8 +73,8 @@ TRAINER = textwrap.dedent(
         sys.exit(USER_ERROR)
     state = json.load(open(ckpt)) if os.path.exists(ckpt) else {"step": 0, "value": "seed"}
     step, value = state["step"], state["value"]
-    print(f"started at step {step} pid {os.getpid()}", file=sys.stderr, flush=True)
     with PreemptionWatch() as watch:
+        print(f"started at step {step} pid {os.getpid()}", file=sys.stderr, flush=True)
         while step < steps:
             if watch.requested:
                 with SaveDeadline(5, since=watch.requested_at):
@@ -253,7 +253,11 @@ def test_sigterm_to_the_supervisor_is_forwarded_and_it_exits_preempted(tmp_path)
     run = Run(tmp_path, steps=10_000, every=50)
     sup = run.start_driver()
     child = children_of(sup)
-    time.sleep(0.3)
+    # Signal only once the child has installed its handlers (it says so on stderr, which the
+    # supervisor passes through); earlier, SIGTERM would simply kill it, a different test.
+    while "started at step" not in (line := sup.stderr.readline()):
+        assert line, "the supervisor exited before its child started"
+    time.sleep(0.2)
     sup.send_signal(signal.SIGTERM)
     _, err = sup.communicate(timeout=15)
     assert sup.returncode == PREEMPTED, err
