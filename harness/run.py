@@ -27,7 +27,8 @@ import fsspec
 from tqdm import tqdm
 
 from harness import exit_codes
-from harness.checkpoint import CheckpointRef, CheckpointStore
+from harness.checkpoint import CheckpointRef, CheckpointStore, capture
+from harness.checkpoint.async_save import AsyncSaver, Committed
 from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR
 from harness.config import RunConfig, config_changes
 from harness.errors import UserError
@@ -152,7 +153,11 @@ class Loop:
                  events: EventLog, log_dir: Path) -> None:
         self.cfg, self.trainer, self.store, self.metrics, self.events = cfg, trainer, store, metrics, events
         self.log_dir = log_dir
-        self.clock = CheckpointClock(cfg.checkpoint.every_steps, cfg.checkpoint.every_minutes, cfg.train.steps)
+        c = cfg.checkpoint
+        self.clock = CheckpointClock(c.every_steps, c.every_minutes, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
+                                     report=self.interval_chosen)
+        self.saver = AsyncSaver(store, when_busy=c.when_busy, on_commit=self.committed,
+                                persist_delay_s=cfg.debug.persist_delay_s) if c.async_save else None
         self.last_saved = trainer.step
         self.train_s = 0.0
         self.save_s = 0.0
@@ -167,8 +172,9 @@ class Loop:
                     if watch.requested:
                         return self.preempt(watch)
                     result = trainer.train_step()
-                    self.store.heartbeat()
+                    self.poll()
                     self.train_s += result.seconds
+                    self.clock.observe_step(result.seconds)
                     self.record(result)
                     bar.update(1)
                     bar.set_postfix(loss=f"{result.loss:.4f}")
@@ -183,11 +189,15 @@ class Loop:
                         time.sleep(cfg.debug.step_sleep_s)
                 if watch.requested and self.last_saved != trainer.step:
                     return self.preempt(watch)
+                final_eval = trainer.evaluate()  # overlaps the final persist: the snapshot is a copy
+                self.metrics.write({"step": trainer.step, "eval_loss": final_eval})
+                if self.saver is not None:
+                    self.saver.finish()  # "finished" means the final checkpoint is committed
             finally:
                 bar.close()
                 self.metrics.close()
-        final_eval = trainer.evaluate()
-        self.metrics.write({"step": trainer.step, "eval_loss": final_eval})
+                if self.saver is not None:
+                    self.saver.close()  # on an error exit: let a good in-flight save commit first
         self.events.emit("exit", reason="finished", step=trainer.step, train_s=self.train_s, save_s=self.save_s)
         log.info("finished", step=trainer.step, eval_loss=round(final_eval, 4), run_dir=cfg.run_dir)
         return exit_codes.FINISHED
@@ -199,24 +209,58 @@ class Loop:
         if r.step % self.cfg.train.log_every == 0 or r.step == self.cfg.train.steps:
             log.info("step", step=r.step, loss=round(r.loss, 4), grad_norm=round(r.grad_norm, 3))
 
-    def save(self) -> None:
-        t0 = time.perf_counter()
+    def poll(self) -> None:
+        """Between steps: raise a background save's failure, keep the writer lease fresh."""
+        if self.saver is not None:
+            self.saver.poll()
+        self.store.heartbeat()
+
+    def save(self, must: bool = False) -> None:
+        """Checkpoint the current step. Synchronous: commit it here. Async: snapshot it into the
+        staging buffers and persist it in the background (`committed` reports the commit); with
+        `checkpoint.when_busy = "skip"` a save due while the previous one persists is skipped,
+        unless `must` or it is the final step."""
+        step = self.trainer.step
         meta = {"config": self.cfg.model_dump(mode="json"), "finished": self.trainer.counters.finished,
                 "environment": environment_fingerprint(self.trainer.device)}
-        ref = self.store.save(self.trainer.step, self.trainer.state.parts(), meta=meta)
-        blocking = time.perf_counter() - t0
+        if self.saver is None:
+            t0 = time.perf_counter()
+            snapshot = capture(self.trainer.state.parts())
+            ref = self.store.commit(step, snapshot, meta=meta)
+            blocking = time.perf_counter() - t0
+            self.committed(Committed(ref, blocking, snapshot.nbytes))
+        else:
+            submitted = self.saver.submit(step, self.trainer.state.parts(), meta=meta,
+                                          must=must or step >= self.cfg.train.steps)
+            if submitted is None:
+                self.clock.saved(step)
+                self.events.emit("checkpoint_skipped", step=step, reason="the previous save is still persisting")
+                return
+            blocking = submitted.blocking_s
         self.save_s += blocking
-        self.last_saved = self.trainer.step
-        self.clock.saved()
-        self.events.emit("checkpoint", step=ref.step, blocking_s=blocking)
-        self.events.emit("progress", step=self.trainer.step, train_s=self.train_s, save_s=self.save_s)
+        self.last_saved = step
+        self.clock.saved(step, blocking)
+        self.events.emit("checkpoint", step=step, blocking_s=blocking, background=self.saver is not None)
+        self.events.emit("progress", step=step, train_s=self.train_s, save_s=self.save_s)
+
+    def committed(self, done: Committed) -> None:
+        """A checkpoint is committed; called from the persist thread when saving in the background."""
+        self.clock.committed(done.persist_s)
+        self.events.emit("committed", step=done.ref.step, persist_s=done.persist_s, bytes=done.nbytes)
+
+    def interval_chosen(self, choice: dict) -> None:
+        log.info("checkpoint interval chosen (Young/Daly)",
+                 **{k: round(v, 4) if isinstance(v, float) else v for k, v in choice.items()})
+        self.events.emit("checkpoint_interval", step=self.trainer.step, **choice)
 
     def preempt(self, watch: PreemptionWatch) -> int:
         step = self.trainer.step
         log.warning("preemption requested; saving", signal=watch.signal_name, step=step)
-        if self.last_saved != step:
-            with SaveDeadline(self.cfg.checkpoint.preempt_deadline_s):
-                self.save()
+        with SaveDeadline(self.cfg.checkpoint.preempt_deadline_s):
+            if self.last_saved != step:
+                self.save(must=True)
+            if self.saver is not None:
+                self.saver.finish()  # PREEMPTED promises the newest checkpoint is committed
         self.events.emit("exit", reason="preempted", step=step, signal=watch.signal_name,
                          train_s=self.train_s, save_s=self.save_s)
         return exit_codes.PREEMPTED

@@ -1,0 +1,242 @@
+"""Asynchronous checkpointing: snapshot at the step boundary, persist in the background.
+
+    saver = AsyncSaver(store, when_busy="wait")
+    ...after step N:
+    saver.submit(N, trainer.state.parts(), meta=meta)   # blocks only for the copy
+    ...each later step:
+    saver.poll()                                         # raises a background failure
+    ...at the end or on preemption:
+    saver.finish()                                       # waits until the commit is done
+
+What the step loop pays is the *snapshot*: `capture(parts)` (references, no copies), then a copy
+of every tensor into CPU staging buffers. The *persist* (serialize, sha256, write, fsync, atomic
+rename, retention: `store.commit`) runs in a background thread over those buffers while training
+continues. The files are byte-identical to a synchronous `store.save` of the same state: the
+same `commit` writes them from tensors with the same names, shapes, dtypes and bytes.
+
+Trade-offs, stated before the code:
+* A thread, not a process: the persist is file I/O and sha256, both of which release the GIL, and
+  a thread shares the staging buffers without a second copy or any pickling. The cost is that
+  the persist competes with the training step for CPU cores (measured in docs/bench-async.md).
+* One save in flight, and one set of staging buffers, allocated at the first save and reused
+  (reallocated only for a tensor whose shape or dtype changed): memory does not grow with the
+  number of saves. The buffers are owned by the in-flight persist until it ends, so a new
+  snapshot first waits for it (`when_busy="wait"`) or is not taken at all (`"skip"`); this is
+  what makes reusing them safe.
+* GPU state is copied into pinned buffers on a side stream; the training stream then waits on an
+  event recorded after the copies, so the next step's in-place optimizer update cannot overwrite
+  a tensor before its copy is done, while the CPU returns to the step loop at once. The persist
+  thread waits for the same event before it reads the buffers.
+* The JSON half of a snapshot is plain data built fresh by `capture` (new dicts and lists, immutable
+  scalars), so it is already detached from the live objects and needs no copy.
+* A failure in the background is kept and raised by the next `poll`/`submit`/`finish` the step
+  loop makes, wrapped in an error that names the step; it never passes silently. A kill during
+  the persist leaves at worst an uncommitted temporary folder (the commit is atomic), so the
+  previous checkpoint stays the newest good one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.format import Snapshot, capture
+from harness.checkpoint.store import CheckpointRef, CheckpointStore
+from harness.errors import UserError
+from harness.log import get_logger
+
+log = get_logger(__name__)
+
+
+class BackgroundSaveError(RuntimeError):
+    """A background persist failed with an unexpected error (a bug or an infrastructure fault);
+    the original exception is its `__cause__`."""
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """What `AsyncSaver.submit` did: `blocking_s` is all the time the caller was held up
+    (waiting for the previous persist, `waited_s`, plus taking the snapshot)."""
+
+    step: int
+    blocking_s: float
+    waited_s: float
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Committed:
+    """A finished persist: the checkpoint and the seconds the background spent on it."""
+
+    ref: CheckpointRef
+    persist_s: float
+    nbytes: int
+
+
+class StagingBuffers:
+    """CPU copies of a snapshot's tensors, kept across saves and keyed by (file, tensor name).
+
+    `stage(snapshot)` copies every tensor into its buffer and returns the snapshot over the
+    buffers plus the CUDA events the copies finish at (empty for CPU state). A buffer is pinned
+    when its source lives on a GPU (so the device-to-host copy can run asynchronously) and is
+    reallocated only when the source's shape or dtype changed; buffers of tensors that no longer
+    exist are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def buffer(self, file: str, name: str) -> torch.Tensor:
+        return self._buffers[(file, name)]
+
+    def stage(self, snapshot: Snapshot) -> tuple[Snapshot, list[torch.cuda.Event]]:
+        staged: dict[str, dict[str, torch.Tensor]] = {}
+        on_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        wanted = set()
+        for file, named in snapshot.tensors.items():
+            out = staged.setdefault(file, {})
+            for name, src in named.items():
+                key = (file, name)
+                wanted.add(key)
+                buf = self._buffers.get(key)
+                if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                    buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
+                    self._buffers[key] = buf
+                out[name] = buf
+                if src.is_cuda:
+                    on_gpu.setdefault(src.device, []).append((buf, src))
+                else:
+                    buf.copy_(src.detach())
+        for key in self._buffers.keys() - wanted:
+            del self._buffers[key]
+        events = [self._copy_from_gpu(device, pairs) for device, pairs in on_gpu.items()]
+        return snapshot.with_tensors(staged), events
+
+    def _copy_from_gpu(self, device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = torch.cuda.Stream(device)
+        main = torch.cuda.current_stream(device)
+        side.wait_stream(main)  # the copies see every kernel queued up to the step boundary
+        with torch.cuda.stream(side):
+            for buf, src in pairs:
+                buf.copy_(src.detach(), non_blocking=True)
+                src.record_stream(side)  # the allocator must not reuse src's memory before the copy ran
+        done = torch.cuda.Event()
+        done.record(side)
+        main.wait_event(done)  # the next step's in-place updates run after the copies
+        return done
+
+
+class AsyncSaver:
+    """Snapshot-then-persist for one `CheckpointStore`, at most one persist in flight.
+
+    `when_busy`: what `submit` does while the previous persist still runs: "wait" for it, or
+    "skip" this save (logged; `submit` returns None). `must=True` always waits (final and
+    preemption saves). `on_commit(Committed)` runs in the background thread after each commit.
+    `persist_delay_s` sleeps before each persist: a test hook that widens the window in which a
+    save is in flight (config `debug.persist_delay_s`).
+    """
+
+    def __init__(self, store: CheckpointStore, *, when_busy: Literal["wait", "skip"] = "wait",
+                 on_commit: Callable[[Committed], None] | None = None, persist_delay_s: float = 0.0) -> None:
+        if when_busy not in ("wait", "skip"):
+            raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+        self.store, self.when_busy, self.on_commit = store, when_busy, on_commit
+        self.persist_delay_s = persist_delay_s
+        self.buffers = StagingBuffers()
+        self._thread: threading.Thread | None = None
+        self._persisting: int | None = None
+        self._failure: tuple[int, BaseException] | None = None
+
+    @property
+    def busy(self) -> bool:
+        """Whether a persist is in flight (the staging buffers belong to it)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, step: int, parts: Mapping[str, Any], *, meta: Mapping[str, Any] | None = None,
+               must: bool = False) -> Submitted | None:
+        """Snapshot `parts` as `step` and start persisting it; returns once the snapshot is taken.
+
+        Raises the failure of an earlier persist (see `poll`) before taking a new snapshot.
+        Returns None when the save was skipped (`when_busy="skip"`, a persist in flight, not `must`).
+        """
+        self.poll()
+        waited = 0.0
+        if self.busy:
+            if self.when_busy == "skip" and not must:
+                log.warning("checkpoint skipped: the previous save is still being persisted",
+                            step=step, persisting_step=self._persisting)
+                return None
+            t0 = time.perf_counter()
+            self.wait()
+            waited = time.perf_counter() - t0
+            log.info("waited for the previous save before snapshotting", step=step,
+                     persisting_step=self._persisting, waited_s=round(waited, 3))
+            self.poll()
+        t0 = time.perf_counter()
+        snapshot, copied = self.buffers.stage(capture(parts))
+        self._persisting = step
+        self._thread = threading.Thread(target=self._persist, args=(step, snapshot, dict(meta or {}), copied),
+                                        name=f"ckpt-persist-{step}", daemon=True)
+        self._thread.start()
+        return Submitted(step, waited + time.perf_counter() - t0, waited, snapshot.nbytes)
+
+    def _persist(self, step: int, snapshot: Snapshot, meta: dict[str, Any], copied: list) -> None:
+        try:
+            t0 = time.perf_counter()
+            for event in copied:
+                event.synchronize()
+            if self.persist_delay_s:
+                time.sleep(self.persist_delay_s)
+            ref = self.store.commit(step, snapshot, meta=meta)
+            if self.on_commit is not None:
+                self.on_commit(Committed(ref, time.perf_counter() - t0, snapshot.nbytes))
+        except BaseException as e:  # kept for the step loop; a thread's exception is otherwise only printed
+            self._failure = (step, e)
+
+    def poll(self) -> None:
+        """Raise the failure of a finished persist, once: `CheckpointError` (a `UserError`) when
+        the store raised one, else `BackgroundSaveError`; both name the step."""
+        if self._failure is None or self.busy:
+            return
+        step, e = self._failure
+        self._failure = None
+        message = f"the background save of the checkpoint at step {step} failed: {e}"
+        if isinstance(e, UserError):
+            raise CheckpointError(f"{message}; the previous checkpoint is still the newest good one") from e
+        raise BackgroundSaveError(f"{message} ({type(e).__name__}); the previous checkpoint is still "
+                                  f"the newest good one") from e
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the in-flight persist, at most `timeout` seconds; True when none is left."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return not self.busy
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Wait until the in-flight persist is committed, then raise its failure if it failed.
+        Raises `TimeoutError` if it is still running after `timeout` seconds."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"the background save of step {self._persisting} is still running after {timeout}s")
+        self.poll()
+
+    def close(self) -> None:
+        """On an error exit: let a good in-flight save commit, and log (not raise) its failure,
+        so the error already propagating stays the one reported."""
+        self.wait()
+        try:
+            self.poll()
+        except Exception as e:  # noqa: BLE001 - reported, not raised, on purpose (see above)
+            log.error("background checkpoint save failed during an error exit", error=str(e))
