@@ -20,6 +20,8 @@ COMMAND_MODULES = (
     "harness.checkpoint.cli",
     "harness.supervisor_cli",
     "harness.report_cli",
+    "harness.torture",
+    "harness.sweep",
 )
 
 
