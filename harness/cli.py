@@ -22,6 +22,7 @@ COMMAND_MODULES = (
     "harness.report_cli",
     "harness.torture",
     "harness.sweep",
+    "harness.compare",
 )
 
 

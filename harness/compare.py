@@ -1,0 +1,183 @@
+"""`harness compare RUN_DIR... [--plot out.png]`: a table of arms and a plot of their loss curves.
+
+Everything is computed from each run's files alone: `run.json` in the run dir (its config: the
+arm's optimizer, its log dir, the tokens of one step) and, in the log dir, `metrics.jsonl` and
+`events.jsonl`. Definitions of the columns (the test recomputes each from the files):
+
+| column        | definition |
+|---------------|------------|
+| steps         | largest `step` of a training line (a line with `loss`) |
+| final eval    | `eval_loss` of the last evaluation line in the file (the end-of-run one when finished) |
+| best eval     | smallest `eval_loss` in the file |
+| tokens/s      | median of the training lines' `tokens_per_s` (the median, because a shared machine stalls a few steps for seconds) |
+| optim %       | 100 * sum(`optim_s`) / sum(step seconds), over training lines; step seconds = tokens per step / `tokens_per_s`, tokens per step = batch_size * seq_len * grad_accum |
+| ckpt s        | seconds the step loop was blocked by checkpoints (`harness.goodput`: sum of `blocking_s`) |
+| restart s     | restarting + recomputing seconds of `harness.goodput` (backoff, startup of resumed processes, steps run twice) |
+| wall s        | wall clock of the run (`harness.goodput`) |
+
+The plot (matplotlib, Agg backend; `pip install 'harness[plot]'`) has two panels: training loss
+(faint) and eval loss (markers) against the step, and the same against wall-clock minutes since
+the run's first event. A run that was interrupted and resumed keeps only the metrics of the
+steps it kept (see `harness.metrics`), so its curve has a gap in time but none in steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import fsspec
+
+from harness.errors import UserError
+from harness.events import EVENTS_FILE, EventLog, events_url
+from harness.goodput import account
+from harness.metrics import read_metrics
+
+PLOT_SIZE_IN = (12.0, 4.5)
+PLOT_DPI = 100  # with PLOT_SIZE_IN: a 1200 x 450 pixel PNG
+
+
+@dataclass
+class ArmSummary:
+    """One row of the table, plus the curves for the plot."""
+
+    name: str
+    optimizer: str
+    steps: int
+    final_eval: float | None
+    best_eval: float | None
+    tokens_per_s: float | None
+    optim_share: float | None  # fraction of step time in the optimizer part
+    checkpoint_s: float
+    restart_s: float
+    wall_s: float
+    train: list[tuple[int, float, float]] = field(repr=False)  # (step, seconds since start, loss)
+    evals: list[tuple[int, float, float]] = field(repr=False)  # (step, seconds since start, eval loss)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("compare", help="table and plot of several runs (arms)", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs given to `harness train`/`sweep`")
+    p.add_argument("--plot", metavar="OUT.png", help="also write a PNG: loss vs step and vs wall time")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    arms = [summarize(run_dir) for run_dir in args.run_dirs]
+    print(format_table(arms), flush=True)
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UserError(f"matplotlib is not installed, so no plot was written to {args.plot}; "
+                            "install it with `pip install 'harness[plot]'` (the table is above)") from None
+        write_plot(arms, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
+    return 0
+
+
+def summarize(run_dir: str) -> ArmSummary:
+    """Read one run's run.json, metrics and events into a table row; UserError if missing."""
+    config = _read_run_json(run_dir)
+    log_dir = os.path.dirname(events_url(run_dir, config.get("log_dir")))
+    metrics_path = Path(log_dir) / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise UserError(f"no metrics file at {metrics_path} for run {run_dir}: has it trained a step on "
+                        "this machine? (metrics stay in the local log dir)")
+    records = read_metrics(metrics_path)
+    events_path = Path(log_dir) / EVENTS_FILE
+    events = EventLog(events_path).read() if events_path.is_file() else []
+    goodput = account(events)
+
+    train = [r for r in records if "loss" in r]
+    evals = [r for r in records if "eval_loss" in r]
+    start = min([float(e["time"]) for e in events[:1]] + [float(r["time"]) for r in train[:1]], default=0.0)
+    data, steps_cfg = config.get("data", {}), config.get("train", {})
+    tokens_per_step = data.get("batch_size", 0) * data.get("seq_len", 0) * steps_cfg.get("grad_accum", 1)
+    rated = [r for r in train if r.get("tokens_per_s")]
+    timed = [r for r in rated if r.get("optim_s") is not None]  # runs from before optim_s have none
+    step_s = sum(tokens_per_step / r["tokens_per_s"] for r in timed)
+    # An eval line has no time of its own; it follows the training line of its step.
+    time_at = {r["step"]: float(r["time"]) - start for r in train}
+
+    return ArmSummary(
+        name=run_dir.rstrip("/").rsplit("/", 1)[-1],
+        optimizer=config.get("optim", {}).get("type", "adamw"),
+        steps=max((r["step"] for r in train), default=0),
+        final_eval=evals[-1]["eval_loss"] if evals else None,
+        best_eval=min((r["eval_loss"] for r in evals), default=None),
+        tokens_per_s=statistics.median(r["tokens_per_s"] for r in rated) if rated else None,
+        optim_share=sum(r["optim_s"] for r in timed) / step_s if step_s else None,
+        checkpoint_s=goodput.saving_s,
+        restart_s=goodput.restarting_s + goodput.recompute_s,
+        wall_s=goodput.wall_s,
+        train=[(r["step"], float(r["time"]) - start, r["loss"]) for r in train],
+        evals=[(r["step"], time_at.get(r["step"], 0.0), r["eval_loss"]) for r in evals],
+    )
+
+
+def _read_run_json(run_dir: str) -> dict:
+    url = f"{run_dir.rstrip('/')}/run.json"
+    try:
+        with fsspec.open(url, "r") as f:
+            return json.load(f)["config"]
+    except FileNotFoundError:
+        raise UserError(f"no run.json in {run_dir}: pass the run dir of a `harness train` run") from None
+    except (json.JSONDecodeError, KeyError) as e:
+        raise UserError(f"{url} is not a run.json written by `harness train` ({e})") from None
+
+
+COLUMNS = ("arm", "optimizer", "steps", "final eval", "best eval", "tokens/s", "optim %",
+           "ckpt s", "restart s", "wall s")
+
+
+def table_cells(a: ArmSummary) -> list[str]:
+    """The row as printed; numbers rounded for reading (the ArmSummary keeps them exact)."""
+    def num(x: float | None, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    return [a.name, a.optimizer, str(a.steps), num(a.final_eval, ".4f"), num(a.best_eval, ".4f"),
+            num(a.tokens_per_s, ".0f"), num(None if a.optim_share is None else 100 * a.optim_share, ".1f"),
+            num(a.checkpoint_s, ".2f"), num(a.restart_s, ".2f"), num(a.wall_s, ".1f")]
+
+
+def format_table(arms: list[ArmSummary]) -> str:
+    """A Markdown table (readable in a terminal, pasteable into docs)."""
+    rows = [list(COLUMNS)] + [table_cells(a) for a in arms]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def write_plot(arms: list[ArmSummary], path: str) -> None:
+    """Two panels, loss vs step and loss vs wall minutes, one colour per arm; a PNG at `path`."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; also the only backend a batch node has
+    import matplotlib.pyplot as plt
+
+    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=PLOT_SIZE_IN, dpi=PLOT_DPI)
+    try:
+        for i, a in enumerate(arms):
+            color = f"C{i % 10}"
+            for ax, x in ((by_step, 0), (by_time, 1)):
+                scale = 1.0 if x == 0 else 1 / 60
+                ax.plot([p[x] * scale for p in a.train], [p[2] for p in a.train], color=color, alpha=0.3, lw=0.8)
+                ax.plot([p[x] * scale for p in a.evals], [p[2] for p in a.evals], color=color, marker="o",
+                        ms=3, lw=1.5, label=a.name)
+        by_step.set(xlabel="step", ylabel="loss (faint: train, markers: eval)", title="loss vs step")
+        by_time.set(xlabel="wall clock (minutes)", title="loss vs wall time")
+        for ax in (by_step, by_time):
+            ax.grid(alpha=0.3)
+        by_step.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(path, format="png")
+    finally:
+        plt.close(fig)
