@@ -85,7 +85,8 @@ class _MatrixArm(_Shared):
 
     lr_matrix: float | None = Field(None, gt=0, description="Peak lr of the block-matrix "
                                     "optimizer; None = lr.")
-    wd: float = Field(0.0, ge=0, description="Decoupled weight decay of the block-matrix optimizer.")
+    wd: float = Field(0.0, ge=0, description="Decoupled weight decay of the block-matrix "
+                      "optimizer.")
 
 
 class LionConfig(_MatrixArm):
@@ -163,7 +164,9 @@ def _matrix_optimizer(cfg: _Shared, matrices: list) -> torch.optim.Optimizer:
     return {"lion": Lion, "adafactor": Adafactor2D}[cfg.type](groups, lr=lr, wd=cfg.wd)
 
 
-def build_bundle(cfg: OptimConfig, model: torch.nn.Module, total_steps: int) -> tuple[MultiOpt, MultiSched]:
+def build_bundle(
+    cfg: OptimConfig, model: torch.nn.Module, total_steps: int
+) -> tuple[MultiOpt, MultiSched]:
     """The optimizers and schedules `cfg` describes over `model.named_parameters()`.
 
     `total_steps` is the run's length, used when `cfg.total_steps` is None.
@@ -182,8 +185,8 @@ def build_bundle(cfg: OptimConfig, model: torch.nn.Module, total_steps: int) -> 
     else:
         is_matrix = [p.ndim == 2 and any(fnmatchcase(n, pat) for pat in cfg.matrix_patterns)
                      for n, p in named]
-        matrices = [np for np, m in zip(named, is_matrix) if m]
-        rest = [np for np, m in zip(named, is_matrix) if not m]
+        matrices = [pair for pair, m in zip(named, is_matrix) if m]
+        rest = [pair for pair, m in zip(named, is_matrix) if not m]
         if not matrices:
             raise UserError(f"optim.matrix_patterns {cfg.matrix_patterns} match no 2D parameter "
                             f"for the {cfg.type} arm; names look like {[n for n, _ in named[:5]]}")

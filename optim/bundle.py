@@ -1,4 +1,4 @@
-"""MultiOpt / MultiSched: several named torch optimizers (and their schedulers) as one resumable part.
+"""MultiOpt / MultiSched: named torch optimizers (and their schedulers) as one resumable part.
 
 Why: a run trains block matrices with one rule (Muon, Lion, ...) and the rest with AdamW, and a
 checkpoint must restore each state onto the right tensor after a restart, even when the model
@@ -50,6 +50,45 @@ def _expected_shape(opt: torch.optim.Optimizer, p: torch.Tensor, key: str):
     return tuple(shapes.get(key, p.shape))
 
 
+def _positional(where: str, opt: torch.optim.Optimizer, saved: dict) -> dict:
+    """Translate one optimizer's name-keyed state into torch's positional form, in the
+    current parameter order, after checking names, groups and shapes."""
+    groups = opt.param_groups
+    saved_groups = saved["param_groups"]
+    _refuse_mismatch("parameter", where,
+                     [n for g in saved_groups for n in g["params"]],
+                     [n for g in groups for n in g["param_names"]])
+    if len(saved_groups) != len(groups):
+        raise UserError(f"checkpoint {where} has {len(saved_groups)} parameter groups, this "
+                        f"run {len(groups)}; resume with the same head/matrix split")
+    positions, params, torch_groups = {}, {}, []
+    for i, (group, saved_group) in enumerate(zip(groups, saved_groups)):
+        moved = sorted(set(group["param_names"]) - set(saved_group["params"]))
+        if moved:
+            raise UserError(f"parameter {moved[0]!r} is in group {i} of {where} but the "
+                            "checkpoint has it in another group; resume with the same split")
+        hyper = {k: tuple(v) if isinstance(group.get(k), tuple) else v
+                 for k, v in saved_group.items() if k != "params"}
+        ids = list(range(len(positions), len(positions) + len(group["params"])))
+        for pos, name, p in zip(ids, group["param_names"], group["params"]):
+            positions[name], params[name] = pos, p
+        torch_groups.append({**hyper, "params": ids, "param_names": list(group["param_names"])})
+    state = {}
+    for name, entry in saved["state"].items():
+        if name not in params:
+            raise UserError(f"checkpoint {where} has state for {name!r}, which is in none of its "
+                            "parameter groups; the checkpoint is inconsistent")
+        p = params[name]
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.ndim > 0:
+                expected = _expected_shape(opt, p, key)
+                if tuple(value.shape) != expected:
+                    raise UserError(f"tensor {where}/{name}/{key} has shape "
+                                    f"{tuple(value.shape)}, this run expects {expected}")
+        state[positions[name]] = dict(entry)
+    return {"state": state, "param_groups": torch_groups}
+
+
 class MultiOpt:
     """Named torch optimizers stepped together; `param_groups` lists every group of every one.
 
@@ -99,44 +138,11 @@ class MultiOpt:
 
     def load_state_dict(self, state_dict: dict) -> None:
         _refuse_mismatch("optimizer", "optim", state_dict, self.optimizers)
-        for opt_name, opt in self.optimizers.items():
-            opt.load_state_dict(self._positional(opt_name, opt, state_dict[opt_name]))
-
-    def _positional(self, opt_name: str, opt: torch.optim.Optimizer, saved: dict) -> dict:
-        """Translate one optimizer's name-keyed state into torch's positional form, in the
-        current parameter order, after checking names, groups and shapes."""
-        where = f"optim/{opt_name}"
-        groups = opt.param_groups
-        saved_groups = saved["param_groups"]
-        _refuse_mismatch("parameter", where,
-                         [n for g in saved_groups for n in g["params"]],
-                         [n for g in groups for n in g["param_names"]])
-        if len(saved_groups) != len(groups):
-            raise UserError(f"checkpoint {where} has {len(saved_groups)} parameter groups, this "
-                            f"run {len(groups)}; resume with the same head/matrix split")
-        positions, params, torch_groups = {}, {}, []
-        for i, (group, saved_group) in enumerate(zip(groups, saved_groups)):
-            moved = sorted(set(group["param_names"]) - set(saved_group["params"]))
-            if moved:
-                raise UserError(f"parameter {moved[0]!r} is in group {i} of {where} but the "
-                                "checkpoint has it in another group; resume with the same split")
-            hyper = {k: tuple(v) if isinstance(group.get(k), tuple) else v
-                     for k, v in saved_group.items() if k != "params"}
-            ids = list(range(len(positions), len(positions) + len(group["params"])))
-            for pos, name, p in zip(ids, group["param_names"], group["params"]):
-                positions[name], params[name] = pos, p
-            torch_groups.append({**hyper, "params": ids, "param_names": list(group["param_names"])})
-        state = {}
-        for name, entry in saved["state"].items():
-            p = params[name]
-            for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and value.ndim > 0:
-                    expected = _expected_shape(opt, p, key)
-                    if tuple(value.shape) != expected:
-                        raise UserError(f"tensor {where}/{name}/{key} has shape "
-                                        f"{tuple(value.shape)}, this run expects {expected}")
-            state[positions[name]] = dict(entry)
-        return {"state": state, "param_groups": torch_groups}
+        # Check every optimizer before loading any, so a refused load leaves the bundle as it was.
+        positional = {name: _positional(f"optim/{name}", opt, state_dict[name])
+                      for name, opt in self.optimizers.items()}
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(positional[name])
 
 
 class MultiSched:

@@ -33,7 +33,9 @@ NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 _BATCH_ON_CPU_MAX_NUMEL = 12288
 
 
-def newton_schulz(G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def newton_schulz(
+    G: torch.Tensor, steps: int = 5, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Approximate polar factor of `G` (rows, cols) or of each matrix of `G` (n, rows, cols).
 
     Runs in `dtype` (float32, or bfloat16 for tensor-core speed at ~1e-2 relative precision) and

@@ -38,7 +38,8 @@ class ReferenceMuon(torch.optim.Optimizer):
     """The team's seed Muon (reference_optim.py), verbatim in its ops: the baseline to beat."""
 
     def __init__(self, params, lr=0.02, momentum=0.95, ns_steps=5, nesterov=True):
-        super().__init__(params, dict(lr=lr, momentum=momentum, ns_steps=ns_steps, nesterov=nesterov))
+        defaults = dict(lr=lr, momentum=momentum, ns_steps=ns_steps, nesterov=nesterov)
+        super().__init__(params, defaults)
 
     @staticmethod
     def newton_schulz(G, steps=5, eps=1e-7):
@@ -199,7 +200,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--reps", type=int, default=15, help="timed steps per contender")
     parser.add_argument("--torch-muon-reps", type=int, default=3,
                         help="timed steps of torch.optim.Muon (slow on CPU: bf16 NS)")

@@ -50,6 +50,7 @@ def test_loading_adopts_tensors_without_copying_and_restores_tuples(trained, rou
      r"tensor optim/adafactor/blocks.1.fc.weight/r has shape \(3,\), this run expects \(64,\)"),
     (lambda sd: sd["adamw"]["state"]["emb.weight"].update(exp_avg=torch.zeros(2, 2)),
      r"tensor optim/adamw/emb.weight/exp_avg has shape \(2, 2\)"),
+    (lambda sd: sd["adamw"]["state"].update(ghost={}), "state for 'ghost'"),
 ])
 def test_loading_refuses_a_mismatch_and_names_it(trained, edit, message):
     opt, _, fresh = trained
@@ -58,6 +59,8 @@ def test_loading_refuses_a_mismatch_and_names_it(trained, edit, message):
     new_opt, _ = fresh()
     with pytest.raises(UserError, match=message):
         new_opt.load_state_dict(sd)
+    # Refused before anything was loaded: no optimizer of the bundle took the partial state.
+    assert all(not o.state for o in new_opt.optimizers.values())
 
 
 def test_loading_refuses_a_parameter_in_another_group(tiny_gpt):
