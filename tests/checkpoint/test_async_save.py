@@ -1,0 +1,221 @@
+"""async_save.py: the same bytes as a synchronous save, a snapshot taken at the step boundary,
+staging buffers reused across saves, one save in flight, background failures raised later,
+and the "auto" checkpoint interval of CheckpointClock."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import psutil
+import pytest
+import torch
+
+from harness.checkpoint import CheckpointError, CheckpointStore, capture
+from harness.checkpoint.async_save import AsyncSaver, BackgroundSaveError, StagingBuffers
+from harness.config import load_config
+from harness.trainer import CheckpointClock, Trainer
+
+from .conftest import torch_state
+
+TINY = "tests/data/tiny.toml"
+ARMS = ["adamw", "muon", "lion", "olion", "adafactor", "sgdm"]
+
+
+def hashes(store: CheckpointStore, step: int) -> dict[str, tuple[int, str]]:
+    return {r.name: (r.size, r.sha256) for r in store.manifest(store.ref(step)).files}
+
+
+@pytest.mark.parametrize("arm", ARMS)
+def test_async_and_sync_saves_of_one_state_have_the_same_manifest_hashes(tmp_path, arm):
+    """The whole trainer state (model, optimizer arm, scheduler, data cursor, RNG, scaler, counters)
+    after two steps; the async snapshot is persisted only after the next step has already changed
+    every parameter and optimizer tensor in place, so equal hashes also prove it was taken at the
+    step boundary."""
+    cfg = load_config(TINY, [f"optim.type={arm}", f"run_dir={str(tmp_path)!r}"])
+    trainer = Trainer(cfg)
+    try:
+        trainer.train_step()
+        trainer.train_step()
+        sync, background = CheckpointStore(str(tmp_path / "sync")), CheckpointStore(str(tmp_path / "async"))
+        meta = {"config": {"arm": arm}}
+        sync.save(trainer.step, trainer.state.parts(), meta=meta)
+        gate = threading.Event()
+        saver = AsyncSaver(background)
+        real_commit = background.commit
+        background.commit = lambda *a, **k: (gate.wait(30), real_commit(*a, **k))[1]
+        saver.submit(trainer.step, trainer.state.parts(), meta=meta)
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainer.train_step()  # mutates parameters and optimizer state in place while the save is pending
+        assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+        gate.set()
+        saver.finish()
+        assert hashes(background, 2) == hashes(sync, 2)
+        assert set(hashes(sync, 2)) >= {"model.safetensors", "optim.safetensors", "rank-00000.safetensors", "state.json"}
+    finally:
+        trainer.close()
+
+
+def test_staging_buffers_are_reused_and_memory_does_not_grow_over_20_saves(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    store = CheckpointStore(str(tmp_path / "run"), keep_last=2)
+    saver = AsyncSaver(store)
+    proc = psutil.Process()
+
+    def step_and_save(step: int) -> None:
+        model(torch.randn(4, 512)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        saver.submit(step, {"model": model, "optim": opt})
+        saver.finish()
+
+    def pointers() -> dict[tuple[str, str], int]:
+        names = capture({"model": model, "optim": opt}).tensors
+        return {(f, n): saver.buffers.buffer(f, n).data_ptr() for f, named in names.items() for n in named}
+
+    step_and_save(1)
+    ptrs = pointers()
+    state_bytes = saver.buffers.nbytes
+    assert state_bytes > 6 << 20  # two 1 MiB weights, their AdamW moments, biases, step counters
+    for step in (2, 3):
+        step_and_save(step)
+    rss = proc.memory_info().rss
+    for step in range(4, 21):
+        step_and_save(step)
+    assert pointers() == ptrs
+    assert saver.buffers.nbytes == state_bytes
+    # A copy of the state per save would add 17 x state_bytes; allocator noise stays within two.
+    assert proc.memory_info().rss - rss < 2 * state_bytes
+    assert [r.step for r in store.list()] == [19, 20]
+
+
+def test_a_buffer_is_reallocated_only_when_shape_or_dtype_changes_and_dropped_when_gone():
+    buffers = StagingBuffers()
+    a, b = torch.ones(3), torch.zeros(2, 2)
+    staged, events = buffers.stage(capture({"model": {"a": a, "b": b}}))
+    assert events == []
+    first = buffers.buffer("model.safetensors", "a").data_ptr()
+    assert torch.equal(staged.tensors["model.safetensors"]["a"], a)
+    a.add_(1)  # the staged copy is detached from the live tensor
+    assert torch.equal(staged.tensors["model.safetensors"]["a"], torch.ones(3))
+    staged, _ = buffers.stage(capture({"model": {"a": a, "b": b.double()}}))
+    assert buffers.buffer("model.safetensors", "a").data_ptr() == first
+    assert buffers.buffer("model.safetensors", "b").dtype == torch.float64
+    buffers.stage(capture({"model": {"a": a}}))
+    with pytest.raises(KeyError):
+        buffers.buffer("model.safetensors", "b")
+
+
+class Gated:
+    """Wraps a store's commit so a test decides when a persist may proceed (or fails it)."""
+
+    def __init__(self, store: CheckpointStore, error: BaseException | None = None) -> None:
+        self.gate, self.error, self.real = threading.Event(), error, store.commit
+        store.commit = self.commit
+
+    def commit(self, *args, **kwargs):
+        self.gate.wait(30)
+        if self.error is not None:
+            raise self.error
+        return self.real(*args, **kwargs)
+
+
+def test_one_save_in_flight_skip_or_wait(run_dir):
+    parts = torch_state(steps=1)
+    store = CheckpointStore(run_dir)
+    gated = Gated(store)
+    skipper = AsyncSaver(store, when_busy="skip")
+    assert skipper.submit(1, parts) is not None
+    assert skipper.busy
+    assert skipper.submit(2, parts) is None  # skipped: the buffers still belong to step 1
+    threading.Timer(0.3, gated.gate.set).start()
+    forced = skipper.submit(3, parts, must=True)  # the final/preemption save waits instead
+    assert forced.waited_s >= 0.2 and forced.blocking_s >= forced.waited_s
+    skipper.finish()
+    assert [r.step for r in store.list()] == [1, 3]
+
+    gated.gate.clear()
+    waiter = AsyncSaver(store, when_busy="wait")
+    waiter.submit(4, parts)
+    threading.Timer(0.3, gated.gate.set).start()
+    assert waiter.submit(5, parts).waited_s >= 0.2
+    waiter.finish()
+    assert [r.step for r in store.list()][-2:] == [4, 5]
+
+
+@pytest.mark.parametrize("error, raised", [(OSError("disk on fire"), BackgroundSaveError),
+                                           (CheckpointError("lost the lease"), CheckpointError)])
+def test_a_background_failure_is_raised_at_the_next_call_naming_the_step(run_dir, error, raised):
+    parts = torch_state(steps=1)
+    store = CheckpointStore(run_dir)
+    gated = Gated(store, error)
+    saver = AsyncSaver(store)
+    saver.submit(7, parts)
+    saver.poll()  # still running: nothing to raise yet
+    gated.gate.set()
+    saver.wait()
+    with pytest.raises(raised, match="step 7") as info:
+        saver.poll()
+    assert info.value.__cause__ is error
+    saver.poll()  # raised once, not again
+
+    gated.gate.clear()
+    saver.submit(8, parts)
+    gated.gate.set()
+    with pytest.raises(raised, match="step 8"):
+        saver.finish()  # at exit and on preemption: waits, then raises
+    assert store.list() == []
+
+
+def test_a_failure_is_raised_by_the_next_submit_and_logged_by_close(run_dir):
+    parts = torch_state(steps=1)
+    store = CheckpointStore(run_dir)
+    gated = Gated(store, OSError("no space left"))
+    gated.gate.set()
+    saver = AsyncSaver(store)
+    saver.submit(1, parts)
+    saver.wait()
+    with pytest.raises(BackgroundSaveError, match="step 1.*no space left"):
+        saver.submit(2, parts)
+    saver.submit(3, parts)
+    saver.close()  # logs the failure of step 3 instead of masking an error already propagating
+    saver.poll()
+
+
+def test_auto_interval_is_young_daly_from_the_measured_save_and_step_times():
+    reports = []
+    clock = CheckpointClock("auto", 0.0, 10_000, mtbf_s=3600.0, report=reports.append, clock=lambda: 0.0)
+    assert clock.due(1)  # the measuring save, right after the first step
+    clock.saved(1, blocking_s=0.5)
+    for _ in range(5):
+        assert not clock.due(2)
+        clock.observe_step(0.2)
+    assert reports == []  # the first save is not committed yet: its persist time is an input
+    clock.committed(2.0)
+    clock.observe_step(0.2)
+    expected_s = math.sqrt(2 * 0.5 * 3600.0)  # 60 s
+    assert clock.every_steps == math.ceil(expected_s / 0.2) == 300
+    (report,) = reports
+    assert report["every_steps"] == 300 and report["blocking_s"] == 0.5 and report["mtbf_s"] == 3600.0
+    assert report["step_s"] == pytest.approx(0.2) and report["interval_s"] == pytest.approx(expected_s)
+    assert not clock.due(300) and clock.due(301)
+    clock.saved(301, blocking_s=9.0)
+    assert not clock.due(600) and clock.due(601) and clock.due(10_000)
+    clock.observe_step(5.0)
+    assert len(reports) == 1  # chosen once per process
+
+
+def test_auto_interval_never_shorter_than_the_persist():
+    clock = CheckpointClock("auto", 0.0, 10_000, mtbf_s=1.0)
+    clock.saved(1, blocking_s=0.01)
+    clock.committed(3.0)
+    for _ in range(3):
+        clock.observe_step(0.5)
+    assert clock.every_steps == 6  # sqrt(2 * 0.01 * 1) = 0.14 s, but the persist takes 3 s
+
+
+def test_fixed_interval_is_unchanged():
+    clock = CheckpointClock(4, 0.0, 10)
+    assert [s for s in range(1, 11) if clock.due(s)] == [4, 8, 10]
