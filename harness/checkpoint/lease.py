@@ -82,7 +82,9 @@ class Lease:
                 log.warning("taking over the run dir lease", holder=self.describe(holder),
                             reason=gone or "takeover requested")
             self._since = self.clock()
-            if self._write(exclusive=holder is None):
+            # A lease file that exists but does not parse is a writer that died between creating
+            # and writing it (found by `harness torture`): replace it, as a dead holder's would be.
+            if self._write(exclusive=holder is None and not self.loc.fs.exists(self.path)):
                 break
         self.check()
         self.held = True
