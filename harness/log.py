@@ -1,8 +1,7 @@
-"""Structured logging: human-readable console lines on stderr, JSON lines in a run's events file.
+"""Structured logging: human-readable console lines on stderr.
 
 `configure()` is called once by the CLI; library code only calls `get_logger(__name__)`.
-`EventLog` appends one JSON object per event to `events.jsonl` in the run dir (local or any
-fsspec URL that supports append; otherwise events stay in memory and on the console).
+Run events (`events.jsonl`) are written by `harness.events.EventLog`.
 """
 
 from __future__ import annotations

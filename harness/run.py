@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import fsspec
+import psutil
 from tqdm import tqdm
 
 from harness import exit_codes
@@ -52,12 +53,12 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
     try:
         source, ref = choose_checkpoint(store, cfg, resume)
         saved = source.read_state(ref) if ref is not None else None
-        if saved is not None and saved["meta"].get("finished") and ref.step >= cfg.train.steps:
-            log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
-            print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
-            return exit_codes.FINISHED
         if saved is not None:
             check_compatible(saved["meta"], cfg, allow_config_change)
+            if saved["meta"].get("finished") and ref.step >= cfg.train.steps:
+                log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
+                print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
+                return exit_codes.FINISHED
         trainer = Trainer(cfg)
         try:
             write_run_json(cfg, trainer)
@@ -67,7 +68,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
                 source.load(ref, trainer.state.parts())
             metrics.truncate_after(trainer.step)
             events.emit("start", step=trainer.step, resumed_from=ref.step if ref else None, pid=os.getpid(),
-                        host=socket.gethostname())
+                        host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time())
             return Loop(cfg, trainer, store, metrics, events, log_dir).run()
         finally:
             trainer.close()
@@ -208,6 +209,8 @@ class Loop:
                             "time": time.time()})
         if r.step % self.cfg.train.log_every == 0 or r.step == self.cfg.train.steps:
             log.info("step", step=r.step, loss=round(r.loss, 4), grad_norm=round(r.grad_norm, 3))
+            # Goodput needs the last step reached before a crash to count recomputed steps.
+            self.events.emit("progress", step=r.step, train_s=self.train_s, save_s=self.save_s)
 
     def poll(self) -> None:
         """Between steps: raise a background save's failure, keep the writer lease fresh."""
@@ -256,7 +259,7 @@ class Loop:
     def preempt(self, watch: PreemptionWatch) -> int:
         step = self.trainer.step
         log.warning("preemption requested; saving", signal=watch.signal_name, step=step)
-        with SaveDeadline(self.cfg.checkpoint.preempt_deadline_s):
+        with SaveDeadline(self.cfg.checkpoint.preempt_deadline_s, since=watch.requested_at):
             if self.last_saved != step:
                 self.save(must=True)
             if self.saver is not None:

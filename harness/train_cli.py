@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         from harness.supervisor import supervise_self
 
         return supervise_self(sys.argv[1:], args.max_restarts, args.crash_loop_limit, cfg.run_dir,
-                              cfg.checkpoint.storage_options)
+                              cfg.checkpoint.storage_options, log_dir=cfg.log_dir)
     from harness.run import train
 
     try:
