@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import errno
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -35,7 +36,6 @@ import aiohttp
 from botocore import exceptions as bx
 from botocore.parsers import ResponseParserError
 from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception, stop_after_attempt, stop_after_delay
-from tenacity.wait import wait_random_exponential
 
 from harness.checkpoint.errors import CheckpointError
 from harness.log import get_logger
@@ -149,12 +149,17 @@ def permanent_error(exc: BaseException, target: str, endpoint: str | None) -> St
     return None
 
 
+# Jitter draws from its own generator: tenacity's waits use the global `random`, whose state is
+# part of the training state, so a retry would change the run (a resumed run would not be bitwise).
+_jitter = random.Random()
+
+
 def _capped_wait(policy: RetryPolicy):
-    """Backoff with full jitter, never sleeping past the operation's deadline."""
-    backoff = wait_random_exponential(multiplier=policy.initial, max=policy.max_wait)
+    """Full-jitter exponential backoff, never sleeping past the operation's deadline."""
 
     def wait(state: RetryCallState) -> float:
-        return max(0.0, min(backoff(state), policy.deadline_s - state.seconds_since_start))
+        ceiling = min(policy.max_wait, policy.initial * 2 ** (state.attempt_number - 1))
+        return max(0.0, min(_jitter.uniform(0, ceiling), policy.deadline_s - state.seconds_since_start))
 
     return wait
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import random
 import time
 
 import pytest
@@ -127,3 +128,13 @@ def test_write_interrupted_by_an_error_is_aborted_not_completed(proxy, s3_server
             raise RuntimeError("serializer failed")
     assert not fs.exists(f"{root}/big")
     assert s3_server.open_multipart_uploads() == []
+
+
+def test_retries_leave_the_global_python_rng_alone(proxy, s3_url):
+    """The global `random` state is training state: backoff jitter must not draw from it."""
+    fs, root = open_filesystem(s3_url, options(proxy.endpoint))
+    before = random.getstate()
+    proxy.script = ["slowdown503", "error500", "reset"]
+    fs.pipe_file(f"{root}/x", b"data")
+    assert sum(proxy.faults.values()) == 3
+    assert random.getstate() == before
