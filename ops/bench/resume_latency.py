@@ -1,0 +1,93 @@
+"""Resume latency: process start to the first step of a resumed run, against a fresh start.
+
+In one run, with one config (a GPT whose checkpoint is a few hundred MB; `--d-model` and
+`--layers` set the size):
+1. a run trains to step 1, checkpoints it, and crashes after step 2 (`debug.crash_at_step`);
+2. `fresh`: the same command in a new run dir, timed from process start to the end of step 1;
+3. `resumed`: the same command again in the crashed run dir, timed from process start to the
+   end of step 2 (its first step: it resumes from step 1);
+4. `raw read`: reading every file of the step-1 checkpoint into memory.
+Steps 2-4 alternate `--repeat` times; each figure is the median. The page cache is warm for all
+of them (the files were just written), so the comparison is of code paths, not of the disk.
+Target: resumed - fresh <= 1.2 x raw read.
+
+    python ops/bench/resume_latency.py --d-model 512 --layers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "quickstart.toml"
+
+
+def train(run_dir: Path, args: argparse.Namespace, *extra: str) -> float:
+    """Seconds from just before process start to the end of the process's first step."""
+    cmd = [sys.executable, "-m", "harness.cli", "--log-level", "warning", "train", str(CONFIG),
+           "--run-dir", str(run_dir), "--set", "train.steps=3", "--set", "checkpoint.every_steps=1",
+           "--set", f"model.args.d_model={args.d_model}", "--set", f"model.args.n_layer={args.layers}",
+           "--set", "model.args.n_head=8", "--set", "data.batch_size=2", "--set", "train.eval_every=0",
+           "--set", "debug.crash_at_step=2", "--set", "debug.crash_once=true", *extra]
+    before = sum(1 for _ in _metric_lines(run_dir))
+    t0 = time.time()
+    subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = list(_metric_lines(run_dir))[before:]
+    first = next(r for r in lines if "loss" in r)
+    return first["time"] - t0
+
+
+def _metric_lines(run_dir: Path):
+    path = run_dir / "metrics.jsonl"
+    if path.exists():
+        yield from (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+
+
+def raw_read(folder: Path) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    total = 0
+    for f in sorted(folder.iterdir()):
+        total += len(f.read_bytes())
+    return time.perf_counter() - t0, total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--repeat", type=int, default=3)
+    args = p.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="resume-latency-"))
+    try:
+        crashed = work / "crashed"
+        train(crashed, args)  # steps 1-2, checkpoint at 1, crash after 2
+        ckpt = crashed / "checkpoints" / "step-00000001"
+        fresh, resumed, reads = [], [], []
+        for i in range(args.repeat):
+            fresh.append(train(work / f"fresh-{i}", args, "--set", "debug.crash_at_step=1"))
+            copy = work / f"resumed-{i}"
+            shutil.copytree(crashed, copy)
+            resumed.append(train(copy, args))
+            seconds, nbytes = raw_read(ckpt)
+            reads.append(seconds)
+        f, r, rd = statistics.median(fresh), statistics.median(resumed), statistics.median(reads)
+        print(f"checkpoint size        {nbytes / 2**20:8.1f} MiB")
+        print(f"fresh start -> step 1  {f:8.3f} s")
+        print(f"resume      -> step 2  {r:8.3f} s")
+        print(f"resume overhead        {r - f:8.3f} s")
+        print(f"raw read of checkpoint {rd:8.3f} s")
+        print(f"overhead / raw read    {(r - f) / rd:8.2f} x   (target <= 1.2)")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
