@@ -189,42 +189,63 @@ class CheckpointStore:
         committed at `step` is replaced (its manifest is removed first). Raises `CheckpointError`
         if this store held the lease and lost it.
         """
-        if type(step) is not int or step < 0:
-            raise CheckpointError(f"checkpoint step must be a non-negative int, got {step!r}")
-        if self._lease.held:
-            self._lease.check()
         started = time.perf_counter()
-        ref = self.ref(step)
-        local = self.loc.is_local
-        work = f"{ref.path}.tmp-{self.writer_id}-{token_hex(4)}" if local else ref.path
-        self.loc.fs.makedirs(work, exist_ok=True)
-        if not local and self.loc.fs.exists(f"{ref.path}/{MANIFEST_FILE}"):
-            self.loc.fs.rm(f"{ref.path}/{MANIFEST_FILE}")
+        ref, work = self.begin(step)
         try:
-            records = [self._write(f"{work}/{file}", serialize(tensors, f"{ref.url}/{file}"), file)
+            records = [self.write_file(work, ref, file, serialize(tensors, f"{ref.url}/{file}"))
                        for file, tensors in sorted(snapshot.tensors.items())]
-            records.append(self._write(f"{work}/{STATE_FILE}", [dump_state(step, snapshot, meta)], STATE_FILE))
-            manifest = Manifest(step=step, files=tuple(sorted(records, key=lambda r: r.name)),
-                                created=self.clock(), writer=self.writer_id)
-            write_small(self.loc, f"{work}/{MANIFEST_FILE}", manifest.to_bytes())
-            if local:
-                fsync_dir(self.loc, work)
-                if self.loc.fs.exists(ref.path):
-                    self.delete(ref)
-                rename(self.loc, work, ref.path)
-                fsync_dir(self.loc, self.dir)
+            records.append(self.write_file(work, ref, STATE_FILE, [dump_state(step, snapshot, meta)]))
+            manifest = self.seal(ref, work, records)
         except BaseException:
-            if local:
-                self.loc.fs.remove_tree(work)
+            self.discard(work)
             raise
         log.info("checkpoint committed", step=step, url=ref.url, bytes=manifest.nbytes,
                  seconds=round(time.perf_counter() - started, 3))
         self.gc()
         return ref
 
-    def _write(self, path: str, chunks, name: str) -> FileRecord:
-        size, sha = write_stream(self.loc, path, chunks)
+    # The steps of `commit`, public for writers that split it across processes
+    # (checkpoint/distributed_commit.py): begin, write_file (any process), seal or discard.
+
+    def begin(self, step: int) -> tuple[CheckpointRef, str]:
+        """Start a commit of `step`: (its ref, the folder its files are written into). Local disk:
+        a fresh temporary folder; object stores: the step folder itself, its manifest removed."""
+        if type(step) is not int or step < 0:
+            raise CheckpointError(f"checkpoint step must be a non-negative int, got {step!r}")
+        if self._lease.held:
+            self._lease.check()
+        ref = self.ref(step)
+        local = self.loc.is_local
+        work = f"{ref.path}.tmp-{self.writer_id}-{token_hex(4)}" if local else ref.path
+        self.loc.fs.makedirs(work, exist_ok=True)
+        if not local and self.loc.fs.exists(f"{ref.path}/{MANIFEST_FILE}"):
+            self.loc.fs.rm(f"{ref.path}/{MANIFEST_FILE}")
+        return ref, work
+
+    def write_file(self, work: str, ref: CheckpointRef, name: str, chunks) -> FileRecord:
+        """Write one file of the checkpoint `ref` into `work` (durably on local disk)."""
+        size, sha = write_stream(self.loc, f"{work}/{name}", chunks)
         return FileRecord(name, size, sha)
+
+    def seal(self, ref: CheckpointRef, work: str, records: list[FileRecord]) -> Manifest:
+        """The commit point: write the manifest listing `records`; on local disk fsync and rename
+        `work` to the step folder (replacing a committed one)."""
+        manifest = Manifest(step=ref.step, files=tuple(sorted(records, key=lambda r: r.name)),
+                            created=self.clock(), writer=self.writer_id)
+        write_small(self.loc, f"{work}/{MANIFEST_FILE}", manifest.to_bytes())
+        if self.loc.is_local:
+            fsync_dir(self.loc, work)
+            if self.loc.fs.exists(ref.path):
+                self.delete(ref)
+            rename(self.loc, work, ref.path)
+            fsync_dir(self.loc, self.dir)
+        return manifest
+
+    def discard(self, work: str) -> None:
+        """Abandon an unsealed commit: remove its temporary folder (local disk; on object stores
+        the files without a manifest are not a checkpoint and retention removes them)."""
+        if self.loc.is_local:
+            self.loc.fs.remove_tree(work)
 
     def delete(self, ref: CheckpointRef) -> None:
         """Remove a checkpoint, manifest first, so it stops existing before its data goes."""
@@ -261,12 +282,16 @@ class CheckpointStore:
 
     # ---- reading ---------------------------------------------------------------------------
 
-    def read_state(self, ref: CheckpointRef) -> dict[str, Any]:
+    def read_state(self, ref: CheckpointRef, file: str = STATE_FILE) -> dict[str, Any]:
         """`state.json` of `ref` (tensor leaves are `{"$tensor": [file, name]}` references),
-        checked against the manifest's sha256. Keys: format_version, step, rank, parts, meta."""
-        rec = {r.name: r for r in self.manifest(ref).files}[STATE_FILE]
-        path = f"{ref.path}/{STATE_FILE}"
+        checked against the manifest's sha256. Keys: format_version, step, rank, parts, meta.
+        `file` reads another state file of the same layout (a rank's `rank-NNNNN.json`)."""
+        records = {r.name: r for r in self.manifest(ref).files}
+        path = f"{ref.path}/{file}"
         where = self.loc.url_of(path)
+        if file not in records:
+            raise CheckpointError(f"{where}: not listed in the manifest; the checkpoint was not written by this setup")
+        rec = records[file]
         if not self.loc.fs.exists(path):
             raise CheckpointError(f"{where}: missing; the checkpoint is incomplete")
         data = read_bytes(self.loc, path, MAX_STATE_BYTES)
@@ -299,13 +324,15 @@ class CheckpointStore:
         return f, read_header(f, size, where), where
 
     def load(self, ref: CheckpointRef, targets: Mapping[str, Any], *, skip: Collection[str] = (),
-             verify: bool = False) -> dict[str, Any]:
+             verify: bool = False, state: dict[str, Any] | None = None) -> dict[str, Any]:
         """Restore each target (name -> object with state_dict/load_state_dict) from `ref`,
-        streaming tensors into live storage; see restore.py for the checks. Returns the saved meta."""
+        streaming tensors into live storage; see restore.py for the checks. Returns the saved meta.
+        `state`: the parsed state to restore instead of `read_state(ref)` (a rank > 0 swaps in
+        its own per-rank parts)."""
         if verify and (problems := self.verify(ref)):
             raise CheckpointError(f"{ref.url} fails verification:\n  " + "\n  ".join(problems))
         records = {r.name: r for r in self.manifest(ref).files}
-        doc = self.read_state(ref)
+        doc = self.read_state(ref) if state is None else state
 
         def open_tensors(stack: ExitStack, file: str):
             if file not in records or not file.endswith(".safetensors"):
