@@ -15,7 +15,9 @@ the operation runs) it does what the plan's mode says:
   cleanup handler can touch the store and no open file is closed (or uploaded) any more.
 * `eio`, `enospc`, `transient` (a connection reset, what the retry layer calls transient),
   `permanent` (EACCES): raise that error once; later operations succeed.
-* `count`: never fire; `trace` lists (number, operation, path) for choosing points.
+* `count`: never fire; `trace` lists (number, operation, path) for choosing points, and with
+  `HARNESS_FAULTS_TRACE=FILE` each operation is also appended to FILE as "number op path" (how
+  a test picks a point inside a `harness train` process).
 
 The power-loss model tracks, by inode, the last fsynced content of every file written through
 the wrapper, and the creations and renames not yet covered by an fsync of their folder. What it
@@ -36,6 +38,7 @@ import signal
 from dataclasses import dataclass, field
 
 OPERATIONS = ("open", "write", "flush", "fsync", "fsync_dir", "rename", "mkdir", "put", "delete", "list")
+TRACE_ENV = "HARNESS_FAULTS_TRACE"
 MODES = ("kill", "powerloss", "crash", "eio", "enospc", "transient", "permanent", "count")
 
 
@@ -76,12 +79,16 @@ class Injector:
     trace: list[tuple[int, str, str]] = field(default_factory=list)
     disk: PowerLossModel | None = None
     open_files: list = field(default_factory=list)
+    trace_to: str | None = None
 
     def hit(self, op: str, path: str) -> None:
         if self.dead:
             raise SimulatedCrash(f"storage operation {op} {path} after the simulated crash")
         self.count += 1
         self.trace.append((self.count, op, str(path)))
+        if self.trace_to:
+            with open(self.trace_to, "a") as f:
+                f.write(f"{self.count} {op} {path}\n")
         if self.count == self.plan.at:
             self._fire(op, str(path))
 
@@ -115,7 +122,7 @@ def wrap_filesystem(fs, spec: str | FaultPlan) -> FaultyFileSystem:
     """`fs` with the fault plan `spec` (see `FaultPlan.parse`)."""
     plan = FaultPlan.parse(spec)
     disk = PowerLossModel() if getattr(fs, "local_disk", False) else None
-    return FaultyFileSystem(fs, Injector(plan, disk=disk))
+    return FaultyFileSystem(fs, Injector(plan, disk=disk, trace_to=os.environ.get(TRACE_ENV)))
 
 
 class FaultyFileSystem:
