@@ -20,16 +20,19 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = None
 
-    def truncate_after(self, step: int) -> None:
-        """Drop lines of steps after `step` (steps a crashed process ran past its last checkpoint)."""
+    def truncate_after(self, step: int) -> list[dict[str, Any]]:
+        """Drop lines of steps after `step` (steps a crashed process ran past its last checkpoint);
+        returns the dropped records, so a resumed run can check its re-run steps against them."""
         self.close()
         if not self.path.exists():
-            return
-        kept = [line for line in self.path.read_text().splitlines(keepends=True)
-                if _step_of(line) is not None and _step_of(line) <= step]
+            return []
+        lines = self.path.read_text().splitlines(keepends=True)
+        kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
+        dropped = [json.loads(line) for line in lines if _step_of(line) is not None and _step_of(line) > step]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(kept))
         os.replace(tmp, self.path)
+        return dropped
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is None:

@@ -34,6 +34,7 @@ from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR
 from harness.config import RunConfig, config_changes
 from harness.errors import UserError
 from harness.events import EventLog
+from harness.fingerprint import fingerprint_fields
 from harness.log import get_logger
 from harness.metrics import MetricsLog
 from harness.signals import PreemptionWatch, SaveDeadline
@@ -66,9 +67,11 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             metrics = MetricsLog(log_dir / "metrics.jsonl")
             if ref is not None:
                 source.load(ref, trainer.state.parts())
-            metrics.truncate_after(trainer.step)
+            ran_past = metrics.truncate_after(trainer.step)
             events.emit("start", step=trainer.step, resumed_from=ref.step if ref else None, pid=os.getpid(),
                         host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time())
+            if ref is not None:  # check the restored state, then each re-run step, against the run's own history
+                trainer.fingerprints.watch(events, [] if allow_config_change else ran_past)
             return Loop(cfg, trainer, store, metrics, events, log_dir).run()
         finally:
             trainer.close()
@@ -206,7 +209,7 @@ class Loop:
     def record(self, r) -> None:
         self.metrics.write({"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
                             "tokens_per_s": r.tokens / r.seconds if r.seconds else None, "optim_s": r.optim_seconds,
-                            "time": time.time()})
+                            "time": time.time(), **fingerprint_fields(r.fingerprint)})
         if r.step % self.cfg.train.log_every == 0 or r.step == self.cfg.train.steps:
             log.info("step", step=r.step, loss=round(r.loss, 4), grad_norm=round(r.grad_norm, 3))
             # Goodput needs the last step reached before a crash to count recomputed steps.

@@ -22,7 +22,9 @@ import torch
 
 from harness.config import RunConfig
 from harness.data import BatchStream, TokenDataset, eval_batches
+from harness.completeness import check_registered
 from harness.errors import UserError
+from harness.fingerprint import FingerprintLog
 from harness.log import get_logger
 from harness.models import load_factory
 from harness.rng import RNGState, seed_everything
@@ -47,6 +49,7 @@ class StepResult:
     tokens: int
     seconds: float
     optim_seconds: float  # unscale, clip, optimizer and scheduler step, zero_grad (part of `seconds`)
+    fingerprint: dict[str, Any] | None = None  # harness.fingerprint record of this step
 
 
 def resolve_device(name: str) -> torch.device:
@@ -95,6 +98,11 @@ class Trainer:
         self.state.register("scaler", self.scaler)
         self.state.register("trainer", self.counters)
         self.state.register("rng", RNGState())
+        self.fingerprints = FingerprintLog(
+            lambda: {k: v for k, v in self.state.parts().items() if k != "fingerprints"},
+            cfg.train.fingerprint_every, cfg.train.on_divergence)
+        self.state.register("fingerprints", self.fingerprints)
+        check_registered({"trainer": self}, self.state.parts(), cfg.train.unregistered_state)
 
     @property
     def step(self) -> int:
@@ -107,8 +115,10 @@ class Trainer:
         self.model.train()
         total = torch.zeros((), device=self.device)
         tokens = 0
+        sample_ids = []
         for _ in range(accum):
             batch = next(self.stream)
+            sample_ids.append(batch.sample_ids)
             x, y = batch.x.to(self.device), batch.y.to(self.device)
             with self._autocast():
                 _, loss = self.model(x, y)
@@ -132,8 +142,9 @@ class Trainer:
         self.optim.zero_grad(set_to_none=True)
         t_end = time.perf_counter()
         self.counters.record(loss_value, tokens)
-        return StepResult(self.step, loss_value, grad_norm, self.sched.get_last_lr(), tokens,
-                          t_end - t0, t_end - t_optim)
+        lr = self.sched.get_last_lr()
+        fingerprint = self.fingerprints.take(self.step, loss_value, {"sample_ids": torch.cat(sample_ids)}, lr)
+        return StepResult(self.step, loss_value, grad_norm, lr, tokens, t_end - t0, t_end - t_optim, fingerprint)
 
     def _clip_gradients(self) -> float:
         params = [p for p in self.model.parameters() if p.grad is not None]
