@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,11 +23,39 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_JSON_LINES = 50
 
 
+@dataclass(frozen=True)
+class Difference:
+    """One difference: `where` is `file:tensor` or a `parts/...` JSON path; `part` the state part it
+    belongs to; `max_abs` the largest absolute element difference of a tensor (None otherwise)."""
+
+    part: str
+    where: str
+    line: str
+    max_abs: float | None = None
+
+
+@dataclass
+class CheckpointDiff:
+    lines: list[str] = field(default_factory=list)
+    differences: list[Difference] = field(default_factory=list)
+
+    @property
+    def equal(self) -> bool:
+        return not self.differences
+
+
 def diff_checkpoints(a: tuple[CheckpointStore, CheckpointRef], b: tuple[CheckpointStore, CheckpointRef]) -> tuple[list[str], bool]:
     """(report lines, equal) for checkpoints `a` and `b`."""
+    result = compare_checkpoints(a, b)
+    return result.lines, result.equal
+
+
+def compare_checkpoints(a: tuple[CheckpointStore, CheckpointRef], b: tuple[CheckpointStore, CheckpointRef]) -> CheckpointDiff:
+    """Every difference between checkpoints `a` and `b`, with report lines (JSON ones capped)."""
     (store_a, ref_a), (store_b, ref_b) = a, b
     state_a, state_b = store_a.read_state(ref_a), store_b.read_state(ref_b)
-    lines: list[str] = []
+    result = CheckpointDiff()
+    lines = result.lines
     if state_a["step"] != state_b["step"]:
         lines.append(f"note: steps differ: {state_a['step']} vs {state_b['step']}")
     if _canon(state_a.get("meta")) != _canon(state_b.get("meta")):
@@ -35,29 +64,33 @@ def diff_checkpoints(a: tuple[CheckpointStore, CheckpointRef], b: tuple[Checkpoi
     lines += differences[:_MAX_JSON_LINES]
     if len(differences) > _MAX_JSON_LINES:
         lines.append(f"... and {len(differences) - _MAX_JSON_LINES} more JSON differences")
-    equal = not differences
+    result.differences += [Difference(d.split("/", 2)[1], d.split(": ", 1)[0], d) for d in differences]
     with store_a.open_tensor_files(ref_a) as files_a, store_b.open_tensor_files(ref_b) as files_b:
         for file in sorted(set(files_a) | set(files_b)):
             if file not in files_a or file not in files_b:
-                lines.append(f"{file}: only in {'A' if file in files_a else 'B'}")
-                equal = False
+                line = f"{file}: only in {'A' if file in files_a else 'B'}"
+                lines.append(line)
+                result.differences.append(Difference(file.split(".", 1)[0], file, line))
                 continue
             (fa, ea, wa), (fb, eb, wb) = files_a[file], files_b[file]
             for name in sorted(set(ea) | set(eb)):
-                line = _tensor_diff(file, name, ea.get(name), eb.get(name), lambda e: read_tensor(fa, e, wa),
-                                    lambda e: read_tensor(fb, e, wb))
-                if line:
-                    lines.append(line)
-                    equal = False
-    return lines, equal
+                found = _tensor_diff(file, name, ea.get(name), eb.get(name), lambda e: read_tensor(fa, e, wa),
+                                     lambda e: read_tensor(fb, e, wb))
+                if found:
+                    lines.append(found.line)
+                    result.differences.append(found)
+    return result
 
 
-def _tensor_diff(file: str, name: str, ea: TensorEntry | None, eb: TensorEntry | None, read_a, read_b) -> str | None:
+def _tensor_diff(file: str, name: str, ea: TensorEntry | None, eb: TensorEntry | None, read_a,
+                 read_b) -> Difference | None:
     label = f"{file}:{name}"
+    # Rank files hold several parts, each tensor named `part/...`; other files are one part each.
+    part = name.split("/", 1)[0] if file.startswith("rank-") else file.split(".", 1)[0]
     if ea is None or eb is None:
-        return f"{label}: only in {'A' if eb is None else 'B'}"
+        return Difference(part, label, f"{label}: only in {'A' if eb is None else 'B'}")
     if ea.dtype != eb.dtype or ea.shape != eb.shape:
-        return f"{label}: A is {ea.describe()}, B is {eb.describe()}"
+        return Difference(part, label, f"{label}: A is {ea.describe()}, B is {eb.describe()}")
     ta, tb = read_a(ea).reshape(-1), read_b(eb).reshape(-1)
     bits = _BITS[ta.element_size()]
     differ = ta.view(bits) != tb.view(bits)
@@ -69,8 +102,8 @@ def _tensor_diff(file: str, name: str, ea: TensorEntry | None, eb: TensorEntry |
     wide = torch.float64 if ta.is_floating_point() or ta.dtype == torch.bool else torch.int64
     delta = (ta.to(wide) - tb.to(wide)).abs()
     max_abs = float(delta[~torch.isnan(delta)].max()) if not bool(torch.isnan(delta).all()) else float("nan")
-    return (f"{label}: {count}/{ta.numel()} elements differ, max abs difference {max_abs:.6g}, first at "
-            f"{[int(i) for i in index]}: A={ta[first].item()!r} B={tb[first].item()!r}")
+    return Difference(part, label, f"{label}: {count}/{ta.numel()} elements differ, max abs difference {max_abs:.6g}, "
+                      f"first at {[int(i) for i in index]}: A={ta[first].item()!r} B={tb[first].item()!r}", max_abs)
 
 
 def _strip(node: Any) -> Any:
