@@ -86,6 +86,9 @@ class DebugSection(Section):
     crash_once: bool = Field(True, description="Crash only the first time (a marker file in the log dir remembers).")
     step_sleep_s: float = Field(0.0, ge=0.0, description="Sleep after each step, to give kill tests a window.")
     persist_delay_s: float = Field(0.0, ge=0.0, description="Sleep this long in the background persist before writing (async_save), to give kill tests a window in which a save is in flight.")
+    fail_save_rank: int | None = Field(None, ge=0, description="With world size > 1: this rank fails half-way through writing its part of a checkpoint (at `fail_save_step`, or at every save), to test that no rank commits then.")
+    fail_save_step: int | None = Field(None, ge=0, description="The step at which `fail_save_rank` fails its save; unset = every save.")
+    sample_log: bool = Field(False, description="Each rank appends the sample ids of every batch to LOG_DIR/samples-rank-NNNNN.jsonl, to test the data split across ranks and world sizes.")
 
 
 class RunConfig(Section):

@@ -27,9 +27,10 @@ import fsspec
 import psutil
 from tqdm import tqdm
 
-from harness import exit_codes
+from harness import distributed, exit_codes
 from harness.checkpoint import CheckpointRef, CheckpointStore, capture
 from harness.checkpoint.async_save import AsyncSaver, Committed
+from harness.checkpoint.distributed_commit import GroupCommit, load_checkpoint
 from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR
 from harness.config import RunConfig, config_changes
 from harness.errors import UserError
@@ -48,11 +49,11 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
     log_dir = Path(resolve_log_dir(cfg))
     store = open_store(cfg)
     try:
-        store.acquire_lease(takeover=takeover)
+        distributed.on_rank0(store.acquire_lease, takeover=takeover)  # rank 0 is the run dir's one writer
     except OSError as e:
         raise UserError(f"cannot write to run dir {cfg.run_dir}: {e}; choose a writable --run-dir") from None
     try:
-        source, ref = choose_checkpoint(store, cfg, resume)
+        source, ref = agree_on_checkpoint(store, cfg, resume)
         saved = source.read_state(ref) if ref is not None else None
         if saved is not None:
             check_compatible(saved["meta"], cfg, allow_config_change)
@@ -60,17 +61,20 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
                 log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
                 print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
                 return exit_codes.FINISHED
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, rank=distributed.rank(), world_size=distributed.world())
         try:
-            write_run_json(cfg, trainer)
-            events = EventLog(log_dir / "events.jsonl")
-            metrics = MetricsLog(log_dir / "metrics.jsonl")
+            distributed.on_rank0(write_run_json, cfg, trainer)
+            lead = distributed.rank() == 0  # rank 0 keeps the logs: every rank logs the same all-reduced loss
+            events = EventLog(log_dir / "events.jsonl") if lead else distributed.Silent()
+            metrics = MetricsLog(log_dir / "metrics.jsonl") if lead else distributed.Silent()
+            if cfg.debug.sample_log:
+                trainer.batch_hook = distributed.SampleLog(log_dir).write
             if ref is not None:
-                source.load(ref, trainer.state.parts())
+                load_checkpoint(source, ref, trainer.state.parts())
             ran_past = metrics.truncate_after(trainer.step)
             events.emit("start", step=trainer.step, resumed_from=ref.step if ref else None, pid=os.getpid(),
                         host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time())
-            if ref is not None:  # check the restored state, then each re-run step, against the run's own history
+            if ref is not None and lead:  # check the restored state, then each re-run step, against the run's own history
                 trainer.fingerprints.watch(events, [] if allow_config_change else ran_past)
             return Loop(cfg, trainer, store, metrics, events, log_dir).run()
         finally:
@@ -93,6 +97,25 @@ def resolve_log_dir(cfg: RunConfig) -> str:
     if protocol in (None, "file", "local"):
         return fsspec.core.strip_protocol(cfg.run_dir)
     return os.path.join("runs", cfg.run_dir.rstrip("/").rsplit("/", 1)[-1])
+
+
+def agree_on_checkpoint(store: CheckpointStore, cfg: RunConfig,
+                        resume: str) -> tuple[CheckpointStore, CheckpointRef | None]:
+    """`choose_checkpoint` on rank 0 (discovery verifies every byte once), the same choice on
+    every rank, so ranks never load different checkpoints."""
+    if not distributed.is_distributed():
+        return choose_checkpoint(store, cfg, resume)
+
+    def decide() -> tuple[str | None, int] | None:
+        source, ref = choose_checkpoint(store, cfg, resume)
+        return None if ref is None else (None if source is store else source.url, ref.step)
+
+    choice = distributed.on_rank0(decide)
+    if choice is None:
+        return store, None
+    url, step = choice
+    source = store if url is None else CheckpointStore(url, storage_options=cfg.checkpoint.storage_options or None)
+    return source, source.ref(step)
 
 
 def choose_checkpoint(store: CheckpointStore, cfg: RunConfig,
@@ -160,8 +183,10 @@ class Loop:
         c = cfg.checkpoint
         self.clock = CheckpointClock(c.every_steps, c.every_minutes, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
                                      report=self.interval_chosen)
+        # With several ranks every save is synchronous: see harness/checkpoint/distributed_commit.py.
         self.saver = AsyncSaver(store, when_busy=c.when_busy, on_commit=self.committed,
-                                persist_delay_s=cfg.debug.persist_delay_s) if c.async_save else None
+                                persist_delay_s=cfg.debug.persist_delay_s) if c.async_save and not distributed.is_distributed() else None
+        self.commit = GroupCommit(store, fail_rank=cfg.debug.fail_save_rank, fail_step=cfg.debug.fail_save_step)
         self.last_saved = trainer.step
         self.train_s = 0.0
         self.save_s = 0.0
@@ -173,7 +198,7 @@ class Loop:
         with PreemptionWatch(cfg.checkpoint.preempt_signals) as watch:
             try:
                 while trainer.step < cfg.train.steps:
-                    if watch.requested:
+                    if distributed.all_reduce_flag(watch.requested):  # one rank's signal stops all at this step
                         return self.preempt(watch)
                     result = trainer.train_step()
                     self.poll()
@@ -187,11 +212,11 @@ class Loop:
                         self.metrics.write({"step": trainer.step, "eval_loss": trainer.evaluate()})
                     if trainer.step >= cfg.train.steps:
                         trainer.counters.finished = True
-                    if self.clock.due(trainer.step):
+                    if distributed.rank0_flag(self.clock.due(trainer.step)):
                         self.save()
                     if cfg.debug.step_sleep_s:
                         time.sleep(cfg.debug.step_sleep_s)
-                if watch.requested and self.last_saved != trainer.step:
+                if distributed.all_reduce_flag(watch.requested) and self.last_saved != trainer.step:
                     return self.preempt(watch)
                 final_eval = trainer.evaluate()  # overlaps the final persist: the snapshot is a copy
                 self.metrics.write({"step": trainer.step, "eval_loss": final_eval})
@@ -231,8 +256,8 @@ class Loop:
                 "environment": environment_fingerprint(self.trainer.device)}
         if self.saver is None:
             t0 = time.perf_counter()
-            snapshot = capture(self.trainer.state.parts())
-            ref = self.store.commit(step, snapshot, meta=meta)
+            snapshot = capture(self.trainer.state.parts(), rank=distributed.rank())
+            ref = self.commit(step, snapshot, meta=meta)
             blocking = time.perf_counter() - t0
             self.committed(Committed(ref, blocking, snapshot.nbytes))
         else:

@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from harness.config import load_config
+from harness.distributed import process_group, topology_from_env
 from harness.errors import UserError
 
 
@@ -46,6 +47,10 @@ def load_from_args(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_from_args(args)
+    topology = topology_from_env()
+    if args.max_restarts > 0 and topology.world_size > 1:
+        raise UserError(f"--max-restarts supervises one process, but this is rank {topology.rank} of "
+                        f"{topology.world_size}: let the launcher restart the group (torchrun --max-restarts N)")
     if args.max_restarts > 0:
         from harness.supervisor import supervise_self
 
@@ -54,7 +59,9 @@ def run(args: argparse.Namespace) -> int:
     from harness.run import train
 
     try:
-        return train(cfg, resume=args.resume, allow_config_change=args.allow_config_change, takeover=args.takeover)
+        with process_group():  # under torchrun with WORLD_SIZE > 1; otherwise nothing
+            return train(cfg, resume=args.resume, allow_config_change=args.allow_config_change,
+                         takeover=args.takeover)
     except PermissionError as e:
         raise UserError(f"permission denied: {e.filename or e}; choose a writable --run-dir") from None
 

@@ -22,6 +22,7 @@ import torch
 
 from harness.config import RunConfig
 from harness.data import BatchStream, TokenDataset, eval_batches
+from harness.data.prng import derive_seed
 from harness.completeness import check_registered
 from harness.errors import UserError
 from harness.fingerprint import FingerprintLog
@@ -72,13 +73,27 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, *, rank: int = 0, world_size: int = 1) -> None:
         self.cfg = cfg
+        self.world_size = world_size
         self.device = resolve_device(cfg.train.device)
+        if self.device.type == "cuda" and world_size > 1:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, set by the process group
         enable_determinism()
         seed_everything(cfg.train.seed)
 
         model_args = {"seq_len": cfg.data.seq_len, **cfg.model.args}
         self.model = load_factory(cfg.model.factory)(model_args).to(self.device)
         self.optim, self.sched = build_bundle(cfg.optim, self.model, total_steps=cfg.train.steps)
+        # Forward and backward go through `self.net`: the DDP wrapper, whose backward all-reduces
+        # the gradients before any optimizer (Muon's orthogonalisation included) sees them.
+        # `self.model`, the inner module, is the state part, so parameter names stay unprefixed.
+        self.net = self.model
+        if world_size > 1:
+            from torch.nn.parallel import DistributedDataParallel
+
+            self.net = DistributedDataParallel(self.model, device_ids=[self.device] if self.device.type == "cuda" else None)
+            # Dropout differs by rank (as the samples do); each rank's stream is its `rng` part.
+            seed_everything(derive_seed(cfg.train.seed, rank))
+        self.batch_hook: Callable[[int, Any], None] | None = None  # debug.sample_log
 
         dataset = TokenDataset.from_url(cfg.data.url, cfg.data.seq_len, cfg.data.storage_options)
         self.train_set, self.eval_set = dataset.split(cfg.data.eval_fraction)
@@ -116,16 +131,23 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         tokens = 0
         sample_ids = []
-        for _ in range(accum):
+        for i in range(accum):
             batch = next(self.stream)
+            if self.batch_hook is not None:
+                self.batch_hook(self.step + 1, batch)
             sample_ids.append(batch.sample_ids)
             x, y = batch.x.to(self.device), batch.y.to(self.device)
-            with self._autocast():
-                _, loss = self.model(x, y)
-            self.scaler.scale(loss / accum).backward()
+            # DDP all-reduces in the last micro-batch's backward only: the sum is the same.
+            with self.net.no_sync() if self.world_size > 1 and i < accum - 1 else nullcontext():
+                with self._autocast():
+                    _, loss = self.net(x, y)
+                self.scaler.scale(loss / accum).backward()
             total += loss.detach().float()
             tokens += x.numel()
-        loss_value = float(total) / accum
+        if self.world_size > 1:  # every rank logs, digests and checks the mean over all ranks
+            torch.distributed.all_reduce(total)
+            tokens *= self.world_size
+        loss_value = float(total) / (accum * self.world_size)
         if not math.isfinite(loss_value):
             self.optim.zero_grad(set_to_none=True)
             raise TrainingDiverged(
