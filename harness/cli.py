@@ -23,6 +23,7 @@ COMMAND_MODULES = (
     "harness.torture",
     "harness.sweep",
     "harness.compare",
+    "harness.verify",
 )
 
 

@@ -1,0 +1,316 @@
+"""`harness verify-resume CONFIG`: check that interrupting and resuming a run changes nothing.
+
+The runner trains the config twice in a scratch folder, each in real `harness train` processes:
+A continuously, B with interruptions (SIGKILL or SIGTERM sent once B's metrics show the chosen
+step, then the same command again, which resumes). Both record a fingerprint every step (loss,
+batch hash, and with `--fingerprint-every 1` the hash of every state part; see
+`harness.fingerprint`), with `train.on_divergence = "warn"` so B runs to the end either way.
+Then it compares:
+1. the per-step fingerprints of A and B (B's metrics.jsonl reads like an uninterrupted run's);
+2. the `resume_mismatch` events B's resumed processes raised (a restored part that hashes
+   differently from the saved one is caught there, at the checkpoint's step);
+3. the final checkpoints, tensor by tensor (`harness.checkpoint.diff`).
+The verdict is "identical", or the first divergent step with the part to blame (`diagnose`), the
+tensor and its max |difference| in the final checkpoints, and a hint. Exit code 0 only when
+identical, 1 when not, 2 on a user error (including a run that fails on its own).
+
+`Verdict` is shared with the in-process helper `harness.testing.check_resume`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.errors import UserError
+from harness.fingerprint import FIELDS, _ordered, diagnose, differing_fields
+
+START_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Verdict:
+    """The outcome of a resume check. `bool(verdict)` is True only when identical.
+
+    When not identical: `step` is the first divergent step, `when` is "step" (a re-run step
+    differs) or "restore" (the state right after loading differs from the saved one, at the
+    checkpoint's step) or "final" (only the final checkpoints differ); `part` the state part to
+    blame, `tensor` and `max_diff` the tensor of that part that differs (with its largest
+    absolute element difference) where one is known, `hint` the likely cause."""
+
+    identical: bool
+    steps: int
+    interrupt_at: list[int]
+    step: int | None = None
+    when: str = "step"
+    fields: list[str] = field(default_factory=list)
+    part: str | None = None
+    tensor: str | None = None
+    max_diff: float | None = None
+    hint: str = ""
+    details: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return self.identical
+
+    def headline(self) -> str:
+        if self.identical:
+            return (f"identical: {self.steps} steps, interrupted at {', '.join(map(str, self.interrupt_at)) or '-'}; "
+                    f"loss, batch and state fingerprints match at every step and the final checkpoints are equal")
+        where = {"restore": f"step {self.step} (right after restoring)", "final": "the final checkpoint"}.get(
+            self.when, f"step {self.step}")
+        text = f"diverged at {where}: part {self.part}"
+        if self.tensor:
+            text += f", tensor {self.tensor}"
+        if self.max_diff is not None:
+            text += f", max |diff| {self.max_diff:.6g}"
+        return f"{text}; hint: {self.hint}"
+
+    def __str__(self) -> str:
+        return "\n".join([self.headline(), *(f"  {line}" for line in self.details)])
+
+
+def first_divergence(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[int, list[str]] | None:
+    """(step, differing fields) of the first step whose records differ or exist in one run only."""
+    by_a, by_b = {int(r["step"]): r for r in a}, {int(r["step"]): r for r in b}
+    for step in sorted(by_a.keys() | by_b.keys()):
+        if step not in by_a or step not in by_b:
+            return step, [f"missing in {'A' if step not in by_a else 'B'}"]
+        fields = differing_fields(by_a[step], by_b[step])
+        if fields:
+            return step, fields
+    return None
+
+
+def blame(diffs: list, part: str | None, prefer: str | None = None) -> tuple[str | None, float | None]:
+    """(tensor or JSON path, max |diff|) among checkpoint differences of `part`: the one named
+    `prefer` when present, else the largest tensor difference, else the first difference."""
+    mine = [d for d in diffs if d.part == part]
+    if not mine:
+        return None, None
+    for d in mine:
+        if prefer and d.where.endswith(prefer):
+            return d.where, d.max_abs
+    tensors = [d for d in mine if d.max_abs is not None]
+    best = max(tensors, key=lambda d: d.max_abs) if tensors else mine[0]
+    return best.where, best.max_abs
+
+
+def describe_fields(step: int, fields: list[str], a: dict | None, b: dict | None) -> list[str]:
+    """Lines that show what differs in two records of one step."""
+    lines = [f"at step {step}: {', '.join(fields)} differ (A = continuous, B = interrupted)"]
+    for key, name in (("loss", "loss"), ("lr", "lr"), ("batch", "batch_hash")):
+        if key in fields and a and b:
+            lines.append(f"{name}: A={json.dumps(a.get(name))} B={json.dumps(b.get(name))}")
+    return lines
+
+
+# ---- the command ---------------------------------------------------------------------------
+
+
+def parse_steps(text: str) -> list[int]:
+    try:
+        steps = sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected step numbers like 13,40") from None
+    if not steps:
+        raise argparse.ArgumentTypeError("expected at least one step")
+    return steps
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser("verify-resume", help="check that interrupting and resuming a run changes nothing",
+                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", metavar="CONFIG", help="TOML run config (see configs/)")
+    p.add_argument("--steps", type=int, metavar="N", help="train N steps instead of the config's train.steps")
+    points = p.add_mutually_exclusive_group()
+    points.add_argument("--interrupt-at", type=parse_steps, metavar="S1,S2", help="interrupt B once it logged these steps")
+    points.add_argument("--random", type=int, metavar="K", help="interrupt at K random steps (default: 2)")
+    p.add_argument("--seed", type=int, help="seed of --random (default: a fresh one, printed)")
+    p.add_argument("--signal", choices=["KILL", "TERM"], default="KILL",
+                   help="KILL: die at once, resume from the last checkpoint; TERM: preemption, save and exit")
+    p.add_argument("--fingerprint-every", type=int, default=1, metavar="N",
+                   help="state hash every N steps (default 1: the divergent step and part are exact)")
+    p.add_argument("--work-dir", metavar="DIR", help="keep both runs here (default: a temporary folder, "
+                                                     "removed when identical)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set optim.lr=1e-3 (repeatable)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from harness.config import load_config
+
+    overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps else [])
+    cfg = load_config(args.config, overrides)
+    steps = cfg.train.steps
+    if args.interrupt_at:
+        points = args.interrupt_at
+    else:
+        seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+        k = 2 if args.random is None else args.random
+        if not 0 < k < steps:
+            raise UserError(f"--random {k}: choose between 1 and {steps - 1} interruptions for {steps} steps")
+        points = sorted(random.Random(seed).sample(range(1, steps), k))
+        print(f"interrupting at steps {','.join(map(str, points))} (--random {k} --seed {seed})", flush=True)
+    if points[0] < 1 or points[-1] >= steps:
+        raise UserError(f"--interrupt-at {','.join(map(str, points))}: steps must lie in 1..{steps - 1}")
+
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="verify-resume-"))
+    work.mkdir(parents=True, exist_ok=True)
+    runs = {"A": work / "continuous", "B": work / "interrupted"}
+    for path in runs.values():
+        if path.exists():
+            shutil.rmtree(path)
+    sets = [*overrides, f"train.fingerprint_every={args.fingerprint_every}", 'train.on_divergence="warn"']
+    sig = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}[args.signal]
+    print(f"A: continuous in {runs['A']}; B: interrupted ({args.signal}) in {runs['B']}", flush=True)
+    proc_a = _start(args.config, runs["A"], sets, work / "continuous.log")
+    try:
+        story = _interrupted(args.config, runs["B"], sets, work / "interrupted.log", points, sig)
+    except BaseException:
+        proc_a.kill()
+        raise
+    if proc_a.wait() != 0:
+        raise UserError(f"the continuous run failed (exit {proc_a.returncode}); see {work / 'continuous.log'}:\n"
+                        + _tail(work / "continuous.log"))
+    print("B: " + "; ".join(story), flush=True)
+    verdict = compare_runs(runs["A"], runs["B"], steps, points)
+    print(verdict, flush=True)
+    if verdict and not args.work_dir:
+        shutil.rmtree(work, ignore_errors=True)
+    elif not verdict:
+        print(f"runs kept in {work} (logs: continuous.log, interrupted.log)")
+    return 0 if verdict else 1
+
+
+def _start(config: str, run_dir: Path, sets: list[str], log_path: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "harness.cli", "--log-level", "warning", "train", config, "--run-dir", str(run_dir),
+           "--set", f'log_dir="{run_dir}"', *[x for s in sets for x in ("--set", s)]]
+    with log_path.open("a") as log_file:
+        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+
+
+def _interrupted(config: str, run_dir: Path, sets: list[str], log_path: Path, points: list[int],
+                 sig: signal.Signals) -> list[str]:
+    """Run B: start, signal at each point, restart; finally run to the end. Returns what happened."""
+    story = []
+    for point in points:
+        starts = len(_events(run_dir, "start"))
+        proc = _start(config, run_dir, sets, log_path)
+        resumed = _wait(proc, run_dir, starts, point, log_path)
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        code = proc.wait()
+        story.append(f"{resumed} -> {sig.name} at step {_last_step(run_dir)} (exit {code})")
+    starts = len(_events(run_dir, "start"))
+    proc = _start(config, run_dir, sets, log_path)
+    code = proc.wait()
+    begun = _events(run_dir, "start")[starts:]
+    story.append(f"resumed from {begun[0].get('resumed_from') if begun else '?'} -> finished (exit {code})")
+    if code != 0:
+        raise UserError(f"the interrupted run failed after its last restart (exit {code}); see {log_path}:\n"
+                        + _tail(log_path))
+    return story
+
+
+def _wait(proc: subprocess.Popen, run_dir: Path, starts: int, point: int, log_path: Path) -> str:
+    """Wait until this process started (its start event) and logged step `point`."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    begun: list[dict] = []
+    while proc.poll() is None and time.monotonic() < deadline:
+        begun = _events(run_dir, "start")[starts:]
+        if begun and _last_step(run_dir) >= point:
+            break
+        time.sleep(0.02)
+    if proc.poll() not in (None, 0):
+        raise UserError(f"the interrupted run failed before step {point} (exit {proc.returncode}); see "
+                        f"{log_path}:\n" + _tail(log_path))
+    start = begun[0].get("resumed_from") if begun else None
+    return "started fresh" if start is None else f"resumed from {start}"
+
+
+def _events(run_dir: Path, kind: str) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue  # a line being written
+        if event.get("event") == kind:
+            out.append(event)
+    return out
+
+
+def _records(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [{k: r[k] for k in FIELDS if k in r} for r in lines if "batch_hash" in r]
+
+
+def _last_step(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = []
+    for line in path.read_text().splitlines():
+        try:
+            steps.append(int(json.loads(line).get("step", 0)))
+        except (ValueError, AttributeError):
+            continue
+    return max(steps, default=0)
+
+
+def _tail(path: Path, n: int = 3000) -> str:
+    return path.read_text()[-n:] if path.exists() else ""
+
+
+def compare_runs(a: Path, b: Path, steps: int, points: list[int]) -> Verdict:
+    """The verdict for two finished run dirs of `steps` steps (A continuous, B interrupted)."""
+    from harness.checkpoint.diff import compare_checkpoints
+    from harness.checkpoint.store import CheckpointStore
+
+    rec_a, rec_b = _records(a), _records(b)
+    found = first_divergence(rec_a, rec_b)
+    store_a, store_b = CheckpointStore(str(a)), CheckpointStore(str(b))
+    final = compare_checkpoints((store_a, store_a.ref(steps)), (store_b, store_b.ref(steps)))
+    noticed = [e for e in _events(b, "resume_mismatch")]
+    restored = [e for e in noticed if any(f.startswith("restored:") for f in e["fields"])]
+    verdict = Verdict(identical=False, steps=steps, interrupt_at=points)
+    verdict.details += [f"B's resumed process reported at step {e['step']}: {', '.join(e['fields'])}" for e in noticed]
+    if restored and (found is None or restored[0]["step"] < found[0]):
+        verdict.step, verdict.when, verdict.fields = restored[0]["step"], "restore", restored[0]["fields"]
+    elif found is not None:
+        verdict.step, verdict.fields = found
+        by_a, by_b = {r["step"]: r for r in rec_a}, {r["step"]: r for r in rec_b}
+        verdict.details += describe_fields(found[0], found[1], by_a.get(found[0]), by_b.get(found[0]))
+    elif not final.equal:
+        verdict.when = "final"
+        verdict.fields = [f"state:{p}" for p in _ordered({d.part for d in final.differences})]
+    else:
+        verdict.identical = True
+        return verdict
+    verdict.part, verdict.hint = diagnose(verdict.fields)
+    if verdict.when == "final":
+        verdict.hint = ("every step's fingerprint matches, only the final checkpoints differ: state that does not "
+                        "take part in the steps (a counter, a buffer) is not restored")
+    verdict.tensor, verdict.max_diff = blame(final.differences, verdict.part)
+    if final.differences:
+        verdict.details.append("final checkpoints differ (first differences):")
+        verdict.details += [f"  {d.line}" for d in final.differences[:8]]
+    return verdict
