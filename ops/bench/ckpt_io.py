@@ -7,11 +7,13 @@ For a model + AdamW state of about `--size-mib` (default 1024), in one run:
 * load: `CheckpointStore.load` into the live model and optimizer against a raw read of the same
   bytes into preallocated memory and `torch.load(weights_only=True)`; `verify` (the sha256 pass
   `latest_good` does before resuming) is timed on its own;
-* memory: peak RSS (ru_maxrss) of a child process that builds the model and a fresh optimizer
+* memory: peak RSS (VmHWM) of a child process that builds the model and a fresh optimizer
   and loads the checkpoint, against a child that builds the model and optimizer state of a
   fresh start (what training holds after its first step).
 
-Every figure is the best of `--repeat` runs. Save figures include fsync, so they measure the
+Every figure is the best of `--repeat` rounds, the contenders taking turns in each round (the
+disk is shared; a burst from another process then hits all of them alike). Each save writes a
+new file or folder; the previous round's is deleted untimed before it. Save figures include fsync, so they measure the
 disk. Loads are measured twice: cold (the files are first evicted from the page cache with
 posix_fadvise, as after a restart on a new node) and warm (read again at once: the code path). Run: `python ops/bench/ckpt_io.py --size-mib 1024`.
 """
@@ -21,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -61,15 +62,18 @@ def tensors_of(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.
     return flat
 
 
-def best(repeat: int, fn, before=None) -> float:
-    times = []
+def best(repeat: int, ops: dict[str, tuple]) -> dict[str, float]:
+    """Best time of each op (name -> (fn, prepare or None)) over `repeat` rounds. The ops run in
+    turn within a round, so a burst of I/O from another process hits them all alike."""
+    times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(repeat):
-        if before is not None:
-            before()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+        for name, (fn, prepare) in ops.items():
+            if prepare is not None:
+                prepare()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: min(t) for name, t in times.items()}
 
 
 def drop_cache(*paths: Path) -> None:
@@ -80,6 +84,14 @@ def drop_cache(*paths: Path) -> None:
                 fd = os.open(f, os.O_RDONLY)
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 os.close(fd)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_path(path: Path) -> None:
@@ -114,7 +126,15 @@ def child(args: argparse.Namespace) -> None:
         store = CheckpointStore(args.dir)
         store.load(store.list()[-1], {"model": model, "optim": opt})
         assert len(opt.state) == len(list(model.parameters()))
-    print(json.dumps({"maxrss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+    print(json.dumps({"maxrss_bytes": peak_rss()}))
+
+
+def peak_rss() -> int:
+    """This process's peak RSS (VmHWM). Not ru_maxrss: after a vfork+exec that reports the
+    parent's peak, which is the benchmark process with the whole state in memory."""
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kib * 1024
 
 
 def measure(args: argparse.Namespace, folder: Path) -> dict:
@@ -124,34 +144,43 @@ def measure(args: argparse.Namespace, folder: Path) -> dict:
     parts = {"model": model, "optim": opt}
     r: dict = {"state_bytes": nbytes, "tensors": len(tensors)}
 
-    raw = folder / "raw.bin"
-    r["save_raw_s"] = best(args.repeat, lambda: raw_write(raw, tensors))
-    store = CheckpointStore(str(folder / "run"), keep_last=2)
-    step = iter(range(1, 1000))
-    r["save_store_s"] = best(args.repeat, lambda: store.save(next(step), parts))
-    pt = folder / "state.pt"
-    r["save_torch_s"] = best(args.repeat, lambda: (torch.save(parts_state(model, opt), pt), fsync_path(pt)))
+    raw, pt, dcp_dir, run = folder / "raw.bin", folder / "state.pt", folder / "dcp", folder / "run"
     import torch.distributed.checkpoint as dcp
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+    def dcp_save() -> None:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "no process group": single-process use is the point here
+            dcp.save(dict(tensors), checkpoint_id=str(dcp_dir))
 
-        def dcp_save() -> None:
-            shutil.rmtree(folder / "dcp", ignore_errors=True)
-            dcp.save(dict(tensors), checkpoint_id=str(folder / "dcp"))
+    def fresh(path: Path):
+        """Untimed: remove this contender's previous output and commit the deletion, so the
+        disk's discard of the freed blocks (the fs is mounted with `discard`) is not timed
+        against whoever writes next."""
+        def prepare() -> None:
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            fsync_dir(folder)
+        return prepare
 
-        r["save_dcp_s"] = best(args.repeat, dcp_save)
-    shutil.rmtree(folder / "dcp", ignore_errors=True)
+    r.update(best(args.repeat, {
+        "save_raw_s": (lambda: raw_write(raw, tensors), fresh(raw)),
+        "save_store_s": (lambda: CheckpointStore(str(run)).save(1, parts), fresh(run)),
+        "save_torch_s": (lambda: (torch.save(parts_state(model, opt), pt), fsync_path(pt)), fresh(pt)),
+        "save_dcp_s": (dcp_save, fresh(dcp_dir)),
+    }))
+    shutil.rmtree(dcp_dir, ignore_errors=True)
+    store = CheckpointStore(str(run))
 
     buffer = torch.zeros(nbytes, dtype=torch.uint8)
     ref = store.list()[-1]
     ckpt = Path(ref.path)
-    for mode, before in (("cold", lambda *p: (lambda: drop_cache(*p))), ("warm", lambda *p: None)):
-        r[f"load_raw_{mode}_s"] = best(args.repeat, lambda: raw_read(raw, buffer), before(raw))
-        r[f"load_store_{mode}_s"] = best(args.repeat, lambda: store.load(ref, parts), before(ckpt))
-        r[f"load_torch_{mode}_s"] = best(args.repeat, lambda: torch.load(pt, weights_only=True), before(pt))
+    for mode, evict in (("cold", lambda p: (lambda: drop_cache(p))), ("warm", lambda p: None)):
+        r.update(best(args.repeat, {
+            f"load_raw_{mode}_s": (lambda: raw_read(raw, buffer), evict(raw)),
+            f"load_store_{mode}_s": (lambda: store.load(ref, parts), evict(ckpt)),
+            f"load_torch_{mode}_s": (lambda: torch.load(pt, weights_only=True), evict(pt)),
+        }))
     del buffer
-    r["verify_s"] = best(args.repeat, lambda: store.verify(ref))
+    r.update(best(args.repeat, {"verify_s": (lambda: store.verify(ref), None)}))
     raw.unlink()
     pt.unlink()
     del model, opt, parts, tensors
@@ -184,7 +213,7 @@ def report(r: dict, command: str) -> str:
         for who in ("raw", "store", "torch", "dcp"):
             k = raw_key.replace("raw", who)
             if k in r:
-                lines.append(f"| {op.split()[0]} {who} {' '.join(op.split()[1:])} | {r[k]:.3f} | {rate[k]:.2f} | {r[raw_key] / r[k]:.2f}x |")
+                lines.append(f"| {' '.join([op.split()[0], who, *op.split()[1:]])} | {r[k]:.3f} | {rate[k]:.2f} | {r[raw_key] / r[k]:.2f}x |")
     lines.append(f"| verify (sha256 of every file) | {r['verify_s']:.3f} | {rate['verify_s']:.2f} | |")
     lines += [
         "",
