@@ -26,8 +26,10 @@ layer (faults.py): `faults` in the storage options, or the `HARNESS_FAULTS` envi
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any
 
 import fsspec
@@ -47,6 +49,12 @@ FAULTS_ENV = "HARNESS_FAULTS"
 # operation's deadline. 60 s of read silence is generous even for a 5 GiB part.
 CONNECT_TIMEOUT_S = 10
 READ_TIMEOUT_S = 60
+# Parts of one object uploading at once: enough to keep several connections busy (one S3
+# connection tops out far below a node's bandwidth), few enough to bound the memory they hold.
+PARTS_IN_FLIGHT = 4
+# Multipart part size (and read-ahead block): small enough that a checkpoint file becomes several
+# parts uploading side by side, large enough that 10,000 parts (S3's limit) hold 160 GiB.
+BLOCK_SIZE = 16 << 20
 
 
 def s3_storage_options(user_options: dict[str, Any] | None) -> dict[str, Any]:
@@ -58,7 +66,7 @@ def s3_storage_options(user_options: dict[str, Any] | None) -> dict[str, Any]:
                      **options.pop("config_kwargs", {})}
     # Retries are ours alone: botocore's would multiply attempts and hide a 403 behind several requests.
     config_kwargs["retries"] = {"total_max_attempts": 1, "mode": "standard"}
-    return {**options, "config_kwargs": config_kwargs, "retry_policy": policy}
+    return {"default_block_size": BLOCK_SIZE, **options, "config_kwargs": config_kwargs, "retry_policy": policy}
 
 
 def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
@@ -148,13 +156,43 @@ class RetryingS3FileSystem(S3FileSystem):
         # s3fs builds its S3File by name; switching the class adds retried reads and abort-on-error.
         # A reader's cache holds the fetch method bound at construction, so it is rebound too.
         f.__class__ = _RetryingS3File
+        f._parts_in_flight = []
         if f.readable():
             f.cache.fetcher = f._fetch_range
         return f
 
 
 class _RetryingS3File(S3File):
-    """S3File whose range reads are retried whole (request and body) and whose failed writes abort."""
+    """S3File whose range reads are retried whole (request and body), whose multipart parts
+    upload in the background (up to `PARTS_IN_FLIGHT` at once, while the caller keeps
+    serializing), and whose failed writes abort."""
+
+    def _call_s3(self, method, *kwarglist, **kwargs):
+        if method == "upload_part":
+            return self._submit_part(*kwarglist, **kwargs)
+        if method == "complete_multipart_upload":
+            for part in kwargs["MultipartUpload"]["Parts"]:
+                if isinstance(part["ETag"], Future):
+                    part["ETag"] = part["ETag"].result()["ETag"]
+        return super()._call_s3(method, *kwarglist, **kwargs)
+
+    def _submit_part(self, *kwarglist, **kwargs) -> dict:
+        """Start one part's upload on the filesystem's event loop; s3fs records the returned ETag,
+        a future that `complete_multipart_upload` resolves. A failed part raises here, at the next
+        part, or at completion, whichever comes first."""
+        in_flight = self._parts_in_flight
+        while True:
+            for f in in_flight:
+                if f.done():
+                    f.result()
+            in_flight = [f for f in in_flight if not f.done()]
+            if len(in_flight) < PARTS_IN_FLIGHT:
+                break
+            wait(in_flight, return_when=FIRST_COMPLETED)
+        coro = self.fs._call_s3("upload_part", self.s3_additional_kwargs, self._request_payer_kw, *kwarglist, **kwargs)
+        future = asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
+        self._parts_in_flight = [*in_flight, future]
+        return {"ETag": future}
 
     def _fetch_range(self, start, end):
         if start >= end:
@@ -184,6 +222,8 @@ class _RetryingS3File(S3File):
     def _abort_upload(self) -> None:
         """Abort the multipart upload, if one is open; a failure to abort is logged, not raised, so
         the error that caused it is the one the caller sees."""
+        # Parts still uploading would outlive the abort and stay billed: let them finish first.
+        wait(self._parts_in_flight)
         try:
             self._abort_mpu()
         except Exception as e:
