@@ -219,3 +219,23 @@ def test_auto_interval_never_shorter_than_the_persist():
 def test_fixed_interval_is_unchanged():
     clock = CheckpointClock(4, 0.0, 10)
     assert [s for s in range(1, 11) if clock.due(s)] == [4, 8, 10]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_state_is_staged_in_pinned_buffers_on_a_side_stream(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 1024, device="cuda")).square().mean().backward()
+    opt.step()
+    sync, background = CheckpointStore(str(tmp_path / "sync")), CheckpointStore(str(tmp_path / "async"))
+    sync.save(1, {"model": model, "optim": opt})
+    gated = Gated(background)
+    saver = AsyncSaver(background)
+    saver.submit(1, {"model": model, "optim": opt})
+    with torch.no_grad():
+        model.weight.add_(1.0)  # queued on the training stream after the copies: must not leak into the save
+    gated.gate.set()
+    saver.finish()
+    assert saver.buffers.buffer("model.safetensors", "weight").is_pinned()
+    assert hashes(background, 1) == hashes(sync, 1)
