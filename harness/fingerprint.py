@@ -134,8 +134,8 @@ def part_digests(part: Any, param_names: Mapping[int, str] | None = None) -> dic
             _leaves(hyper, f"{base}param_groups/{g}", out)
             labels = group.get("param_names") or [names.get(id(p), f"{g}.{i}") for i, p in enumerate(group["params"])]
             for label, p in zip(labels, group["params"]):
-                if p in opt.state:
-                    _leaves(dict(opt.state[p]), f"{base}state/{label}", out)
+                for key, value in opt.state.get(p, {}).items():
+                    _leaves(value, f"{base}state/{label}/{key}", out)
     return out
 
 

@@ -1,0 +1,94 @@
+"""Fingerprint records, the history part and the trainer's own resume check (in-process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness.fingerprint import (FingerprintLog, ResumeDiverged, batch_hash, diagnose, differing_fields, part_hashes,
+                                 state_digests)
+from harness.metrics import MetricsLog
+
+
+class Events:
+    def __init__(self) -> None:
+        self.emitted: list[tuple[str, dict]] = []
+
+    def emit(self, kind: str, **fields) -> None:
+        self.emitted.append((kind, fields))
+
+
+def make_log(every: int = 2, on_divergence: str = "warn"):
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return model, opt, FingerprintLog(lambda: {"model": model, "optim": opt}, every, on_divergence)
+
+
+def step(model, opt, fp: FingerprintLog, n: int) -> dict:
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    return fp.take(n, 0.5 * n, {"sample_ids": torch.tensor([n, n + 1])}, [0.1])
+
+
+def test_batch_hash_is_the_sample_ids_in_order():
+    assert batch_hash({"sample_ids": torch.tensor([1, 2])}) == batch_hash({"sample_ids": [1, 2]})
+    assert batch_hash({"sample_ids": torch.tensor([1, 2])}) != batch_hash({"sample_ids": torch.tensor([2, 1])})
+    assert batch_hash((torch.ones(2), torch.zeros(2))) != batch_hash((torch.zeros(2), torch.ones(2)))
+
+
+def test_state_hash_every_n_steps_sees_live_optimizer_buffers():
+    model, opt, fp = make_log(every=2)
+    first, second = step(model, opt, fp, 1), step(model, opt, fp, 2)
+    assert "state_hash" not in first and set(second["state_hash"]) == {"model", "optim"}
+    assert any(k.endswith("/momentum_buffer") for k in fp.tensors["optim"])
+    for s in opt.state.values():
+        s["momentum_buffer"].add_(1.0)  # only a buffer changes
+    after = part_hashes(state_digests({"model": model, "optim": opt}))
+    assert after["model"] == second["state_hash"]["model"] and after["optim"] != second["state_hash"]["optim"]
+
+
+def test_history_round_trips_and_checks_the_restored_state():
+    model, opt, fp = make_log()
+    for n in (1, 2):
+        step(model, opt, fp, n)
+    saved = fp.state_dict()
+    _, _, again = make_log()  # a fresh model: not what was saved
+    again.load_state_dict(saved)
+    assert again.records == fp.records
+    events = Events()
+    again.watch(events, [])
+    assert events.emitted[0][0] == "resume_mismatch"
+    assert events.emitted[0][1]["fields"] == ["restored:optim", "restored:model"]
+
+
+@pytest.mark.parametrize("policy", ["warn", "error"])
+def test_a_rerun_step_that_differs_is_reported_at_once(policy):
+    model, opt, fp = make_log(every=1, on_divergence=policy)
+    events = Events()
+    fp.watch(events, [{"step": 1, "loss": 0.5, "batch_hash": batch_hash({"sample_ids": [1, 2]})},
+                      {"step": 2, "loss": 99.0, "batch_hash": batch_hash({"sample_ids": [2, 3]})}])
+    step(model, opt, fp, 1)
+    assert events.emitted == []
+    if policy == "error":
+        with pytest.raises(ResumeDiverged, match=r"step 2 after resuming.*\(loss\); part rng"):
+            step(model, opt, fp, 2)
+    else:
+        step(model, opt, fp, 2)
+    assert events.emitted[0][1]["step"] == 2 and events.emitted[0][1]["fields"] == ["loss"]
+
+
+def test_diagnose_blames_inputs_before_outputs():
+    assert diagnose(["batch", "loss", "state:model"])[0] == "data"
+    assert diagnose(["lr", "state:optim", "state:model"])[0] == "sched"
+    assert diagnose(["loss", "state:optim"])[0] == "rng"
+    assert diagnose(["state:model", "state:optim", "state:trainer"])[0] == "optim"
+    assert diagnose(["state:model", "state:mine"])[0] == "mine"
+
+
+def test_truncate_after_returns_what_it_drops(tmp_path):
+    metrics = MetricsLog(tmp_path / "metrics.jsonl")
+    for s in (1, 2, 3):
+        metrics.write({"step": s, "loss": float(s)})
+    assert metrics.truncate_after(1) == [{"step": 2, "loss": 2.0}, {"step": 3, "loss": 3.0}]
+    assert metrics.truncate_after(1) == []
