@@ -162,6 +162,7 @@ def write_plot(arms: list[ArmSummary], path: str) -> None:
 
     matplotlib.use("Agg")  # no display needed; also the only backend a batch node has
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=PLOT_SIZE_IN, dpi=PLOT_DPI)
     try:
@@ -175,7 +176,10 @@ def write_plot(arms: list[ArmSummary], path: str) -> None:
         by_step.set(xlabel="step", ylabel="loss (faint: train, markers: eval)", title="loss vs step")
         by_time.set(xlabel="wall clock (minutes)", title="loss vs wall time")
         for ax in (by_step, by_time):
-            ax.grid(alpha=0.3)
+            ax.set_yscale("log")  # the first steps' loss is several times the end's
+            for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+                axis(matplotlib.ticker.FormatStrFormatter("%.1f"))
+            ax.grid(alpha=0.3, which="both")
         by_step.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(path, format="png")
