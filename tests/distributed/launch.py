@@ -1,0 +1,88 @@
+"""`harness train` under torchrun for the distributed tests: start, find a rank's process, kill."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from procs import ENV, ROOT, TINY, last_step
+
+# torchrun shares its rendezvous store with the workers' process group by default, and a
+# restarted group then reads the previous group's gloo addresses (pytorch/pytorch#135712):
+# the launchers in ops/ set this too.
+TORCHRUN_ENV = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+HARNESS = str(Path(sys.executable).with_name("harness"))
+# Muon under DDP in every run: its orthogonalisation must see the all-reduced gradient.
+COMMON = ["--set", "optim.type=muon"]
+
+
+def torchrun(*script: str, nproc: int = 2, max_restarts: int = 0, python: bool = False) -> list[str]:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                "--max-restarts", str(max_restarts)]
+    return [*launcher, *script] if python else [*launcher, "--no-python", HARNESS, *script]
+
+
+def train_args(run_dir: Path, *extra: str, nproc: int = 2, max_restarts: int = 0) -> list[str]:
+    return torchrun("train", str(TINY), "--run-dir", str(run_dir), *COMMON, *extra, nproc=nproc,
+                    max_restarts=max_restarts)
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    """Start a command with its output in `log` (a file: a pipe nobody reads would block it)."""
+    out = log.open("ab")
+    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=TORCHRUN_ENV, cwd=ROOT)
+
+
+def run(args: list[str], log: Path, timeout: float = 300) -> int:
+    proc = start(args, log)
+    try:
+        return proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+
+
+def rank_process(launcher: subprocess.Popen, rank: int, timeout: float = 60) -> psutil.Process:
+    """The worker process of `rank` under a torchrun started as `launcher`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for child in psutil.Process(launcher.pid).children(recursive=True):
+            try:
+                if child.environ().get("RANK") == str(rank) and "TORCHELASTIC_RUN_ID" in child.environ():
+                    return child
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        time.sleep(0.05)
+    raise AssertionError(f"no worker process of rank {rank} within {timeout}s")
+
+
+def kill_tree(pid: int, sig: int = 9) -> None:
+    """Signal a launcher and every process under it at once (a lost node)."""
+    procs = [psutil.Process(pid)]
+    procs += procs[0].children(recursive=True)
+    for p in procs:
+        try:
+            p.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def wait_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout: float = 180) -> None:
+    """Wait until rank 0 logged `step` in metrics.jsonl."""
+    deadline = time.monotonic() + timeout
+    while last_step(run_dir) < step:
+        if proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode} before step {step}:\n{tail(log)}")
+        if time.monotonic() > deadline:
+            kill_tree(proc.pid)
+            raise AssertionError(f"no step {step} within {timeout}s:\n{tail(log)}")
+        time.sleep(0.02)
+
+
+def tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-4000:] if log.exists() else ""
