@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -14,7 +15,8 @@ from procs import ENV, ROOT, TINY, last_step
 # torchrun shares its rendezvous store with the workers' process group by default, and a
 # restarted group then reads the previous group's gloo addresses (pytorch/pytorch#135712):
 # the launchers in ops/ set this too.
-TORCHRUN_ENV = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+TORCHRUN_ENV = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{ENV.get('PATH', '')}"}  # torchrun, harness
 
 HARNESS = str(Path(sys.executable).with_name("harness"))
 # Muon under DDP in every run: its orthogonalisation must see the all-reduced gradient.
@@ -32,14 +34,14 @@ def train_args(run_dir: Path, *extra: str, nproc: int = 2, max_restarts: int = 0
                     max_restarts=max_restarts)
 
 
-def start(args: list[str], log: Path) -> subprocess.Popen:
+def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start a command with its output in `log` (a file: a pipe nobody reads would block it)."""
-    out = log.open("ab")
-    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=TORCHRUN_ENV, cwd=ROOT)
+    with log.open("ab") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**TORCHRUN_ENV, **(env or {})}, cwd=ROOT)
 
 
-def run(args: list[str], log: Path, timeout: float = 300) -> int:
-    proc = start(args, log)
+def run(args: list[str], log: Path, timeout: float = 300, env: dict[str, str] | None = None) -> int:
+    proc = start(args, log, env)
     try:
         return proc.wait(timeout)
     finally:
