@@ -31,8 +31,9 @@ from harness import distributed, exit_codes
 from harness.checkpoint import CheckpointRef, CheckpointStore, capture
 from harness.checkpoint.async_save import AsyncSaver, Committed
 from harness.checkpoint.distributed_commit import GroupCommit, load_checkpoint
+from harness.checkpoint.filesystem import open_filesystem
 from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR
-from harness.config import RunConfig, config_changes
+from harness.config import RunConfig, config_changes, public_config
 from harness.errors import UserError
 from harness.events import EventLog
 from harness.fingerprint import fingerprint_fields
@@ -164,9 +165,10 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: 
 
 
 def write_run_json(cfg: RunConfig, trainer: Trainer) -> None:
-    doc = {"config": cfg.model_dump(mode="json"), "environment": environment_fingerprint(trainer.device)}
-    fs, path = fsspec.core.url_to_fs(cfg.run_dir, **cfg.checkpoint.storage_options)
+    doc = {"config": public_config(cfg), "environment": environment_fingerprint(trainer.device)}
     try:
+        # Through the store's filesystem: bounded retries that never draw from the global RNG.
+        fs, path = open_filesystem(cfg.run_dir, cfg.checkpoint.storage_options)
         fs.makedirs(path, exist_ok=True)
         fs.pipe_file(f"{path.rstrip('/')}/run.json", json.dumps(doc, indent=2).encode())
     except OSError as e:
@@ -252,7 +254,7 @@ class Loop:
         `checkpoint.when_busy = "skip"` a save due while the previous one persists is skipped,
         unless `must` or it is the final step."""
         step = self.trainer.step
-        meta = {"config": self.cfg.model_dump(mode="json"), "finished": self.trainer.counters.finished,
+        meta = {"config": public_config(self.cfg), "finished": self.trainer.counters.finished,
                 "environment": environment_fingerprint(self.trainer.device)}
         if self.saver is None:
             t0 = time.perf_counter()

@@ -13,9 +13,9 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-import fsspec
 import torch
 
+from harness.checkpoint.filesystem import open_filesystem
 from harness.data.corpus import default_corpus
 from harness.errors import UserError
 
@@ -58,13 +58,16 @@ class TokenDataset:
         if url is None:
             return cls.from_bytes(default_corpus(), seq_len)
         try:
-            with fsspec.open(url, "rb", **(storage_options or {})) as f:
-                data = f.read()
+            # The store's filesystem: bounded retries whose jitter never draws from the global RNG.
+            fs, path = open_filesystem(url, storage_options)
+            data = fs.cat_file(path)
         except FileNotFoundError as e:
             raise UserError(
                 f"data file {url!r} not found: fix the data URL in the config, "
                 "or leave it unset to train on the built-in corpus"
             ) from e
+        except (ValueError, ImportError) as e:
+            raise UserError(f"data URL {url!r} cannot be opened ({e}); use a local path or an fsspec URL such as s3://") from e
         return cls.from_bytes(data, seq_len)
 
     @classmethod
