@@ -1,0 +1,162 @@
+"""S3 through s3fs with the harness's retry policy: the filesystem `open_filesystem` returns for `s3://`.
+
+Every S3 request and every read of an object's bytes goes through `retry.call_with_retries`, and
+the retry loops of botocore and s3fs are switched off so that a permanent error costs exactly one
+request and the policy's deadline really bounds an operation.
+
+S3 storage options are s3fs's (`endpoint_url`, `key`, `secret`, `token`, `profile`,
+`client_kwargs = {region_name = ...}`, `config_kwargs`, ...) plus `retry`, a table of
+`RetryPolicy` fields (attempts, initial, max_wait, deadline_s). Credentials come from the usual
+places (AWS_* environment variables, AWS_PROFILE and ~/.aws, or `key`/`secret` here); this module
+never logs or stores them.
+
+A write that fails part-way aborts its multipart upload (s3fs would otherwise complete it with the
+parts it has on `close()`), so no orphan uploads are left to be billed.
+
+Imported only when a run dir or data URL is on S3: s3fs and aiobotocore take a second to import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from typing import Any
+
+from fsspec.asyn import sync, sync_wrapper
+from s3fs import S3FileSystem
+from s3fs.core import S3File, _inner_fetch
+
+from harness.checkpoint.retry import RetryPolicy, call_with_retries
+from harness.log import get_logger
+
+log = get_logger(__name__)
+
+# Per-request socket timeouts: a stalled request becomes a retryable timeout well within the
+# operation's deadline. 60 s of read silence is generous even for a 5 GiB part.
+CONNECT_TIMEOUT_S = 10
+READ_TIMEOUT_S = 60
+# Parts of one object uploading at once: enough to keep several connections busy (one S3
+# connection tops out far below a node's bandwidth), few enough to bound the memory they hold.
+PARTS_IN_FLIGHT = 4
+# Multipart part size (and read-ahead block): small enough that a checkpoint file becomes several
+# parts uploading side by side, large enough that 10,000 parts (S3's limit) hold 160 GiB.
+BLOCK_SIZE = 16 << 20
+
+
+def s3_storage_options(user_options: dict[str, Any] | None) -> dict[str, Any]:
+    """s3fs keyword arguments: the user's options over the harness defaults (no botocore retries,
+    bounded socket timeouts), with `retry` turned into a `RetryPolicy`."""
+    options = dict(user_options or {})
+    policy = RetryPolicy(**options.pop("retry", {}))
+    config_kwargs = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
+                     **options.pop("config_kwargs", {})}
+    # Retries are ours alone: botocore's would multiply attempts and hide a 403 behind several requests.
+    config_kwargs["retries"] = {"total_max_attempts": 1, "mode": "standard"}
+    return {"default_block_size": BLOCK_SIZE, **options, "config_kwargs": config_kwargs, "retry_policy": policy}
+
+
+class RetryingS3FileSystem(S3FileSystem):
+    """s3fs with `RetryPolicy` around each request (`_call_s3`) and each byte read."""
+
+    retries = 1  # s3fs's own retry loop: one attempt, ours does the rest
+
+    def __init__(self, *args, retry_policy: RetryPolicy | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.retry_policy = retry_policy or RetryPolicy()
+
+    async def _retrying(self, fn, what: str, bucket: str, key: str = ""):
+        target = f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
+        return await call_with_retries(fn, what=what, policy=self.retry_policy, target=target,
+                                       endpoint=self.endpoint_url)
+
+    async def _call_s3(self, method, *akwarglist, **kwargs):
+        parent = super()._call_s3
+        return await self._retrying(lambda: parent(method, *akwarglist, **kwargs), f"S3 {method}",
+                                    kwargs.get("Bucket", ""), kwargs.get("Key", ""))
+
+    call_s3 = sync_wrapper(_call_s3)
+
+    async def _cat_file(self, path, *args, **kwargs):
+        bucket, key, _ = self.split_path(path)
+        parent = super()._cat_file
+        return await self._retrying(lambda: parent(path, *args, **kwargs), "read", bucket, key)
+
+    def _open(self, path, mode="rb", *args, **kwargs):
+        f = super()._open(path, mode, *args, **kwargs)
+        # s3fs builds its S3File by name; switching the class adds retried reads and abort-on-error.
+        # A reader's cache holds the fetch method bound at construction, so it is rebound too.
+        f.__class__ = _RetryingS3File
+        f._parts_in_flight = []
+        if f.readable():
+            f.cache.fetcher = f._fetch_range
+        return f
+
+
+class _RetryingS3File(S3File):
+    """S3File whose range reads are retried whole (request and body), whose multipart parts
+    upload in the background (up to `PARTS_IN_FLIGHT` at once, while the caller keeps
+    serializing), and whose failed writes abort."""
+
+    def _call_s3(self, method, *kwarglist, **kwargs):
+        if method == "upload_part":
+            return self._submit_part(*kwarglist, **kwargs)
+        if method == "complete_multipart_upload":
+            for part in kwargs["MultipartUpload"]["Parts"]:
+                if isinstance(part["ETag"], Future):
+                    part["ETag"] = part["ETag"].result()["ETag"]
+        return super()._call_s3(method, *kwarglist, **kwargs)
+
+    def _submit_part(self, *kwarglist, **kwargs) -> dict:
+        """Start one part's upload on the filesystem's event loop; s3fs records the returned ETag,
+        a future that `complete_multipart_upload` resolves. A failed part raises here, at the next
+        part, or at completion, whichever comes first."""
+        in_flight = self._parts_in_flight
+        while True:
+            for f in in_flight:
+                if f.done():
+                    f.result()
+            in_flight = [f for f in in_flight if not f.done()]
+            if len(in_flight) < PARTS_IN_FLIGHT:
+                break
+            wait(in_flight, return_when=FIRST_COMPLETED)
+        coro = self.fs._call_s3("upload_part", self.s3_additional_kwargs, self._request_payer_kw, *kwarglist, **kwargs)
+        future = asyncio.run_coroutine_threadsafe(coro, self.fs.loop)
+        self._parts_in_flight = [*in_flight, future]
+        return {"ETag": future}
+
+    def _fetch_range(self, start, end):
+        if start >= end:
+            return b""
+        fs = self.fs
+        fetch = lambda: _inner_fetch(fs, self.bucket, self.key, self.version_id, start, end,  # noqa: E731
+                                     self.read_kw, self.details)
+        return sync(fs.loop, fs._retrying, fetch, "read", self.bucket, self.key)
+
+    def close(self):
+        try:
+            super().close()
+        except BaseException:
+            self._abort_upload()  # the last part or the completion failed: leave no open upload
+            raise
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None and self.writable():
+            # close() would upload the buffer and complete the multipart upload with the parts it
+            # has: a torn object. Abort instead; the commit protocol never points at this object.
+            self.buffer = None
+            self._abort_upload()
+            self.closed = True
+            return None
+        return super().__exit__(exc_type, exc, tb)
+
+    def _abort_upload(self) -> None:
+        """Abort the multipart upload, if one is open; a failure to abort is logged, not raised, so
+        the error that caused it is the one the caller sees."""
+        # Parts still uploading would outlive the abort and stay billed: let them finish first.
+        wait(self._parts_in_flight)
+        try:
+            self._abort_mpu()
+        except Exception as e:
+            log.warning("could not abort a failed multipart upload; list and abort it with "
+                        "`aws s3api list-multipart-uploads`", target=f"s3://{self.bucket}/{self.key}",
+                        error=f"{type(e).__name__}: {e}"[:300])
