@@ -9,7 +9,7 @@ A fingerprint record is a JSON object:
 - `batch_hash`: sha256 of the batch's sample ids as little-endian int64 (or of the batch's own
   tensors when it has no ids), 16 hex digits.
 - `state_hash`: one hash per state part over a digest of every tensor and value of the part's
-  *live* state, not its state dict: a module's parameters and buffers, an optimizer's per-parameter
+  *live* state, not its state dict: a module's parameters and all buffers, an optimizer's per-parameter
   state (`optimizer.state`) and group hyper-parameters, and for any other part its `state_dict()`.
   Hashing the live optimizer state is deliberate: a buffer that the state dict leaves out still
   changes the hash. It costs a copy of every tensor to the CPU and a sha256 over it, hence the
@@ -119,8 +119,8 @@ def _optimizers(part: Any) -> dict[str, torch.optim.Optimizer] | None:
 def part_digests(part: Any, param_names: Mapping[int, str] | None = None) -> dict[str, str]:
     """Tensor/value path -> digest for one part's live state (see the module docstring)."""
     out: dict[str, str] = {}
-    if isinstance(part, torch.nn.Module):
-        _leaves(part.state_dict(), "", out)
+    if isinstance(part, torch.nn.Module):  # non-persistent buffers too: they are state the step may use
+        _leaves({**dict(part.named_parameters()), **dict(part.named_buffers())}, "", out)
         return out
     optimizers = _optimizers(part)
     if optimizers is None:
@@ -176,11 +176,11 @@ def differing_fields(expected: Mapping[str, Any], got: Mapping[str, Any]) -> lis
         out.append("loss")
     a, b = expected.get("state_hash"), got.get("state_hash")
     if a and b:
-        out += [f"state:{p}" for p in _ordered(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))]
+        out += [f"state:{p}" for p in ordered_parts(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))]
     return out
 
 
-def _ordered(parts: Iterable[str]) -> list[str]:
+def ordered_parts(parts: Iterable[str]) -> list[str]:
     parts = set(parts)
     first = [p for p in _PART_ORDER if p in parts]
     last = [p for p in _LAST_PARTS if p in parts]
@@ -210,7 +210,7 @@ def diagnose(fields: list[str]) -> tuple[str, str]:
     """
     restored = [f.split(":", 1)[1] for f in fields if f.startswith("restored:")]
     if restored:
-        part = _ordered(restored)[0]
+        part = ordered_parts(restored)[0]
         return part, (f"part {part} hashes differently right after loading than when it was saved: its "
                       f"load_state_dict does not put back what its state_dict saved")
     if "batch" in fields:
@@ -222,7 +222,7 @@ def diagnose(fields: list[str]) -> tuple[str, str]:
     parts = [f.split(":", 1)[1] for f in fields if f.startswith("state:")]
     if not parts:
         return "?", "no field differs"
-    part = _ordered(parts)[0]
+    part = ordered_parts(parts)[0]
     return part, _HINTS.get(part, f"part {part} differs: its state_dict/load_state_dict does not capture all "
                                   f"of its state")
 
@@ -269,7 +269,7 @@ class FingerprintLog:
         if self._saved_state is None:
             return
         now = part_hashes(state_digests(self._parts()))
-        fields = [f"restored:{p}" for p in _ordered(p for p in self._saved_state if now.get(p) != self._saved_state[p])]
+        fields = [f"restored:{p}" for p in ordered_parts(p for p in self._saved_state if now.get(p) != self._saved_state[p])]
         self._saved_state = None
         if fields:
             step = self.records[-1]["step"] if self.records else 0

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import UserError
-from harness.fingerprint import FIELDS, _ordered, diagnose, differing_fields
+from harness.fingerprint import FIELDS, ordered_parts, diagnose, differing_fields
 
 START_TIMEOUT_S = 600.0
 
@@ -93,9 +93,12 @@ def first_divergence(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> tuple[
 
 
 def blame(diffs: list, part: str | None, prefer: str | None = None) -> tuple[str | None, float | None]:
-    """(tensor or JSON path, max |diff|) among checkpoint differences of `part`: the one named
-    `prefer` when present, else the largest tensor difference, else the first difference."""
-    mine = [d for d in diffs if d.part == part]
+    """(tensor or JSON path, max |diff|) among checkpoint differences of `part` (of any part when
+    it has none): the one named `prefer` when present, else the largest tensor difference, else
+    the first difference."""
+    # A part that is not saved (an unregistered scheduler, the RNG) has no differences of its
+    # own: then the tensor where its effect is largest is named.
+    mine = [d for d in diffs if d.part == part] or diffs
     if not mine:
         return None, None
     for d in mine:
@@ -289,7 +292,7 @@ def compare_runs(a: Path, b: Path, steps: int, points: list[int]) -> Verdict:
     found = first_divergence(rec_a, rec_b)
     store_a, store_b = CheckpointStore(str(a)), CheckpointStore(str(b))
     final = compare_checkpoints((store_a, store_a.ref(steps)), (store_b, store_b.ref(steps)))
-    noticed = [e for e in _events(b, "resume_mismatch")]
+    noticed = _events(b, "resume_mismatch")
     restored = [e for e in noticed if any(f.startswith("restored:") for f in e["fields"])]
     verdict = Verdict(identical=False, steps=steps, interrupt_at=points)
     verdict.details += [f"B's resumed process reported at step {e['step']}: {', '.join(e['fields'])}" for e in noticed]
@@ -301,7 +304,7 @@ def compare_runs(a: Path, b: Path, steps: int, points: list[int]) -> Verdict:
         verdict.details += describe_fields(found[0], found[1], by_a.get(found[0]), by_b.get(found[0]))
     elif not final.equal:
         verdict.when = "final"
-        verdict.fields = [f"state:{p}" for p in _ordered({d.part for d in final.differences})]
+        verdict.fields = [f"state:{p}" for p in ordered_parts({d.part for d in final.differences})]
     else:
         verdict.identical = True
         return verdict

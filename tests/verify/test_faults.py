@@ -131,7 +131,7 @@ def test_completeness_names_a_generator_of_an_unregistered_data_iterator():
 def test_dropout_rng_not_restored():
     verdict = check_resume(lambda: build(parts=("model", "optim", "sched", "data")), steps=STEPS, interrupt_at=[CUT])
     assert (verdict.step, verdict.part) == (CUT + 1, "rng"), str(verdict)
-    assert verdict.fields == ["loss", "state:model", "state:optim"] or "loss" in verdict.fields
+    assert "loss" in verdict.fields and "batch" not in verdict.fields and "lr" not in verdict.fields
     assert "dropout" in verdict.hint
 
 
@@ -149,7 +149,7 @@ def test_optimizer_buffer_left_out():
 
 
 def test_verdict_names_the_tensor_and_its_difference():
+    """The RNG is not saved, so the tensor named is where its effect at the step is largest."""
     verdict = check_resume(lambda: build(parts=("model", "optim", "sched", "data")), steps=STEPS, interrupt_at=[CUT])
-    assert verdict.tensor is None or verdict.max_diff is None or verdict.max_diff > 0
-    assert f"diverged at step {CUT + 1}: part rng" in str(verdict)
-
+    assert re.match(r"(model|optim)\.safetensors:", verdict.tensor) and verdict.max_diff > 0, str(verdict)
+    assert str(verdict).startswith(f"diverged at step {CUT + 1}: part rng, tensor {verdict.tensor}, max |diff| ")

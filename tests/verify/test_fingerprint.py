@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.fingerprint import (FingerprintLog, ResumeDiverged, batch_hash, diagnose, differing_fields, part_hashes,
-                                 state_digests)
+from harness.fingerprint import FingerprintLog, ResumeDiverged, batch_hash, diagnose, part_hashes, state_digests
 from harness.metrics import MetricsLog
 
 

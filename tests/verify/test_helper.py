@@ -56,7 +56,7 @@ def test_generator_inside_a_registered_model_is_reported():
         trainer.close()
 
 
-def test_trainer_refuses_unregistered_state_by_config(monkeypatch):
+def test_trainer_refuses_unregistered_state_by_config():
     class WithScaler(Trainer):
         def __init__(self, cfg):
             self.second_scaler = torch.amp.GradScaler("cpu", enabled=False)
