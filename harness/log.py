@@ -22,9 +22,20 @@ def configure(level: str = "info") -> None:
             structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
         cache_logger_on_first_use=False,
     )
+
+
+class _CurrentStderr:
+    """Writes to whatever `sys.stderr` is at the time of the write: pytest and daemons swap it, and
+    a logger bound to a stream that was closed since would raise in the middle of a save."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
 
 
 def get_logger(name: str | None = None) -> structlog.stdlib.BoundLogger:

@@ -183,11 +183,13 @@ class SaveDeadline:
     def _watch(self) -> None:
         if self._finished.wait(max(0.0, self.remaining())):
             return
-        log.error(
-            "preemption save missed its deadline; exiting without it, the previous checkpoint "
-            "stays the newest good one. Raise the deadline and the launcher's grace period "
-            "if this repeats",
-            deadline_s=self.seconds,
-            exit_code=self._exit_code,
-        )
-        self._exit(self._exit_code)
+        try:
+            log.error(
+                "preemption save missed its deadline; exiting without it, the previous checkpoint "
+                "stays the newest good one. Raise the deadline and the launcher's grace period "
+                "if this repeats",
+                deadline_s=self.seconds,
+                exit_code=self._exit_code,
+            )
+        finally:  # the exit is the promise; a broken log stream must not keep the process alive
+            self._exit(self._exit_code)
