@@ -76,6 +76,7 @@ class CheckpointSection(Section):
     preempt_signals: list[str] = Field(["SIGTERM", "SIGINT", "SIGUSR1"], description="Signals that request a save-and-exit at the next step boundary.")
     preempt_deadline_s: float = Field(25.0, gt=0, description="Seconds a preemption save may take before the process exits without it (the previous checkpoint stays).")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options for the run dir (e.g. endpoint_url for S3).")
+    local_dir: str | None = Field(None, description="Local-first persistence: commit each checkpoint to this local folder (one per run; the last 2 are kept), upload it to the run dir in the background, read every object back and check it, and only then publish it there (its manifest); the run dir stays the source of truth for resuming. Unset = write to the run dir directly. One process only.")
 
 
 class DebugSection(Section):

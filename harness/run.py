@@ -32,6 +32,7 @@ from harness.checkpoint import CheckpointRef, CheckpointStore, capture
 from harness.checkpoint.async_save import AsyncSaver, Committed
 from harness.checkpoint.distributed_commit import GroupCommit, load_checkpoint
 from harness.checkpoint.filesystem import open_filesystem
+from harness.checkpoint.mirror import LocalFirstStore
 from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR
 from harness.config import RunConfig, config_changes, public_config
 from harness.errors import UserError
@@ -84,10 +85,18 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
         store.release_lease()
 
 
-def open_store(cfg: RunConfig) -> CheckpointStore:
+def open_store(cfg: RunConfig) -> CheckpointStore | LocalFirstStore:
+    """The run dir's store; with `checkpoint.local_dir`, committing there first and uploading
+    to the run dir in the background (checkpoint/mirror.py)."""
     c = cfg.checkpoint
-    return CheckpointStore(cfg.run_dir, keep_last=c.keep_last, keep_every=c.keep_every,
-                           storage_options=c.storage_options or None)
+    store = CheckpointStore(cfg.run_dir, keep_last=c.keep_last, keep_every=c.keep_every,
+                            storage_options=c.storage_options or None)
+    if c.local_dir is None:
+        return store
+    if distributed.is_distributed():
+        raise UserError("checkpoint.local_dir works with one process only; with several ranks unset it "
+                        "(every rank then writes its part straight to the run dir)")
+    return LocalFirstStore(store, c.local_dir)
 
 
 def resolve_log_dir(cfg: RunConfig) -> str:
@@ -189,6 +198,8 @@ class Loop:
         self.saver = AsyncSaver(store, when_busy=c.when_busy, on_commit=self.committed,
                                 persist_delay_s=cfg.debug.persist_delay_s) if c.async_save and not distributed.is_distributed() else None
         self.commit = GroupCommit(store, fail_rank=cfg.debug.fail_save_rank, fail_step=cfg.debug.fail_save_step)
+        # Local-first: a checkpoint counts as saved once its upload is published (finish waits for it).
+        self.uploads = store if isinstance(store, LocalFirstStore) else None
         self.last_saved = trainer.step
         self.train_s = 0.0
         self.save_s = 0.0
@@ -222,13 +233,14 @@ class Loop:
                     return self.preempt(watch)
                 final_eval = trainer.evaluate()  # overlaps the final persist: the snapshot is a copy
                 self.metrics.write({"step": trainer.step, "eval_loss": final_eval})
-                if self.saver is not None:
-                    self.saver.finish()  # "finished" means the final checkpoint is committed
+                self.finish_saves()  # "finished" means the final checkpoint is committed
             finally:
                 bar.close()
                 self.metrics.close()
                 if self.saver is not None:
                     self.saver.close()  # on an error exit: let a good in-flight save commit first
+                if self.uploads is not None:
+                    self.uploads.close()
         self.events.emit("exit", reason="finished", step=trainer.step, train_s=self.train_s, save_s=self.save_s)
         log.info("finished", step=trainer.step, eval_loss=round(final_eval, 4), run_dir=cfg.run_dir)
         return exit_codes.FINISHED
@@ -243,10 +255,19 @@ class Loop:
             self.events.emit("progress", step=r.step, train_s=self.train_s, save_s=self.save_s)
 
     def poll(self) -> None:
-        """Between steps: raise a background save's failure, keep the writer lease fresh."""
+        """Between steps: raise a background save's or upload's failure, keep the writer lease fresh."""
         if self.saver is not None:
             self.saver.poll()
+        if self.uploads is not None:
+            self.uploads.poll()
         self.store.heartbeat()
+
+    def finish_saves(self) -> None:
+        """Wait until the newest checkpoint is committed (and, local-first, published remotely)."""
+        if self.saver is not None:
+            self.saver.finish()
+        if self.uploads is not None:
+            self.uploads.finish()
 
     def save(self, must: bool = False) -> None:
         """Checkpoint the current step. Synchronous: commit it here. Async: snapshot it into the
@@ -292,8 +313,7 @@ class Loop:
         with SaveDeadline(self.cfg.checkpoint.preempt_deadline_s, since=watch.requested_at):
             if self.last_saved != step:
                 self.save(must=True)
-            if self.saver is not None:
-                self.saver.finish()  # PREEMPTED promises the newest checkpoint is committed
+            self.finish_saves()  # PREEMPTED promises the newest checkpoint is committed
         self.events.emit("exit", reason="preempted", step=step, signal=watch.signal_name,
                          train_s=self.train_s, save_s=self.save_s)
         return exit_codes.PREEMPTED
