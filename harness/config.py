@@ -31,8 +31,8 @@ class Section(BaseModel):
 class ModelSection(Section):
     """The model: a factory import path and the keyword arguments it is called with."""
 
-    factory: str = Field(DEFAULT_FACTORY, description="`package.module:function` that builds the nn.Module from `args`.")
-    args: dict[str, Any] = Field(default_factory=dict, description="Keyword arguments for the factory (for the built-in GPT: n_layer, n_head, d_model, dropout, seq_len, vocab_size).")
+    factory: str = Field(DEFAULT_FACTORY, description="`package.module:function` called with one dict (`args`, plus `seq_len` from data.seq_len unless `args` sets it) that returns the nn.Module; its forward(x, y) returns (logits, loss).")
+    args: dict[str, Any] = Field(default_factory=dict, description="Arguments for the factory (for the built-in GPT: n_layer, n_head, d_model, dropout, seq_len, vocab_size).")
 
 
 class DataSection(Section):
