@@ -18,6 +18,7 @@ release the GIL.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 from collections.abc import Iterable
 from collections import deque
@@ -130,14 +131,24 @@ def open_read(loc: Location, path: str, prefetch: bool = False):
 
 
 def hash_file(loc: Location, path: str) -> tuple[int, str]:
-    """(size, sha256 hex) of the file's actual bytes, read in chunks."""
+    """(size, sha256 hex) of the file's actual bytes, read in chunks.
+
+    Two buffers: the next chunk is read while a worker thread hashes the last one (hashlib
+    releases the GIL), so verifying a checkpoint costs about the read, not read + hash, which
+    is what a resume waits for before loading."""
     digest = hashlib.sha256()
     size = 0
-    buf = bytearray(_READ_CHUNK)
-    view = memoryview(buf)
-    with open_read(loc, path) as f:
-        while n := f.readinto(view):
-            digest.update(view[:n])
+    views = [memoryview(bytearray(_READ_CHUNK)) for _ in range(2)]
+    hashing: Future | None = None
+    with open_read(loc, path) as f, ThreadPoolExecutor(1, thread_name_prefix="hash") as pool:
+        for i in itertools.count():
+            view = views[i % 2]  # the other buffer may still be hashing; this one is free
+            n = f.readinto(view)
+            if hashing is not None:
+                hashing.result()
+            if not n:
+                break
+            hashing = pool.submit(digest.update, view[:n])
             size += n
     return size, digest.hexdigest()
 
