@@ -55,6 +55,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
     except OSError as e:
         raise UserError(f"cannot write to run dir {cfg.run_dir}: {e}; choose a writable --run-dir") from None
     try:
+        t_discover = time.perf_counter()
         source, ref = agree_on_checkpoint(store, cfg, resume)
         saved = source.read_state(ref) if ref is not None else None
         if saved is not None:
@@ -63,6 +64,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
                 log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
                 print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
                 return exit_codes.FINISHED
+        restore_s = time.perf_counter() - t_discover  # finding and verifying; loading is added below
         trainer = Trainer(cfg, rank=distributed.rank(), world_size=distributed.world())
         try:
             distributed.on_rank0(write_run_json, cfg, trainer)
@@ -71,13 +73,16 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             metrics = MetricsLog(log_dir / "metrics.jsonl") if lead else distributed.Silent()
             if cfg.debug.sample_log:
                 trainer.batch_hook = distributed.SampleLog(log_dir).write
+            t_load = time.perf_counter()
             if ref is not None:
                 load_checkpoint(source, ref, trainer.state.parts())
             ran_past = metrics.truncate_after(trainer.step)
-            events.emit("start", step=trainer.step, resumed_from=ref.step if ref else None, pid=os.getpid(),
-                        host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time())
             if ref is not None and lead:  # check the restored state, then each re-run step, against the run's own history
                 trainer.fingerprints.watch(events, [] if allow_config_change else ran_past)
+            restore_s += time.perf_counter() - t_load
+            events.emit("start", step=trainer.step, resumed_from=ref.step if ref else None, pid=os.getpid(),
+                        host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time(),
+                        restore_s=restore_s)
             return Loop(cfg, trainer, store, metrics, events, log_dir).run()
         finally:
             trainer.close()
