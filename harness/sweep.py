@@ -27,6 +27,7 @@ from harness.errors import UserError
 from harness.events import EventLog, events_url
 from harness.exit_codes import FINISHED, NAMES, REQUEUE
 from harness.supervisor import Supervisor, checkpoint_progress, describe_exit
+from harness.train_cli import add_restart_args
 
 
 @dataclass
@@ -49,10 +50,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("configs", nargs="+", metavar="CONFIG", help="TOML run configs, one per arm")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a key in every arm, e.g. --set train.steps=100 (repeatable)")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                   help="restart an arm after a transient crash up to N times (default 0)")
-    p.add_argument("--crash-loop-limit", type=int, default=3, metavar="K",
-                   help="give an arm up after K crashes in a row without a newer checkpoint")
+    add_restart_args(p)
     p.set_defaults(func=run)
 
 

@@ -23,11 +23,16 @@ def register(commands: argparse._SubParsersAction) -> None:
                    help="resume even when keys that change the math differ from the checkpoint's config")
     p.add_argument("--takeover", action="store_true",
                    help="take the run dir's writer lease from another holder (only when that process is gone)")
+    add_restart_args(p)
+    p.set_defaults(func=run)
+
+
+def add_restart_args(p: argparse.ArgumentParser) -> None:
+    """--max-restarts and --crash-loop-limit: shared by every command that supervises training."""
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="supervise: restart after a transient crash up to N times (default 0: no supervisor)")
     p.add_argument("--crash-loop-limit", type=int, default=3, metavar="K",
                    help="with --max-restarts: give up after K crashes in a row without a newer checkpoint")
-    p.set_defaults(func=run)
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
