@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from harness.errors import UserError
 from harness.log import get_logger
 
 log = get_logger(__name__)
@@ -149,30 +149,25 @@ def rank0_flag(flag: bool) -> bool:
 
 def on_rank0(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run `fn` on rank 0 only and return its (picklable, small) result on every rank; an
-    exception it raises is raised on every rank (on rank 0 the original, elsewhere a copy)."""
+    exception it raises is raised on every rank (on rank 0 the original; elsewhere a UserError
+    with the same message, or a RuntimeError naming the original type)."""
     if not is_distributed():
         return fn(*args, **kwargs)
     if rank() == 0:
         try:
             result = fn(*args, **kwargs)
         except Exception as e:
-            broadcast_object((False, _portable(e)))
+            # Only the kind and the message travel: any exception object can be sent that way.
+            user_error = isinstance(e, UserError)
+            broadcast_object((False, (user_error, str(e) if user_error else f"rank 0 failed: {type(e).__name__}: {e}")))
             raise
         broadcast_object((True, result))
         return result
     ok, value = broadcast_object(None)
     if not ok:
-        raise value
+        user_error, message = value
+        raise UserError(message) if user_error else RuntimeError(message)
     return value
-
-
-def _portable(e: Exception) -> Exception:
-    """`e` if it survives pickling, else a RuntimeError with its message."""
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:  # noqa: BLE001 - any pickling failure: send the message instead
-        return RuntimeError(f"rank 0 failed: {type(e).__name__}: {e}")
 
 
 class Silent:
