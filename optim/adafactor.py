@@ -21,6 +21,7 @@ Multiplying by an exact 1.0 when no clipping is due leaves the result bitwise th
 
 import torch
 
+from optim.closure import run_closure
 from optim.newton_schulz import require_matrices
 
 
@@ -60,10 +61,7 @@ class Adafactor2D(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             beta2, eps, lr, wd = group["beta2"], group["eps"], group["lr"], group["wd"]
             for p in group["params"]:

@@ -11,6 +11,8 @@ Update, per parameter p with gradient g (the team's reference rule; any shape):
 
 import torch
 
+from optim.closure import run_closure
+
 
 class Lion(torch.optim.Optimizer):
     """Lion over parameters of any shape. State per parameter: `m` (momentum, shape of p).
@@ -23,10 +25,7 @@ class Lion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             b1, b2 = group["betas"]
             lr, wd = group["lr"], group["wd"]

@@ -21,6 +21,7 @@ Only 2D parameters are accepted (the reference's non-2D fallback is AdamW's job 
 
 import torch
 
+from optim.closure import run_closure
 from optim.newton_schulz import NS_DTYPES, ns_batches, orthogonalize, require_matrices
 
 
@@ -74,10 +75,7 @@ class Muon(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             momentum, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
             params = [p for p in group["params"] if p.grad is not None]

@@ -15,6 +15,7 @@ Update, per 2D parameter p with gradient g (the team's reference rule):
 
 import torch
 
+from optim.closure import run_closure
 from optim.newton_schulz import ns_batches, orthogonalize, require_matrices
 
 
@@ -47,10 +48,7 @@ class OLion(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             (b1, b2), lr, wd = group["betas"], group["lr"], group["wd"]
             params = [p for p in group["params"] if p.grad is not None]
