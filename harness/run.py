@@ -33,7 +33,8 @@ from harness.checkpoint.async_save import AsyncSaver, Committed
 from harness.checkpoint.distributed_commit import GroupCommit, load_checkpoint
 from harness.checkpoint.filesystem import open_filesystem
 from harness.checkpoint.mirror import LocalFirstStore
-from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR
+from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR, Verify, skipped
 from harness.config import RunConfig, config_changes, public_config
 from harness.errors import UserError
 from harness.events import EventLog
@@ -55,17 +56,11 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
     except OSError as e:
         raise UserError(f"cannot write to run dir {cfg.run_dir}: {e}; choose a writable --run-dir") from None
     try:
-        t_discover = time.perf_counter()
-        source, ref = agree_on_checkpoint(store, cfg, resume)
-        saved = source.read_state(ref) if ref is not None else None
-        if saved is not None:
-            check_compatible(saved["meta"], cfg, allow_config_change)
-            if saved["meta"].get("finished") and ref.step >= cfg.train.steps:
-                log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
-                print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
-                return exit_codes.FINISHED
-        restore_s = time.perf_counter() - t_discover  # finding and verifying; loading is added below
-        trainer = Trainer(cfg, rank=distributed.rank(), world_size=distributed.world())
+        source, candidates, verify = agree_on_checkpoint(store, cfg, resume)
+        started = resume_newest(cfg, source, candidates, verify, allow_config_change)
+        if started is None:
+            return exit_codes.FINISHED
+        trainer, ref, restore_s = started
         try:
             distributed.on_rank0(write_run_json, cfg, trainer)
             lead = distributed.rank() == 0  # rank 0 keeps the logs: every rank logs the same all-reduced loss
@@ -73,13 +68,11 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             metrics = MetricsLog(log_dir / "metrics.jsonl") if lead else distributed.Silent()
             if cfg.debug.sample_log:
                 trainer.batch_hook = distributed.SampleLog(log_dir).write
-            t_load = time.perf_counter()
-            if ref is not None:
-                load_checkpoint(source, ref, trainer.state.parts())
+            t_check = time.perf_counter()
             ran_past = metrics.truncate_after(trainer.step)
             if ref is not None and lead:  # check the restored state, then each re-run step, against the run's own history
                 trainer.fingerprints.watch(events, [] if allow_config_change else ran_past)
-            restore_s += time.perf_counter() - t_load
+            restore_s += time.perf_counter() - t_check
             events.emit("start", step=trainer.step, resumed_from=ref.step if ref else None, pid=os.getpid(),
                         host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time(),
                         restore_s=restore_s)
@@ -88,6 +81,47 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             trainer.close()
     finally:
         store.release_lease()
+
+
+def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[CheckpointRef], verify: Verify,
+                  allow_config_change: bool) -> tuple[Trainer, CheckpointRef | None, float] | None:
+    """(trainer, the checkpoint it was restored from or None for a fresh start, seconds spent
+    reading, loading and verifying checkpoints), or None when the newest checkpoint is of a
+    finished run (it says so on stderr).
+
+    `candidates` are tried newest first. With `verify="while"` each is hashed as it loads (one
+    read of every byte); one found damaged is logged and skipped, and the trainer is built anew
+    for the next, since the damaged one was already partly streamed into it. A checkpoint that
+    is intact but does not fit (another model width) is an error, never skipped."""
+    restore_s = 0.0
+    for ref in candidates:
+        t0 = time.perf_counter()
+        trainer = None
+        try:
+            saved = source.read_state(ref)
+            check_compatible(saved["meta"], cfg, allow_config_change)
+            if saved["meta"].get("finished") and ref.step >= cfg.train.steps:
+                log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
+                print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
+                return None
+            restore_s += time.perf_counter() - t0
+            trainer = Trainer(cfg, rank=distributed.rank(), world_size=distributed.world())
+            t0 = time.perf_counter()
+            load_checkpoint(source, ref, trainer.state.parts(), verify=verify)
+            return trainer, ref, restore_s + time.perf_counter() - t0
+        except CheckpointError as e:
+            if trainer is not None:
+                trainer.close()
+            problems = [str(e)] if isinstance(e, CheckpointCorrupt) else source.verify(ref)
+            if verify != "while" or not problems:
+                raise
+            skipped(ref, problems)
+            restore_s += time.perf_counter() - t0
+        except BaseException:
+            if trainer is not None:
+                trainer.close()
+            raise
+    return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world()), None, restore_s
 
 
 def open_store(cfg: RunConfig) -> CheckpointStore | LocalFirstStore:
@@ -115,36 +149,40 @@ def resolve_log_dir(cfg: RunConfig) -> str:
 
 
 def agree_on_checkpoint(store: CheckpointStore, cfg: RunConfig,
-                        resume: str) -> tuple[CheckpointStore, CheckpointRef | None]:
-    """`choose_checkpoint` on rank 0 (discovery verifies every byte once), the same choice on
-    every rank, so ranks never load different checkpoints."""
+                        resume: str) -> tuple[CheckpointStore, list[CheckpointRef], Verify]:
+    """`choose_checkpoint`; with several ranks, rank 0 picks and verifies one checkpoint (every
+    byte read once) and every rank loads that one, so ranks never load different checkpoints."""
     if not distributed.is_distributed():
         return choose_checkpoint(store, cfg, resume)
 
     def decide() -> tuple[str | None, int] | None:
-        source, ref = choose_checkpoint(store, cfg, resume)
+        source, candidates, verify = choose_checkpoint(store, cfg, resume)
+        ref = source.first_good(candidates) if verify == "while" else next(iter(candidates), None)
         return None if ref is None else (None if source is store else source.url, ref.step)
 
     choice = distributed.on_rank0(decide)
     if choice is None:
-        return store, None
+        return store, [], "no"
     url, step = choice
     source = store if url is None else CheckpointStore(url, storage_options=cfg.checkpoint.storage_options or None)
-    return source, source.ref(step)
+    return source, [source.ref(step)], "no"
 
 
 def choose_checkpoint(store: CheckpointStore, cfg: RunConfig,
-                      resume: str) -> tuple[CheckpointStore, CheckpointRef | None]:
-    """(the store to load from, the checkpoint) for `--resume auto|never|CKPT_URL`."""
+                      resume: str) -> tuple[CheckpointStore, list[CheckpointRef], Verify]:
+    """(the store to load from, the checkpoints to try newest first, how to verify them while
+    loading) for `--resume auto|never|CKPT_URL`. `auto` verifies while loading (see
+    `resume_newest`); a checkpoint given by URL was verified here already."""
     if resume == "auto":
-        return store, store.latest_good()
+        return store, store.candidates(), "while"
     if resume == "never":
         existing = store.latest_good()
         if existing is not None:
             raise UserError(f"--resume never, but {cfg.run_dir} already has checkpoints (newest: step "
                             f"{existing.step}); use another --run-dir, or --resume auto to continue it")
-        return store, None
-    return checkpoint_at(resume, cfg.checkpoint.storage_options)
+        return store, [], "no"
+    source, ref = checkpoint_at(resume, cfg.checkpoint.storage_options)
+    return source, [ref], "no"
 
 
 def checkpoint_at(url: str, storage_options: dict[str, Any]) -> tuple[CheckpointStore, CheckpointRef]:

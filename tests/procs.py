@@ -69,6 +69,11 @@ def losses(log_dir: Path) -> dict[int, float]:
     return out
 
 
+def events(log_dir: Path) -> list[dict]:
+    """The records of the run's events.jsonl, in order."""
+    return [json.loads(line) for line in (Path(log_dir) / "events.jsonl").read_text().splitlines() if line.strip()]
+
+
 def final_checkpoint(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step-{step:08d}"
 

@@ -38,7 +38,7 @@ from typing import Any
 from harness import distributed
 from harness.checkpoint.format import RANK_PARTS, STATE_FILE, Snapshot, dump_state, tensor_file
 from harness.checkpoint.manifest import FileRecord
-from harness.checkpoint.store import CheckpointRef, CheckpointStore
+from harness.checkpoint.store import CheckpointRef, CheckpointStore, Verify
 from harness.checkpoint.tensorfile import serialize
 from harness.log import get_logger
 
@@ -131,8 +131,10 @@ def _fail_after_first(chunks: Iterable, rank: int, step: int):
         raise OSError(f"debug.fail_save_rank: rank {rank} fails while writing its part of step {step}")
 
 
-def load_checkpoint(store: CheckpointStore, ref: CheckpointRef, targets: Mapping[str, Any]) -> dict[str, Any]:
-    """Restore `targets` from `ref` on this rank (see the module docstring); returns the saved meta."""
+def load_checkpoint(store: CheckpointStore, ref: CheckpointRef, targets: Mapping[str, Any],
+                    verify: Verify = "no") -> dict[str, Any]:
+    """Restore `targets` from `ref` on this rank (see the module docstring); returns the saved meta.
+    `verify` as in `CheckpointStore.load`."""
     doc = store.read_state(ref)
     saved_world = int(doc["meta"].get(WORLD_SIZE_KEY, 1))
     rank, world = distributed.rank(), distributed.world()
@@ -145,4 +147,4 @@ def load_checkpoint(store: CheckpointStore, ref: CheckpointRef, targets: Mapping
         doc["parts"].update(store.read_state(ref, rank_state_file(rank))["parts"])
     elif rank >= saved_world:
         skip = ("rng",)  # a new rank keeps its own freshly seeded streams rather than copy rank 0's
-    return store.load(ref, targets, skip=skip, state=doc)
+    return store.load(ref, targets, skip=skip, state=doc, verify=verify)

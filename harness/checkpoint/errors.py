@@ -10,3 +10,7 @@ from harness.errors import UserError
 
 class CheckpointError(UserError):
     """A checkpoint, store or lease problem the user can act on."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint's bytes do not match its manifest (found while loading it)."""

@@ -65,8 +65,10 @@ def _live_tensors(node: Any, path: Path, out: dict[Path, torch.Tensor], dicts: s
 
 
 def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], open_tensors: OpenTensors,
-                  where: str) -> None:
-    """Load `doc` (a parsed state.json) into `targets`; see the module docstring."""
+                  where: str, check_streamed: Callable[[], None] | None = None) -> None:
+    """Load `doc` (a parsed state.json) into `targets`; see the module docstring.
+    `check_streamed` runs after step 3 with the files still open; what it raises stops the
+    load before any `load_state_dict`."""
     stored: dict[str, Any] = doc["parts"]
     missing = [p for p in targets if p not in stored and p not in skip]
     unexpected = [p for p in stored if p not in targets and p not in skip]
@@ -97,6 +99,8 @@ def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], 
             todo = sorted((s for ps in slots.values() for s in ps.values() if s.file == file), key=lambda s: s.entry.start)
             for slot in todo:
                 slot.value = read_tensor(f, slot.entry, fwhere, out=slot.live)
+        if check_streamed is not None:
+            check_streamed()
     for part in parts:
         _load_part(part, stored[part], targets[part], slots[part], kept[part], where)
 

@@ -10,15 +10,15 @@ kind on purpose:
   commit point is the manifest object, written last (see store.py).
 
 `write_stream` hashes what it writes in a second thread, behind the writes and during the fsync:
-sha256 runs at about 1.3 GB/s here, a disk at a few hundred MB/s, so the hash is free when
+sha256 runs at about 1.4 GB/s here, a disk at a few hundred MB/s, so the hash is free when
 overlapped and would cost 15-50% of the save when done in line. hashlib and file writes both
-release the GIL.
+release the GIL. `HashingReader` does the same for loading: the bytes are hashed, in order, in a
+second thread while the next ones are read, so a verified load reads every byte once.
 """
 
 from __future__ import annotations
 
 import hashlib
-import itertools
 import os
 from collections.abc import Iterable
 from collections import deque
@@ -130,27 +130,91 @@ def open_read(loc: Location, path: str, prefetch: bool = False):
     return f
 
 
-def hash_file(loc: Location, path: str) -> tuple[int, str]:
-    """(size, sha256 hex) of the file's actual bytes, read in chunks.
+class HashingReader:
+    """A forward-only reader over the binary file `f` that hashes every byte it passes.
 
-    Two buffers: the next chunk is read while a worker thread hashes the last one (hashlib
-    releases the GIL), so verifying a checkpoint costs about the read, not read + hash, which
-    is what a resume waits for before loading."""
-    digest = hashlib.sha256()
-    size = 0
-    views = [memoryview(bytearray(_READ_CHUNK)) for _ in range(2)]
-    hashing: Future | None = None
-    with open_read(loc, path) as f, ThreadPoolExecutor(1, thread_name_prefix="hash") as pool:
-        for i in itertools.count():
-            view = views[i % 2]  # the other buffer may still be hashing; this one is free
-            n = f.readinto(view)
-            if hashing is not None:
-                hashing.result()
-            if not n:
-                break
-            hashing = pool.submit(digest.update, view[:n])
-            size += n
-    return size, digest.hexdigest()
+    `read`, `readinto` and `seek` (forward only: skipped bytes are read and hashed) behave like
+    the file's own; `finish()` reads the rest of the file and returns (size, sha256 hex) of all
+    of it. The hash runs in a worker thread over the very buffers the caller read into (live
+    tensors, so no copy): those buffers must not change until `finish` returns. At most
+    `_HASH_BACKLOG_BYTES` of read-but-unhashed bytes are in flight; a buffer that is not the
+    caller's own (a staging copy on the way to a GPU) is kept alive only that long.
+    """
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self._pos = 0
+        self._digest = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify")
+        self._backlog: deque[tuple[Future, int]] = deque()
+        self._pending = 0
+
+    def _hash(self, view: memoryview | bytes) -> None:
+        n = len(view)
+        if not n:
+            return
+        self._backlog.append((self._pool.submit(self._digest.update, view), n))
+        self._pending += n
+        self._pos += n
+        while self._pending > _HASH_BACKLOG_BYTES:
+            done, n_done = self._backlog.popleft()
+            done.result()
+            self._pending -= n_done
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._f.read(n)
+        self._hash(data)
+        return data
+
+    def readinto(self, view: memoryview) -> int:
+        got = self._f.readinto(view)
+        if got:
+            self._hash(view[:got] if got < len(view) else view)
+        return got
+
+    def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
+        if whence != os.SEEK_SET or pos < self._pos:
+            raise ValueError(f"a hashing reader only moves forward (at {self._pos}, asked for {pos})")
+        self._skip(pos - self._pos)
+        return self._pos
+
+    def _skip(self, n: int | None) -> None:
+        """Read and hash `n` more bytes, or up to the end of the file when None."""
+        while n is None or n > 0:
+            chunk = self._f.read(_READ_CHUNK if n is None else min(n, _READ_CHUNK))
+            if not chunk:
+                return
+            self._hash(chunk)
+            if n is not None:
+                n -= len(chunk)
+
+    def finish(self) -> tuple[int, str]:
+        self._skip(None)
+        for done, _ in self._backlog:
+            done.result()
+        self._backlog.clear()
+        self._pending = 0
+        return self._pos, self._digest.hexdigest()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self._f.close()
+
+    def __enter__(self) -> HashingReader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def hash_file(loc: Location, path: str) -> tuple[int, str]:
+    """(size, sha256 hex) of the file's actual bytes; the next chunk is read while the last
+    one is hashed (see `HashingReader`)."""
+    with HashingReader(open_read(loc, path)) as reader:
+        return reader.finish()
 
 
 def read_bytes(loc: Location, path: str, limit: int) -> bytes:

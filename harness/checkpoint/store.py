@@ -13,9 +13,13 @@ Deleting a checkpoint removes its manifest first, so a half-deleted one is never
 
 Discovery (`latest_good`) walks committed steps newest first and verifies sizes and sha256
 against the manifest; a checkpoint that fails is logged (file, expected vs found) and skipped.
-`load` checks sizes and headers but does not re-hash: resuming goes through `latest_good`,
-which already read every byte once; `load(..., verify=True)` re-hashes when a ref comes from
-elsewhere.
+`load` always checks sizes and headers; how much it re-hashes is its `verify` argument: "no"
+(the ref came from `latest_good`, which read every byte already), "before" (every file hashed
+first: a corrupt checkpoint changes nothing), or "while" (every byte hashed as it streams into
+the live state, so a verified resume reads the checkpoint once: a corrupt one raises
+`CheckpointCorrupt` before any part's `load_state_dict`, with the live tensors already
+overwritten, so the caller discards them; resuming builds a new trainer and tries the next
+older checkpoint of `candidates()`).
 
 Retention runs after each successful commit (and in `gc`): keep the last `keep_last` and every
 step divisible by `keep_every`; leftover temporary folders of writers that are not alive (not
@@ -29,20 +33,20 @@ import os
 import re
 import socket
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from secrets import token_hex
-from typing import Any
+from typing import Any, Literal
 
-from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.format import STATE_FILE, Snapshot, capture, dump_state, parse_state
 from harness.checkpoint.lease import Lease
 from harness.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_manifest
 from harness.checkpoint.restore import restore_parts
 from harness.checkpoint.retention import check_policy, steps_to_keep
-from harness.checkpoint.storage import (Location, fsync_dir, hash_file, open_location, open_read, read_bytes,
-                                        rename, write_small, write_stream)
+from harness.checkpoint.storage import (HashingReader, Location, fsync_dir, hash_file, open_location, open_read,
+                                        read_bytes, rename, write_small, write_stream)
 from harness.checkpoint.tensorfile import TensorEntry, read_header, serialize
 from harness.log import get_logger
 
@@ -50,6 +54,7 @@ log = get_logger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
 MAX_STATE_BYTES = 1 << 30
+Verify = Literal["no", "before", "while"]
 STEP_DIR = re.compile(r"step-(\d{8,})")
 TMP_DIR = re.compile(r"step-(\d{8,})\.tmp-(.+)-[0-9a-f]{8}")
 
@@ -61,6 +66,12 @@ class CheckpointRef:
     step: int
     path: str
     url: str
+
+
+def skipped(ref: CheckpointRef, problems: list[str]) -> None:
+    """Log why the checkpoint `ref` is passed over."""
+    for problem in problems:
+        log.warning("skipping a checkpoint that fails verification", step=ref.step, problem=problem)
 
 
 def folder_name(path: str) -> str:
@@ -162,18 +173,27 @@ class CheckpointStore:
         elif rec.name == STATE_FILE:
             parse_state(read_bytes(self.loc, path, MAX_STATE_BYTES), where)
 
+    def candidates(self) -> list[CheckpointRef]:
+        """Committed checkpoints newest first, not yet verified; step folders without a manifest
+        (interrupted saves) are logged as ignored."""
+        committed = self.list()
+        paths = {r.path for r in committed}
+        for path in self.incomplete():
+            if path not in paths and STEP_DIR.fullmatch(folder_name(path)):
+                log.warning("ignoring a checkpoint folder without manifest (an interrupted save?)", path=self.loc.url_of(path))
+        return committed[::-1]
+
     def latest_good(self) -> CheckpointRef | None:
         """The newest checkpoint that verifies fully; bad ones are logged and skipped. None if none."""
-        committed = {r.path for r in self.list()}
-        for path in self.incomplete():
-            if path not in committed and STEP_DIR.fullmatch(folder_name(path)):
-                log.warning("ignoring a checkpoint folder without manifest (an interrupted save?)", path=self.loc.url_of(path))
-        for ref in reversed(self.list()):
+        return self.first_good(self.candidates())
+
+    def first_good(self, refs: Iterable[CheckpointRef]) -> CheckpointRef | None:
+        """The first of `refs` that verifies fully; bad ones are logged and skipped. None if none."""
+        for ref in refs:
             problems = self.verify(ref)
             if not problems:
                 return ref
-            for problem in problems:
-                log.warning("skipping a checkpoint that fails verification", step=ref.step, problem=problem)
+            skipped(ref, problems)
         return None
 
     # ---- writing ---------------------------------------------------------------------------
@@ -312,7 +332,8 @@ class CheckpointStore:
             yield {rec.name: self._open_tensors(stack, ref, rec)
                    for rec in self.manifest(ref).files if rec.name.endswith(".safetensors")}
 
-    def _open_tensors(self, stack: ExitStack, ref: CheckpointRef, rec: FileRecord, prefetch: bool = False):
+    def _open_tensors(self, stack: ExitStack, ref: CheckpointRef, rec: FileRecord, prefetch: bool = False,
+                      hashing: bool = False):
         path = f"{ref.path}/{rec.name}"
         where = self.loc.url_of(path)
         if not self.loc.fs.exists(path):
@@ -320,26 +341,49 @@ class CheckpointStore:
         size = self.loc.fs.size(path)
         if size != rec.size:
             raise CheckpointError(f"{where}: {size} bytes, the manifest says {rec.size}; the file is damaged, resume from an older checkpoint")
-        f = stack.enter_context(open_read(self.loc, path, prefetch=prefetch))
+        f = open_read(self.loc, path, prefetch=prefetch)
+        f = stack.enter_context(HashingReader(f) if hashing else f)
         return f, read_header(f, size, where), where
 
     def load(self, ref: CheckpointRef, targets: Mapping[str, Any], *, skip: Collection[str] = (),
-             verify: bool = False, state: dict[str, Any] | None = None) -> dict[str, Any]:
+             verify: Verify = "no", state: dict[str, Any] | None = None) -> dict[str, Any]:
         """Restore each target (name -> object with state_dict/load_state_dict) from `ref`,
         streaming tensors into live storage; see restore.py for the checks. Returns the saved meta.
-        `state`: the parsed state to restore instead of `read_state(ref)` (a rank > 0 swaps in
-        its own per-rank parts)."""
-        if verify and (problems := self.verify(ref)):
+        `verify`: how much to re-hash, see the module docstring. `state`: the parsed state to
+        restore instead of `read_state(ref)` (a rank > 0 swaps in its own per-rank parts; it was
+        hash-checked by `read_state`)."""
+        if verify == "before" and (problems := self.verify(ref)):
             raise CheckpointError(f"{ref.url} fails verification:\n  " + "\n  ".join(problems))
         records = {r.name: r for r in self.manifest(ref).files}
         doc = self.read_state(ref) if state is None else state
+        readers: dict[str, HashingReader] = {}
 
         def open_tensors(stack: ExitStack, file: str):
             if file not in records or not file.endswith(".safetensors"):
                 raise CheckpointError(f"{ref.url}: state.json refers to {file!r}, which the manifest does not list; the checkpoint is corrupt")
-            return self._open_tensors(stack, ref, records[file], prefetch=True)
+            f, entries, where = self._open_tensors(stack, ref, records[file], prefetch=True, hashing=verify == "while")
+            if verify == "while":
+                readers[file] = f
+            return f, entries, where
 
-        restore_parts(doc, targets, skip, open_tensors, where=f"checkpoint {ref.url}")
+        def check_streamed() -> None:
+            problems = []
+            for rec in records.values():
+                path = f"{ref.path}/{rec.name}"
+                if rec.name in readers:
+                    size, sha = readers[rec.name].finish()
+                elif rec.name == STATE_FILE:
+                    continue  # `read_state` compared its bytes with the manifest
+                else:
+                    size, sha = hash_file(self.loc, path) if self.loc.fs.exists(path) else (None, None)
+                if (size, sha) != (rec.size, rec.sha256):
+                    problems.append(f"{self.loc.url_of(path)}: {size} bytes with sha256 {sha}, the manifest says "
+                                    f"{rec.size} bytes with sha256 {rec.sha256}")
+            if problems:
+                raise CheckpointCorrupt(f"{ref.url} is corrupt, found while loading it:\n  " + "\n  ".join(problems))
+
+        restore_parts(doc, targets, skip, open_tensors, where=f"checkpoint {ref.url}",
+                      check_streamed=check_streamed if verify == "while" else None)
         return doc["meta"]
 
     # ---- lease -----------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from harness.checkpoint import CheckpointError, CheckpointStore, capture
+from harness.checkpoint.errors import CheckpointCorrupt
 from harness.errors import UserError
 
 from .conftest import Bag, Tiny, folder, rewrite_manifest, state_of, torch_state
@@ -145,6 +146,10 @@ def _damage(kind: str, ref) -> str:
     elif kind == "absurd header":
         model.write_bytes((2**62).to_bytes(8, "little") + model.read_bytes()[8:])
         rewrite_manifest(ref)
+    return _damage_message(kind)
+
+
+def _damage_message(kind: str) -> str:
     return {"truncated": "bytes, the manifest says", "flipped byte": "sha256", "missing file": "missing",
             "missing manifest": "no manifest.json", "malformed manifest": "malformed manifest",
             "path outside": "not a plain file name", "absurd header": "header length"}[kind]
@@ -167,13 +172,54 @@ def test_a_damaged_newest_checkpoint_is_reported_and_skipped(run_dir, kind, caps
         assert message in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("verify", ["before", "while"])
 @pytest.mark.parametrize("kind", DAMAGE)
-def test_loading_a_damaged_checkpoint_is_a_clean_error(run_dir, kind):
+def test_loading_a_damaged_checkpoint_is_a_clean_error(run_dir, kind, verify):
     store = CheckpointStore(run_dir)
     ref = store.save(2, torch_state(steps=2))
     _damage(kind, ref)
-    with pytest.raises(UserError):
-        store.load(ref, torch_state(seed=1, steps=0), verify=kind in ("flipped byte",))
+    live = torch_state(seed=1, steps=0)
+    before = state_of(live)
+    with pytest.raises(UserError) as e:
+        store.load(ref, live, verify=verify)
+    assert _damage_message(kind) in str(e.value)
+    if verify == "before" or kind != "flipped byte":
+        assert state_of(live) == before  # refused before anything was streamed
+
+
+def test_a_flipped_byte_is_caught_while_loading_before_any_part_takes_its_state(run_dir):
+    """One pass: the bytes stream into the live tensors while they are hashed, and the mismatch
+    is raised before `load_state_dict`, so the optimizer and scheduler keep their state."""
+    store = CheckpointStore(run_dir)
+    ref = store.save(2, torch_state(steps=2))
+    _damage("flipped byte", ref)
+    live = torch_state(seed=1, steps=0)
+    sched = live["sched"].state_dict()
+    with pytest.raises(CheckpointCorrupt, match="model.safetensors.*sha256"):
+        store.load(ref, live, verify="while")
+    assert live["sched"].state_dict() == sched
+
+
+@pytest.mark.parametrize("url", ["local", "memory://verified"])
+def test_a_load_verified_while_streaming_is_bitwise(run_dir, url):
+    store = CheckpointStore(run_dir if url == "local" else url)
+    saved = torch_state(steps=3)
+    store.save(3, saved)
+    fresh = torch_state(seed=1, steps=0)
+    store.load(store.candidates()[0], fresh, verify="while")
+    assert state_of(fresh) == state_of(saved)
+    if url != "local":
+        store.loc.fs.rm(store.loc.root, recursive=True)
+
+
+def test_a_skipped_part_is_still_hashed_while_loading(run_dir):
+    store = CheckpointStore(run_dir)
+    ref = store.save(2, torch_state(steps=2))
+    data = bytearray((folder(ref) / "model.safetensors").read_bytes())
+    data[-3] ^= 0x01
+    (folder(ref) / "model.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match="model.safetensors"):
+        store.load(ref, torch_state(seed=1, steps=0), skip=("model",), verify="while")
 
 
 def _pickle_bomb(sentinel: Path) -> bytes:

@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from procs import TINY, assert_same_run, harness, kill_at_step
+from procs import TINY, assert_same_run, events, final_checkpoint, harness, kill_at_step
 
 STEPS = 12
 ARMS = {
@@ -68,3 +68,26 @@ def test_finished_run_started_again_says_so(tmp_path):
     again = harness("train", str(TINY), "--run-dir", str(run), "--set", "train.steps=4")
     assert again.returncode == 0
     assert "already finished at step 4" in again.stderr
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, damage):
+    """The resume verifies while it loads: the newest checkpoint is streamed into the live state
+    before its damage shows, so the trainer is rebuilt and the one before is loaded; the run
+    still finishes bitwise equal to an uninterrupted one."""
+    cont, intr = tmp_path / "continuous", tmp_path / "interrupted"
+    harness("train", str(TINY), "--run-dir", str(cont), check=True)
+    args = ["train", str(TINY), "--run-dir", str(intr)]
+    assert kill_at_step(args, intr, 10) != 0
+    newest = final_checkpoint(intr, 8) / "optim.safetensors"
+    data = bytearray(newest.read_bytes())
+    if damage == "flipped byte":
+        data[-5] ^= 0x40
+    else:
+        del data[-7:]
+    newest.write_bytes(bytes(data))
+    resumed = harness(*args, check=True)
+    assert "skipping a checkpoint that fails verification" in resumed.stderr
+    start = [e for e in events(intr) if e["event"] == "start"][-1]
+    assert start["resumed_from"] == 4
+    assert_same_run(cont, intr, STEPS)
