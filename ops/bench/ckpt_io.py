@@ -4,9 +4,11 @@ For a model + AdamW state of about `--size-mib` (default 1024), in one run:
 * save: `CheckpointStore.save` (serialize, sha256, write, fsync, atomic rename) against a raw
   write + fsync of the same tensor bytes to the same folder, `torch.save` (+ fsync), and
   `torch.distributed.checkpoint.save` (single process, no process group);
-* load: `CheckpointStore.load` into the live model and optimizer against a raw read of the same
-  bytes into preallocated memory and `torch.load(weights_only=True)`; `verify` (the sha256 pass
-  `latest_good` does before resuming) is timed on its own;
+* load: `CheckpointStore.load` into the live model and optimizer against a raw read of the
+  checkpoint's own files (the same bytes plus their headers, on the same disk blocks) into
+  preallocated memory and `torch.load(weights_only=True)`; `load store verified` is the load a
+  resume does (`verify="while"`: every byte sha256-hashed as it streams in), and `verify` (the
+  sha256 pass of `harness ckpt verify` and `latest_good`) is timed on its own;
 * memory: peak RSS (VmHWM) of a child process that builds the model and a fresh optimizer
   and loads the checkpoint, against a child that builds the model and optimizer state of a
   fresh start (what training holds after its first step).
@@ -109,12 +111,14 @@ def raw_write(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         os.fsync(f.fileno())
 
 
-def raw_read(path: Path, into: torch.Tensor) -> None:
+def raw_read(folder: Path, into: torch.Tensor) -> None:
+    """Read every file of `folder`, one after the other, into `into`."""
     view = memoryview(into.numpy())
-    with open(path, "rb", buffering=0) as f:
-        pos = 0
-        while got := f.readinto(view[pos:]):
-            pos += got
+    pos = 0
+    for path in sorted(folder.iterdir()):
+        with open(path, "rb", buffering=0) as f:
+            while got := f.readinto(view[pos:]):
+                pos += got
 
 
 def child(args: argparse.Namespace) -> None:
@@ -170,13 +174,14 @@ def measure(args: argparse.Namespace, folder: Path) -> dict:
     shutil.rmtree(dcp_dir, ignore_errors=True)
     store = CheckpointStore(str(run))
 
-    buffer = torch.zeros(nbytes, dtype=torch.uint8)
     ref = store.list()[-1]
     ckpt = Path(ref.path)
+    buffer = torch.zeros(sum(f.stat().st_size for f in ckpt.iterdir()), dtype=torch.uint8)
     for mode, evict in (("cold", lambda p: (lambda: drop_cache(p))), ("warm", lambda p: None)):
         r.update(best(args.repeat, {
-            f"load_raw_{mode}_s": (lambda: raw_read(raw, buffer), evict(raw)),
+            f"load_raw_{mode}_s": (lambda: raw_read(ckpt, buffer), evict(ckpt)),
             f"load_store_{mode}_s": (lambda: store.load(ref, parts), evict(ckpt)),
+            f"load_verified_{mode}_s": (lambda: store.load(ref, parts, verify="while"), evict(ckpt)),
             f"load_torch_{mode}_s": (lambda: torch.load(pt, weights_only=True), evict(pt)),
         }))
     del buffer
@@ -210,10 +215,11 @@ def report(r: dict, command: str) -> str:
         "|---|---|---|---|",
     ]
     for op, raw_key in (("save", "save_raw_s"), ("load cold", "load_raw_cold_s"), ("load warm", "load_raw_warm_s")):
-        for who in ("raw", "store", "torch", "dcp"):
+        for who in ("raw", "store", "verified", "torch", "dcp"):
             k = raw_key.replace("raw", who)
             if k in r:
-                lines.append(f"| {' '.join([op.split()[0], who, *op.split()[1:]])} | {r[k]:.3f} | {rate[k]:.2f} | {r[raw_key] / r[k]:.2f}x |")
+                label = "store verified" if who == "verified" else who
+                lines.append(f"| {' '.join([op.split()[0], label, *op.split()[1:]])} | {r[k]:.3f} | {rate[k]:.2f} | {r[raw_key] / r[k]:.2f}x |")
     lines.append(f"| verify (sha256 of every file) | {r['verify_s']:.3f} | {rate['verify_s']:.2f} | |")
     lines += [
         "",

@@ -80,6 +80,21 @@ def test_transient_faults_are_retried(proxy, s3_url, mode):
     assert proxy.faults[mode] > 0
 
 
+def test_parts_grow_so_that_s3s_part_limit_is_never_reached(proxy, s3_url, monkeypatch):
+    """Part sizes double every PARTS_PER_SIZE parts (S3 allows 10,000 per object)."""
+    from harness.checkpoint import s3
+
+    monkeypatch.setattr(s3, "PARTS_PER_SIZE", 2)
+    fs, root = open_filesystem(s3_url, options(proxy.endpoint, default_block_size=5 << 20))
+    data = os.urandom(40 << 20)
+    proxy.reset_counters()
+    with fs.open(f"{root}/big", "wb") as f:
+        for i in range(0, len(data), 1 << 20):
+            f.write(data[i:i + (1 << 20)])
+    assert proxy.total("PUT") == 5  # 5 + 5 + 10 + 10 + the last 10 MiB; at a fixed 5 MiB, 8 parts
+    assert fs.cat_file(f"{root}/big") == data
+
+
 def test_stalled_server_fails_within_deadline(proxy, s3_url):
     deadline = 2.0
     fs, root = open_filesystem(s3_url, options(proxy.endpoint, deadline_s=deadline, read_timeout=30))
@@ -115,7 +130,7 @@ def test_failed_multipart_upload_is_aborted(proxy, s3_server, s3_url):
     proxy.script = [None, "error500", "error500", "error500"]  # create the upload, then fail its part
     with pytest.raises(StorageError, match="upload_part.*after 3 attempts"):
         with fs.open(f"{root}/big", "wb") as f:
-            f.write(os.urandom(6 << 20))
+            f.write(os.urandom(5 << 20))  # exactly one part
     assert not fs.exists(f"{root}/big")
     assert s3_server.open_multipart_uploads() == []
 
