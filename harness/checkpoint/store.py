@@ -108,6 +108,10 @@ class CheckpointStore:
         return self.loc.fs.isdir(self.loc.root)
 
     def _names(self) -> list[str]:
+        # Listings are cached per filesystem instance, and fsspec shares one instance per URL and
+        # options across a process: without this, a long-lived reader (the supervisor polling the
+        # newest checkpoint of its child) would keep seeing the checkpoints of its first look.
+        self.loc.fs.invalidate_cache()
         if not self.loc.fs.isdir(self.dir):
             return []
         return sorted(folder_name(p) for p in self.loc.fs.ls(self.dir, detail=False))

@@ -72,6 +72,20 @@ def test_prefix_without_manifest_is_ignored(proxy, s3_server, s3_url):
     prefix = s3_url.split("/", 3)[3]
     s3_server.client().delete_object(Bucket=s3_server.bucket, Key=f"{prefix}/checkpoints/step-00000002/manifest.json")
     reopened = CheckpointStore(s3_url, storage_options=options(proxy.endpoint))
-    reopened.loc.fs.invalidate_cache()
     assert [r.step for r in reopened.list()] == [1]
     assert reopened.latest_good().step == 1
+
+
+def test_discovery_sees_what_another_process_wrote(proxy, s3_url):
+    """One process's view of the run dir follows another writer's commits and deletions (the
+    supervisor polls the newest checkpoint while its child trains), despite s3fs's listing cache."""
+    reader = CheckpointStore(s3_url, storage_options=options(proxy.endpoint))
+    writer = CheckpointStore(s3_url, storage_options=options(proxy.endpoint, skip_instance_cache=True))
+    assert reader.loc.fs is not writer.loc.fs
+    live = parts(seed=0)
+    writer.save(1, live)
+    assert reader.latest_good().step == 1
+    writer.save(2, live)
+    assert reader.latest_good().step == 2
+    writer.delete(writer.ref(2))
+    assert [r.step for r in reader.list()] == [1]
