@@ -104,6 +104,24 @@ class RetryingS3FileSystem(S3FileSystem):
         lanes = self._lanes[1]
         return lanes[part_number % len(lanes)]
 
+    def abort_uploads(self, path: str) -> list[str]:
+        """Abort every open multipart upload of an object under `path` (bucket/prefix); returns
+        their keys. For the run dir's single writer, right after it takes the lease: an upload
+        still open then was left by an earlier writer killed mid-upload, and is billed until
+        aborted."""
+        bucket, prefix, _ = self.split_path(path)
+        prefix = prefix.rstrip("/") + "/"
+        aborted = []
+        pages = {"IsTruncated": True}
+        marker: dict[str, str] = {}
+        while pages.get("IsTruncated"):
+            pages = self.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **marker)
+            for upload in pages.get("Uploads", []):
+                self.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
+                aborted.append(upload["Key"])
+            marker = {"KeyMarker": pages.get("NextKeyMarker", ""), "UploadIdMarker": pages.get("NextUploadIdMarker", "")}
+        return aborted
+
     async def _retrying(self, fn, what: str, bucket: str, key: str = ""):
         target = f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
         return await call_with_retries(fn, what=what, policy=self.retry_policy, target=target,

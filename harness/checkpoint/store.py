@@ -393,8 +393,22 @@ class CheckpointStore:
     # ---- lease -----------------------------------------------------------------------------
 
     def acquire_lease(self, takeover: bool = False) -> None:
-        """Become the run dir's only writer, or raise `CheckpointError` naming the holder."""
+        """Become the run dir's only writer, or raise `CheckpointError` naming the holder. On an
+        object store, multipart uploads that earlier writers left open (killed mid-upload) are
+        aborted: nothing else writes here now."""
         self._lease.acquire(takeover=takeover)
+        abort_uploads = getattr(self.loc.fs, "abort_uploads", None)
+        if abort_uploads is None:
+            return
+        try:
+            aborted = abort_uploads(self.dir)
+        except CheckpointError as e:  # a cleanup: never a reason not to train
+            log.warning("could not abort multipart uploads left open by earlier writers (needs "
+                        "s3:ListBucketMultipartUploads); an AbortIncompleteMultipartUpload lifecycle rule "
+                        "on the bucket cleans them up instead", error=str(e)[:300])
+            return
+        if aborted:
+            log.warning("aborted multipart uploads left open by an earlier writer", keys=aborted)
 
     def heartbeat(self) -> None:
         """Keep the lease fresh; cheap enough to call every step."""

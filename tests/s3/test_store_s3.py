@@ -89,3 +89,41 @@ def test_discovery_sees_what_another_process_wrote(proxy, s3_url):
     assert reader.latest_good().step == 2
     writer.delete(writer.ref(2))
     assert [r.step for r in reader.list()] == [1]
+
+
+def test_uploads_left_open_by_a_killed_writer_are_aborted_by_the_next(proxy, s3_server, s3_url):
+    """A writer killed mid-upload leaves an open multipart upload (billed until aborted); the
+    next writer aborts it when it takes the lease. Uploads outside the run dir are not touched."""
+    client = s3_server.client()
+    prefix = s3_url.split("/", 3)[3]
+    left = []
+    for key in (f"{prefix}/checkpoints/step-00000003/model.safetensors", f"{prefix}-other/x"):
+        upload = client.create_multipart_upload(Bucket=s3_server.bucket, Key=key)["UploadId"]
+        client.upload_part(Bucket=s3_server.bucket, Key=key, UploadId=upload, PartNumber=1, Body=b"x" * 1024)
+        left.append(key)
+    store = CheckpointStore(s3_url, storage_options=options(proxy.endpoint))
+    store.acquire_lease()
+    try:
+        assert [u["Key"] for u in s3_server.open_multipart_uploads()] == [left[1]]
+    finally:
+        store.release_lease()
+        client.abort_multipart_upload(Bucket=s3_server.bucket, Key=left[1],
+                                      UploadId=s3_server.open_multipart_uploads()[0]["UploadId"])
+
+
+def test_no_permission_to_list_uploads_does_not_stop_the_writer(proxy, s3_url):
+    store = CheckpointStore(s3_url, storage_options=options(proxy.endpoint))
+    real = store.loc.fs.call_s3
+
+    def call_s3(method, *args, **kwargs):
+        if method == "list_multipart_uploads":
+            proxy.script = ["forbidden403"]
+        return real(method, *args, **kwargs)
+
+    store.loc.fs.call_s3 = call_s3
+    try:
+        store.acquire_lease()
+        assert store._lease.held and proxy.faults["forbidden403"] == 1
+    finally:
+        del store.loc.fs.call_s3
+        store.release_lease()
