@@ -14,6 +14,7 @@ Contract:
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -152,9 +153,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     """Read a TOML file (following `extends`), apply `--set` overrides, validate."""
     path = Path(path)
     raw = _read_toml(path, seen=())
-    for item in overrides:
-        key, value = _parse_override(item)
-        _assign(raw, key, value)
+    apply_assignments(raw, overrides)
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
@@ -186,11 +185,21 @@ def _merge(into: dict[str, Any], top: dict[str, Any]) -> None:
             into[k] = v
 
 
-def _parse_override(item: str) -> tuple[str, Any]:
+def apply_assignments(raw: dict[str, Any], items: Iterable[str], flag: str = "--set",
+                      example: str = "train.steps=100") -> dict[str, Any]:
+    """Apply `dotted.key=value` items to `raw` (values are TOML values, else plain strings);
+    returns `raw`. `flag` and `example` name the option in error messages."""
+    for item in items:
+        key, value = _parse_assignment(item, flag, example)
+        _assign(raw, key, value, flag)
+    return raw
+
+
+def _parse_assignment(item: str, flag: str, example: str) -> tuple[str, Any]:
     key, sep, text = item.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise UserError(f"--set {item!r}: expected section.key=value, e.g. --set train.steps=100")
+        raise UserError(f"{flag} {item!r}: expected key=value, e.g. {flag} {example}")
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -198,13 +207,13 @@ def _parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def _assign(raw: dict[str, Any], dotted: str, value: Any) -> None:
+def _assign(raw: dict[str, Any], dotted: str, value: Any, flag: str) -> None:
     *parents, leaf = dotted.split(".")
     node = raw
     for p in parents:
         child = node.setdefault(p, {})
         if not isinstance(child, dict):
-            raise UserError(f"--set {dotted}: {p} is not a section")
+            raise UserError(f"{flag} {dotted}: {p} is not a section")
         node = child
     node[leaf] = value
 

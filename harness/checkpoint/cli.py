@@ -1,6 +1,8 @@
 """`harness ckpt ls|verify|show|diff|gc`: look at, check and prune checkpoints from the shell.
 
-Every command takes local paths or fsspec URLs. A checkpoint is named by its folder
+Every command takes local paths or fsspec URLs, and `-o KEY=VALUE` (repeatable) for the
+storage options a run's `checkpoint.storage_options` holds, e.g. `-o endpoint_url=http://minio:9000`
+or `-o retry.deadline_s=30`. A checkpoint is named by its folder
 (`RUN_DIR/checkpoints/step-00001200`); `verify` also takes a run dir and checks every
 checkpoint in it. Exit codes: 0 good/equal, 1 a verification failure or a difference,
 2 a user error (missing run dir, unknown protocol, not a checkpoint).
@@ -18,6 +20,7 @@ from harness.checkpoint.format import tensor_refs
 from harness.checkpoint.manifest import MANIFEST_FILE, parse_manifest
 from harness.checkpoint.storage import open_location, read_bytes
 from harness.checkpoint.store import STEP_DIR, CHECKPOINTS_DIR, CheckpointRef, CheckpointStore, folder_name
+from harness.config import apply_assignments
 
 
 def _size(n: int) -> str:
@@ -28,33 +31,39 @@ def _size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def open_target(url: str) -> tuple[CheckpointStore, CheckpointRef | None]:
-    """A run dir (ref None) or a checkpoint folder (its store and ref) at `url`."""
-    loc = open_location(url)
+def _options(args: argparse.Namespace) -> dict | None:
+    """The `-o KEY=VALUE` storage options (dotted keys nest: `retry.deadline_s=30`)."""
+    return apply_assignments({}, args.storage_option, "-o", "endpoint_url=http://127.0.0.1:9000") or None
+
+
+def open_target(url: str, options: dict | None = None) -> tuple[CheckpointStore, CheckpointRef | None]:
+    """A run dir (ref None) or a checkpoint folder (its store and ref) at `url`; `options` are
+    storage options."""
+    loc = open_location(url, options)
     if not loc.fs.isdir(loc.root):
         raise CheckpointError(f"{url}: no such run dir or checkpoint folder")
     name, parent = folder_name(loc.root), loc.root.rstrip("/").rsplit("/", 1)[0]
     manifest = f"{loc.root}/{MANIFEST_FILE}"
     step_name = STEP_DIR.fullmatch(name)
     if not step_name and not loc.fs.exists(manifest):
-        return CheckpointStore(url), None
+        return CheckpointStore(url, storage_options=options), None
     if step_name:
         step = int(step_name[1])
     else:
         step = parse_manifest(read_bytes(loc, manifest, 1 << 24), loc.url_of(manifest)).step
     run = parent.rsplit("/", 1)[0] if folder_name(parent) == CHECKPOINTS_DIR else parent
-    return CheckpointStore(loc.url_of(run)), CheckpointRef(step, loc.root, loc.url_of(loc.root))
+    return CheckpointStore(loc.url_of(run), storage_options=options), CheckpointRef(step, loc.root, loc.url_of(loc.root))
 
 
-def _checkpoint(url: str) -> tuple[CheckpointStore, CheckpointRef]:
-    store, ref = open_target(url)
+def _checkpoint(url: str, options: dict | None) -> tuple[CheckpointStore, CheckpointRef]:
+    store, ref = open_target(url, options)
     if ref is None:
         raise CheckpointError(f"{url} is a run dir, not a checkpoint; name one folder, e.g. {url.rstrip('/')}/{CHECKPOINTS_DIR}/step-00000100")
     return store, ref
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    store, ref = open_target(args.run_dir)
+    store, ref = open_target(args.run_dir, _options(args))
     if ref is not None:
         raise CheckpointError(f"{args.run_dir} is a checkpoint; `harness ckpt ls` takes its run dir")
     refs, incomplete = store.list(), store.incomplete()
@@ -77,7 +86,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    store, ref = open_target(args.target)
+    store, ref = open_target(args.target, _options(args))
     refs = [ref] if ref is not None else store.list()
     if ref is None:
         for path in store.incomplete():
@@ -97,7 +106,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    store, ref = _checkpoint(args.checkpoint)
+    store, ref = _checkpoint(args.checkpoint, _options(args))
     manifest, state = store.manifest(ref), store.read_state(ref)
     headers = store.tensor_headers(ref)
     print(f"checkpoint {ref.url}")
@@ -120,7 +129,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    lines, equal = diff_checkpoints(_checkpoint(args.a), _checkpoint(args.b))
+    lines, equal = diff_checkpoints(_checkpoint(args.a, _options(args)), _checkpoint(args.b, _options(args)))
     for line in lines:
         print(line)
     print("bitwise equal" if equal else "checkpoints differ")
@@ -128,10 +137,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    store, ref = open_target(args.run_dir)
+    store, ref = open_target(args.run_dir, _options(args))
     if ref is not None:
         raise CheckpointError(f"{args.run_dir} is a checkpoint; `harness ckpt gc` takes its run dir")
-    store = CheckpointStore(store.url, keep_last=args.keep_last, keep_every=args.keep_every)
+    store = CheckpointStore(store.url, keep_last=args.keep_last, keep_every=args.keep_every,
+                            storage_options=_options(args))
     with store.lease(takeover=args.takeover):
         removed = store.gc()
     for url in removed:
@@ -143,20 +153,23 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("ckpt", help="inspect, verify and prune checkpoints", description=__doc__)
     commands = parser.add_subparsers(dest="ckpt_command", required=True, metavar="SUBCOMMAND")
-    p = commands.add_parser("ls", help="list checkpoints with sizes and whether they verify")
+    storage = argparse.ArgumentParser(add_help=False)
+    storage.add_argument("-o", "--storage-option", dest="storage_option", action="append", default=[],
+                         metavar="KEY=VALUE", help="a storage option, as in checkpoint.storage_options (repeatable)")
+    p = commands.add_parser("ls", parents=[storage], help="list checkpoints with sizes and whether they verify")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_ls)
-    p = commands.add_parser("verify", help="check sizes and sha256 of a checkpoint or of every one in a run dir")
+    p = commands.add_parser("verify", parents=[storage], help="check sizes and sha256 of a checkpoint or of every one in a run dir")
     p.add_argument("target", metavar="RUN_DIR|CKPT")
     p.set_defaults(func=cmd_verify)
-    p = commands.add_parser("show", help="parts, tensors and metadata of one checkpoint")
+    p = commands.add_parser("show", parents=[storage], help="parts, tensors and metadata of one checkpoint")
     p.add_argument("checkpoint", metavar="CKPT")
     p.set_defaults(func=cmd_show)
-    p = commands.add_parser("diff", help="compare two checkpoints; exit 0 only when bitwise equal")
+    p = commands.add_parser("diff", parents=[storage], help="compare two checkpoints; exit 0 only when bitwise equal")
     p.add_argument("a", metavar="CKPT_A")
     p.add_argument("b", metavar="CKPT_B")
     p.set_defaults(func=cmd_diff)
-    p = commands.add_parser("gc", help="apply retention and remove leftovers of dead writers")
+    p = commands.add_parser("gc", parents=[storage], help="apply retention and remove leftovers of dead writers")
     p.add_argument("run_dir")
     p.add_argument("--keep-last", type=int, default=3, help="keep the newest K checkpoints (K >= 2; default 3)")
     p.add_argument("--keep-every", type=int, default=0, help="also keep steps divisible by M (default 0: off)")

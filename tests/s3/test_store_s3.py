@@ -127,3 +127,27 @@ def test_no_permission_to_list_uploads_does_not_stop_the_writer(proxy, s3_url):
     finally:
         del store.loc.fs.call_s3
         store.release_lease()
+
+
+def test_ckpt_commands_take_storage_options(s3_server, s3_url):
+    """`harness ckpt` reaches an S3-compatible endpoint given only by `-o endpoint_url=...`."""
+    import subprocess
+    import sys
+
+    store = CheckpointStore(s3_url, storage_options={"endpoint_url": s3_server.endpoint})
+    live = parts(seed=0)
+    store.save(1, live)
+    store.save(2, live)
+    opts = ["-o", f"endpoint_url={s3_server.endpoint}", "-o", "retry.attempts=2"]
+
+    def ckpt(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "harness.cli", "ckpt", *args, *opts], capture_output=True,
+                              text=True, timeout=120)
+
+    ls = ckpt("ls", s3_url)
+    assert ls.returncode == 0 and "step" in ls.stdout, ls.stderr
+    assert ckpt("verify", s3_url).returncode == 0
+    diff = ckpt("diff", f"{s3_url}/checkpoints/step-00000001", f"{s3_url}/checkpoints/step-00000002")
+    assert diff.returncode == 0 and "bitwise equal" in diff.stdout, diff.stdout + diff.stderr
+    bad = ckpt("ls", s3_url, "-o", "retry")
+    assert bad.returncode == 2 and "-o 'retry': expected key=value" in bad.stderr
