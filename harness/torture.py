@@ -286,7 +286,7 @@ def _damages(name: str, size: int, offsets: int) -> list[tuple[str, int]]:
 
 def corruption_sweep(torture: Torture, offsets: int = 16, cli: bool = True) -> CorruptionResult:
     """Damage every file of committed step PREV in turn; see the module docstring."""
-    from harness.checkpoint.cli import cmd_verify
+    from harness.checkpoint.cli import verify_target
 
     url = f"{torture.url}/torture-corrupt"
     torture.prepare(url)
@@ -315,7 +315,7 @@ def corruption_sweep(torture: Torture, offsets: int = 16, cli: bool = True) -> C
             if cli:
                 text = io.StringIO()
                 with contextlib.redirect_stdout(text):
-                    code = cmd_verify(argparse.Namespace(target=ref.url))
+                    code = verify_target(ref.url, torture.options or None)
                 out.cli_failed += code != 0 and name in text.getvalue()
             if not (problems and any(name in p for p in problems) and good is not None and good.step == 1):
                 out.misses.append(f"{kind} {name} at {arg}: problems={problems} discovery={good}")

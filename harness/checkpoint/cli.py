@@ -86,7 +86,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    store, ref = open_target(args.target, _options(args))
+    return verify_target(args.target, _options(args))
+
+
+def verify_target(url: str, options: dict | None = None) -> int:
+    """`harness ckpt verify URL`: print each checkpoint's verdict and problems; 1 if any fails."""
+    store, ref = open_target(url, options)
     refs = [ref] if ref is not None else store.list()
     if ref is None:
         for path in store.incomplete():
