@@ -109,18 +109,16 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             t0 = time.perf_counter()
             load_checkpoint(source, ref, trainer.state.parts(), verify=verify)
             return trainer, ref, restore_s + time.perf_counter() - t0
-        except CheckpointError as e:
+        except BaseException as e:
             if trainer is not None:
                 trainer.close()
+            if verify != "while" or not isinstance(e, CheckpointError):
+                raise
             problems = [str(e)] if isinstance(e, CheckpointCorrupt) else source.verify(ref)
-            if verify != "while" or not problems:
+            if not problems:  # intact: the error is about the setup, not the checkpoint
                 raise
             skipped(ref, problems)
             restore_s += time.perf_counter() - t0
-        except BaseException:
-            if trainer is not None:
-                trainer.close()
-            raise
     return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world()), None, restore_s
 
 
