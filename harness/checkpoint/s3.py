@@ -59,8 +59,8 @@ def s3_storage_options(user_options: dict[str, Any] | None) -> dict[str, Any]:
     policy = RetryPolicy(**options.pop("retry", {}))
     config_kwargs = {"connect_timeout": CONNECT_TIMEOUT_S, "read_timeout": READ_TIMEOUT_S,
                      **options.pop("config_kwargs", {})}
-    # botocore sha256-signs every body sent over plain http (a local MinIO, moto), on the one
-    # event-loop thread all parts share: a third of that thread's time in an upload. Over https it
+    # botocore sha256-signs every body sent over plain http (a local MinIO, moto) on the event
+    # loop that sends it: a third of that loop's time in an upload, measured. Over https it
     # already sends uploads unsigned, relying on the CRC32 checksum header the server verifies;
     # this makes http behave the same. The manifest's sha256 still covers every byte end to end.
     config_kwargs["s3"] = {"payload_signing_enabled": False, **config_kwargs.get("s3", {})}
