@@ -9,10 +9,10 @@ kind on purpose:
 * Object stores and `memory://`: a single PUT is atomic and there is nothing to fsync; the
   commit point is the manifest object, written last (see store.py).
 
-`write_stream` hashes what it writes in a second thread, behind the writes and during the fsync:
-sha256 runs at about 1.4 GB/s here, a disk at a few hundred MB/s, so the hash is free when
-overlapped and would cost 15-50% of the save when done in line. hashlib and file writes both
-release the GIL. `HashingReader` does the same for loading: the bytes are hashed, in order, in a
+`write_stream` hashes what it writes in a second thread (`BackgroundHash`), behind the writes
+and during the fsync: sha256 runs at about 1.4 GB/s here, a disk at a few hundred MB/s, so the
+hash is free when overlapped and would cost 15-50% of the save when done in line. hashlib and
+file writes both release the GIL. `HashingReader` does the same for loading: the bytes are hashed, in order, in a
 second thread while the next ones are read, so a verified load reads every byte once.
 """
 
@@ -84,34 +84,59 @@ def rename(loc: Location, src: str, dst: str) -> None:
     loc.fs.replace(src, dst)
 
 
-def write_stream(loc: Location, path: str, chunks: Iterable[memoryview | bytes]) -> tuple[int, str]:
-    """Write `chunks` to `path`, durably on local disk; return (size, sha256 hex).
+class BackgroundHash:
+    """sha256 of the chunks given to `update`, in order, computed in a worker thread.
 
-    The hash runs behind the writes and finishes during the fsync; at most
-    `_HASH_BACKLOG_BYTES` of written-but-unhashed chunks are kept alive (a chunk may be a CPU
-    copy of a GPU tensor, so an unbounded backlog could hold the whole state twice).
+    A chunk is hashed where it lies (no copy), so it must not change until it is hashed; at most
+    `_HASH_BACKLOG_BYTES` are waiting at any time (`update` blocks until the backlog is under
+    it), so a chunk that is a temporary (a CPU copy of a GPU tensor) is kept alive only that
+    long. `size` counts every byte given; `hexdigest()` waits for the backlog. Use it as a
+    context manager, which stops the worker thread.
     """
-    digest = hashlib.sha256()
-    size = 0
-    backlog: deque[tuple[Future, int]] = deque()
-    pending = 0
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash") as hasher:
+
+    def __init__(self) -> None:
+        self.size = 0
+        self._digest = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
+        self._backlog: deque[tuple[Future, int]] = deque()
+        self._pending = 0
+
+    def update(self, chunk: memoryview | bytes) -> None:
+        n = chunk.nbytes if isinstance(chunk, memoryview) else len(chunk)
+        if not n:
+            return
+        self._backlog.append((self._pool.submit(self._digest.update, chunk), n))
+        self._pending += n
+        self.size += n
+        while self._pending > _HASH_BACKLOG_BYTES:
+            done, n_done = self._backlog.popleft()
+            done.result()
+            self._pending -= n_done
+
+    def hexdigest(self) -> str:
+        while self._backlog:
+            self._backlog.popleft()[0].result()
+        self._pending = 0
+        return self._digest.hexdigest()
+
+    def __enter__(self) -> BackgroundHash:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(wait=True)
+
+
+def write_stream(loc: Location, path: str, chunks: Iterable[memoryview | bytes]) -> tuple[int, str]:
+    """Write `chunks` to `path`, durably on local disk; return (size, sha256 hex). The hash runs
+    behind the writes (`BackgroundHash`) and finishes during the fsync."""
+    with BackgroundHash() as digest:
         with loc.fs.open(path, "wb") as f:
             for chunk in chunks:
-                n = len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
-                backlog.append((hasher.submit(digest.update, chunk), n))
-                pending += n
+                digest.update(chunk)
                 f.write(chunk)
-                size += n
-                while pending > _HASH_BACKLOG_BYTES:
-                    done, n_done = backlog.popleft()
-                    done.result()
-                    pending -= n_done
             if loc.is_local:
                 loc.fs.fsync(f)
-        for done, _ in backlog:
-            done.result()
-    return size, digest.hexdigest()
+        return digest.size, digest.hexdigest()
 
 
 def write_small(loc: Location, path: str, data: bytes) -> None:
@@ -135,51 +160,33 @@ class HashingReader:
 
     `read`, `readinto` and `seek` (forward only: skipped bytes are read and hashed) behave like
     the file's own; `finish()` reads the rest of the file and returns (size, sha256 hex) of all
-    of it. The hash runs in a worker thread over the very buffers the caller read into (live
-    tensors, so no copy): those buffers must not change until `finish` returns. At most
-    `_HASH_BACKLOG_BYTES` of read-but-unhashed bytes are in flight; a buffer that is not the
-    caller's own (a staging copy on the way to a GPU) is kept alive only that long.
+    of it. The hash runs in a worker thread (`BackgroundHash`) over the very buffers the caller
+    read into (live tensors, so no copy): those buffers must not change until `finish` returns.
     """
 
     def __init__(self, f) -> None:
         self._f = f
-        self._pos = 0
-        self._digest = hashlib.sha256()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-verify")
-        self._backlog: deque[tuple[Future, int]] = deque()
-        self._pending = 0
-
-    def _hash(self, view: memoryview | bytes) -> None:
-        n = len(view)
-        if not n:
-            return
-        self._backlog.append((self._pool.submit(self._digest.update, view), n))
-        self._pending += n
-        self._pos += n
-        while self._pending > _HASH_BACKLOG_BYTES:
-            done, n_done = self._backlog.popleft()
-            done.result()
-            self._pending -= n_done
+        self._hash = BackgroundHash()
 
     def tell(self) -> int:
-        return self._pos
+        return self._hash.size
 
     def read(self, n: int = -1) -> bytes:
         data = self._f.read(n)
-        self._hash(data)
+        self._hash.update(data)
         return data
 
     def readinto(self, view: memoryview) -> int:
         got = self._f.readinto(view)
         if got:
-            self._hash(view[:got] if got < len(view) else view)
+            self._hash.update(view[:got] if got < len(view) else view)
         return got
 
     def seek(self, pos: int, whence: int = os.SEEK_SET) -> int:
-        if whence != os.SEEK_SET or pos < self._pos:
-            raise ValueError(f"a hashing reader only moves forward (at {self._pos}, asked for {pos})")
-        self._skip(pos - self._pos)
-        return self._pos
+        if whence != os.SEEK_SET or pos < self.tell():
+            raise ValueError(f"a hashing reader only moves forward (at {self.tell()}, asked for {pos})")
+        self._skip(pos - self.tell())
+        return self.tell()
 
     def _skip(self, n: int | None) -> None:
         """Read and hash `n` more bytes, or up to the end of the file when None."""
@@ -187,20 +194,16 @@ class HashingReader:
             chunk = self._f.read(_READ_CHUNK if n is None else min(n, _READ_CHUNK))
             if not chunk:
                 return
-            self._hash(chunk)
+            self._hash.update(chunk)
             if n is not None:
                 n -= len(chunk)
 
     def finish(self) -> tuple[int, str]:
         self._skip(None)
-        for done, _ in self._backlog:
-            done.result()
-        self._backlog.clear()
-        self._pending = 0
-        return self._pos, self._digest.hexdigest()
+        return self._hash.size, self._hash.hexdigest()
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._hash.__exit__(None, None, None)
         self._f.close()
 
     def __enter__(self) -> HashingReader:
