@@ -253,10 +253,10 @@ class _RetryingS3File(S3File):
     def _declares_checksums(self) -> bool:
         """Whether a multipart upload names its checksum algorithm: boto3's transfer manager does
         under botocore's default `request_checksum_calculation = "when_supported"`, and so do we.
-        S3 then checks every part against its CRC32 and the completed object against the list
-        of part checksums, so a part damaged or swapped on the way fails the upload. (Without
-        it moto, the local server, also computes a whole-object checksum in Python at completion:
-        a sixth of its CPU for an upload.)"""
+        S3 then requires a CRC32 with every part, checks the completion's list of part checksums
+        against the parts it received, and keeps a composite checksum of the object (readable
+        with `get_object_attributes`). (Without it moto, the local server, computes a
+        whole-object checksum in Python at completion: a sixth of its CPU for an upload.)"""
         return self.fs.connect().meta.config.request_checksum_calculation == "when_supported"
 
     def _fetch_range(self, start, end):
