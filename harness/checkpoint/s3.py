@@ -145,7 +145,7 @@ class RetryingS3FileSystem(S3FileSystem):
         # s3fs builds its S3File by name; switching the class adds retried reads and abort-on-error.
         # A reader's cache holds the fetch method bound at construction, so it is rebound too.
         f.__class__ = _RetryingS3File
-        f._parts_in_flight = []
+        f._parts_in_flight: list[tuple[Future, bytearray]] = []  # (upload, its body) while uploading
         if f.writable():
             f._start_writing()
         if f.readable():
@@ -162,7 +162,6 @@ class _RetryingS3File(S3File):
         self.blocksize = self._first_part_size = min(self.blocksize, PART_SIZE)
         self._part = bytearray(self.blocksize)
         self._filled = 0
-        self._parts_in_flight: list[tuple[Future, bytearray]] = []
         self._spare: list[bytearray] = []
         self._checksum_kw: dict[str, str] = {}
 

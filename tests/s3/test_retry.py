@@ -166,8 +166,8 @@ def checksum_of(s3_server, root: str, name: str) -> tuple[str, str]:
 
 def test_multipart_parts_carry_checksums_the_server_checks(proxy, s3_server, s3_url):
     """Like boto3's transfer manager: the upload names CRC32, every part carries one, and the
-    completed object holds the composite checksum of its parts (S3 rejects a part or a part list
-    that does not match)."""
+    completed object holds the composite checksum of its parts (S3 checks the completion's part
+    list against the parts it received)."""
     fs, root = open_filesystem(s3_url, options(proxy.endpoint, default_block_size=5 << 20))
     data = os.urandom(12 << 20)  # 5 + 5 + 2 MiB
     with fs.open(f"{root}/big", "wb") as f:
