@@ -12,8 +12,9 @@ kind on purpose:
 `write_stream` hashes what it writes in a second thread (`BackgroundHash`), behind the writes
 and during the fsync: sha256 runs at about 1.4 GB/s here, a disk at a few hundred MB/s, so the
 hash is free when overlapped and would cost 15-50% of the save when done in line. hashlib and
-file writes both release the GIL. `HashingReader` does the same for loading: the bytes are hashed, in order, in a
-second thread while the next ones are read, so a verified load reads every byte once.
+file writes both release the GIL. `HashingReader` does the same for loading: the bytes are
+hashed, in order, in a second thread while the next ones are read, so a verified load reads
+every byte once.
 """
 
 from __future__ import annotations
