@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from harness import numerics
 from harness.errors import UserError
 from harness.log import configure
 
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    numerics.prepare_environment()  # before a command module imports torch
     parser = build_parser()
     args = parser.parse_args(argv)
     configure(args.log_level)

@@ -56,6 +56,7 @@ class TrainSection(Section):
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value; unset = no clipping.")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Autocast dtype for forward/backward; fp16 uses a saved grad scaler.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train; auto = cuda when available.")
+    cpu_threads: int | None = Field(None, gt=0, description="torch's intra-op CPU threads, fixed for the run and recorded in run.json and every checkpoint (harness/numerics.py); unset = torch's default for this machine. A resume with another count warns: some kernels split their sums by it.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0 = only at the end).")
     eval_batches: int = Field(4, gt=0, description="Batches per evaluation.")
     log_every: int = Field(10, gt=0, description="Console log line every N steps (metrics.jsonl gets every step).")
@@ -132,7 +133,7 @@ def _redact(tree: Any) -> Any:
 
 # Keys that may change between restarts of one run without changing its numbers.
 FREE_FIELDS = ("run_dir", "log_dir", "checkpoint", "debug", "data.num_workers", "data.storage_options",
-               "data.url", "train.eval_every", "train.eval_batches", "train.log_every", "train.device",
+               "data.url", "train.eval_every", "train.eval_batches", "train.log_every", "train.device", "train.cpu_threads",
                "train.fingerprint_every", "train.on_divergence", "train.unregistered_state")
 
 

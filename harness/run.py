@@ -27,7 +27,7 @@ import fsspec
 import psutil
 from tqdm import tqdm
 
-from harness import distributed, exit_codes
+from harness import distributed, exit_codes, numerics
 from harness.checkpoint import CheckpointRef, CheckpointStore, capture
 from harness.checkpoint.async_save import AsyncSaver, Committed
 from harness.checkpoint.distributed_commit import GroupCommit, load_checkpoint
@@ -49,6 +49,7 @@ log = get_logger(__name__)
 
 def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = False,
           takeover: bool = False) -> int:
+    numerics.apply(cfg.train.cpu_threads)  # before any torch math: MKL's mode is fixed at its first use
     log_dir = Path(resolve_log_dir(cfg))
     store = open_store(cfg)
     try:
@@ -208,10 +209,13 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: 
         log.warning("resuming with a changed config; bitwise equality is not promised", keys=changed)
     before = meta.get("environment", {})
     now = environment_fingerprint(resolve_device(cfg.train.device))
-    for key in ("torch", "device_type"):
-        if key in before and before[key] != now[key]:
-            log.warning("resuming on a different environment; bitwise equality is not promised there",
-                        key=key, checkpoint=before[key], now=now[key])
+    differ = [(key, before[key], now[key]) for key in ("torch", "device_type") if key in before and before[key] != now[key]]
+    saved_numerics = before.get("numerics", {})
+    differ += [(f"numerics.{key}", saved_numerics[key], now["numerics"][key])
+               for key in numerics.RESUME_SENSITIVE if key in saved_numerics and saved_numerics[key] != now["numerics"][key]]
+    for key, then, current in differ:
+        log.warning("resuming on a different environment; bitwise equality is not promised there",
+                    key=key, checkpoint=then, now=current)
 
 
 def write_run_json(cfg: RunConfig, trainer: Trainer) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import torch
 
+from harness import numerics
 from harness.config import RunConfig
 from harness.data import BatchStream, TokenDataset, eval_batches
 from harness.data.prng import derive_seed
@@ -61,13 +62,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def enable_determinism() -> None:
-    """Deterministic kernels everywhere; cuBLAS needs its workspace fixed before CUDA starts."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
-
-
 class Trainer:
     """Builds model, optimizer bundle, data stream, RNG and scaler from a config; runs steps."""
 
@@ -77,7 +71,7 @@ class Trainer:
         self.device = resolve_device(cfg.train.device)
         if self.device.type == "cuda" and world_size > 1:
             self.device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, set by the process group
-        enable_determinism()
+        numerics.apply(cfg.train.cpu_threads)
         seed_everything(cfg.train.seed)
 
         model_args = {"seq_len": cfg.data.seq_len, **cfg.model.args}
@@ -270,13 +264,14 @@ class CheckpointClock:
 
 
 def environment_fingerprint(device: torch.device) -> dict[str, Any]:
-    """What exact resume is promised for: library versions and the device type."""
+    """What exact resume is promised for: library versions, the device type and the numerical
+    reproducibility settings in force (harness.numerics)."""
     import platform
 
     import safetensors
 
     fp = {"torch": torch.__version__, "python": platform.python_version(), "safetensors": safetensors.__version__,
-          "device_type": device.type}
+          "device_type": device.type, "numerics": numerics.settings()}
     if device.type == "cuda":
         fp["cuda"] = torch.version.cuda
         fp["gpu"] = torch.cuda.get_device_name(device)

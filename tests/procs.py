@@ -14,20 +14,24 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "data" / "tiny.toml"
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# As users run `harness train`: torch's default thread count and no reproducibility settings from
+# outside (the harness sets its own, harness/numerics.py).
+DEFAULT_THREADS_ENV = {k: v for k, v in ENV.items()
+                       if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR", "MKL_DYNAMIC", "OMP_DYNAMIC")}
 
 
-def harness(*args: str, timeout: float = 300, check: bool = False) -> subprocess.CompletedProcess:
+def harness(*args: str, timeout: float = 300, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `harness ARGS` to completion; returns the completed process (text output)."""
     proc = subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True, text=True,
-                          env=ENV, timeout=timeout, cwd=ROOT)
+                          env=env or ENV, timeout=timeout, cwd=ROOT)
     if check and proc.returncode != 0:
         raise AssertionError(f"harness {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
 
 
-def start(*args: str) -> subprocess.Popen:
+def start(*args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "harness.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+                            stderr=subprocess.PIPE, text=True, env=env or ENV, cwd=ROOT)
 
 
 def last_step(log_dir: Path) -> int:
@@ -49,9 +53,10 @@ def wait_for_step(proc: subprocess.Popen, log_dir: Path, step: int, timeout: flo
         time.sleep(0.02)
 
 
-def kill_at_step(args: list[str], log_dir: Path, step: int, sig: int = signal.SIGKILL) -> int:
+def kill_at_step(args: list[str], log_dir: Path, step: int, sig: int = signal.SIGKILL,
+                 env: dict | None = None) -> int:
     """Start `harness ARGS`, send `sig` once step `step` is logged, return the exit code."""
-    proc = start(*args)
+    proc = start(*args, env=env)
     wait_for_step(proc, log_dir, step)
     proc.send_signal(sig)
     proc.communicate(timeout=120)

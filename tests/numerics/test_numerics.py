@@ -1,0 +1,74 @@
+"""Reproducibility with the threading users get (issue 16): the harness's numerical settings make
+`harness train` repeatable run to run on a busy machine, not only in one-thread tests.
+
+The cause found: torch's CPU build multiplies matrices with oneMKL, whose default mode lets it
+run a product on fewer threads than asked when the machine is busy ("dynamic" threads), which
+changes the summation order. The harness puts MKL in strict conditional-numerical-reproducibility
+mode, where its matrix products give the same bits on any thread count (harness/numerics.py).
+"""
+
+import json
+import random
+import subprocess
+import sys
+
+from procs import DEFAULT_THREADS_ENV, ROOT, TINY, assert_same_run, harness, kill_at_step, start
+
+PROBE = ROOT / "tests" / "numerics" / "mkl_threads_probe.py"
+
+
+def run_probe(**env: str) -> dict:
+    proc = subprocess.run([sys.executable, str(PROBE)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**DEFAULT_THREADS_ENV, **env})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_mkl_dropping_threads_cannot_change_the_numbers():
+    """What a busy machine does to MKL (a product on 1 thread instead of 2), done on purpose:
+    the two steps' losses and parameters stay bitwise the same under the harness's settings."""
+    out = run_probe()
+    if out["settings"]["mkl_cbwr"] == "no MKL":  # a torch build without MKL (ARM, macOS): nothing to pin
+        return
+    assert out["settings"]["mkl_cbwr"] == "AUTO,STRICT"
+    assert out["mkl2"]["torch_threads"] == out["mkl1"]["torch_threads"] == 2
+    assert out["mkl1"] == out["mkl2"]
+
+
+def test_the_probe_sees_mkl_threads_without_strict_mode():
+    """The check above can fail: with MKL's reproducibility off (the user's own MKL_CBWR, which
+    the harness keeps and warns about), one thread and two give other bits."""
+    out = run_probe(MKL_CBWR="OFF")
+    if out["settings"]["mkl_cbwr"] == "no MKL":
+        return
+    assert out["mkl1"]["losses"] != out["mkl2"]["losses"]
+
+
+def test_concurrent_default_threaded_runs_and_a_killed_one_are_bitwise_equal(tmp_path):
+    """Real `harness train` processes with torch's default threads (>= 2 here), three at once so
+    they load each other: two straight through, one SIGKILLed and resumed (also with default
+    threads) while the others run. Losses and final checkpoints bitwise equal; run.json records
+    the settings."""
+    args = ["train", str(ROOT / "configs" / "quickstart.toml"), "--set", "train.steps=8",
+            "--set", "checkpoint.every_steps=3", "--set", "train.eval_every=0"]
+    runs = [tmp_path / f"r{i}" for i in range(3)]
+    procs = [start(*args, "--run-dir", str(run), env=DEFAULT_THREADS_ENV) for run in runs[:2]]
+    kill_at_step([*args, "--run-dir", str(runs[2])], runs[2], random.Random(16).randrange(4, 8),
+                 env=DEFAULT_THREADS_ENV)
+    harness(*args, "--run-dir", str(runs[2]), env=DEFAULT_THREADS_ENV, check=True)
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-3000:]
+    for run in runs[1:]:
+        assert_same_run(runs[0], run, 8)
+    numerics = json.loads((runs[0] / "run.json").read_text())["environment"]["numerics"]
+    assert numerics["cpu_threads"] >= 2 and numerics["deterministic_algorithms"]
+    assert numerics["env"]["MKL_DYNAMIC"] == "FALSE"
+
+
+def test_resume_with_another_thread_count_warns(tmp_path):
+    run = tmp_path / "run"
+    args = ["train", str(TINY), "--run-dir", str(run)]
+    kill_at_step([*args, "--set", "train.cpu_threads=1"], run, 6)
+    resumed = harness(*args, "--set", "train.cpu_threads=2", check=True)
+    assert "numerics.cpu_threads" in resumed.stderr and "bitwise equality is not promised" in resumed.stderr
