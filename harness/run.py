@@ -314,7 +314,9 @@ class Loop:
         """Checkpoint the current step. Synchronous: commit it here. Async: snapshot it into the
         staging buffers and persist it in the background (`committed` reports the commit); with
         `checkpoint.when_busy = "skip"` a save due while the previous one persists is skipped,
-        unless `must` or it is the final step."""
+        unless `must` or it is the final step. A state holding NaN/inf is never saved: that raises
+        TrainingDiverged instead (every save goes through here: cadence, final, preemption)."""
+        self.trainer.check_finite_state()
         step = self.trainer.step
         meta = {"config": public_config(self.cfg), "finished": self.trainer.counters.finished,
                 "environment": environment_fingerprint(self.trainer.device)}

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import torch
 
+from harness import distributed
 from harness.config import RunConfig
 from harness.data import BatchStream, TokenDataset, eval_batches
 from harness.data.prng import derive_seed
@@ -38,7 +39,11 @@ CRASH_EXIT_CODE = 13
 
 
 class TrainingDiverged(UserError):
-    """The loss became NaN/inf; no checkpoint of the poisoned state is written."""
+    """The loss, the gradient norm or the state became NaN/inf; no checkpoint of the poisoned
+    state is written."""
+
+
+DIVERGED_ADVICE = "Lower the learning rate, enable train.grad_clip, or resume from the last checkpoint"
 
 
 @dataclass
@@ -148,16 +153,14 @@ class Trainer:
             torch.distributed.all_reduce(total)
             tokens *= self.world_size
         loss_value = float(total) / (accum * self.world_size)
-        if not math.isfinite(loss_value):
-            self.optim.zero_grad(set_to_none=True)
-            raise TrainingDiverged(
-                f"loss is {loss_value} at step {self.step + 1}; the step was not applied and no checkpoint of it "
-                f"was written. Lower the learning rate, enable train.grad_clip, or resume from the last checkpoint")
         # Host clock, no extra device sync: exact on CPU. On CUDA the loss read above has synced,
         # but the optimizer's kernels may still run at t_end, so there it is approximate (low).
         t_optim = time.perf_counter()
-        self.scaler.unscale_(self.optim)
-        grad_norm = self._clip_gradients()
+        grad_norm = math.nan
+        if math.isfinite(loss_value):
+            self.scaler.unscale_(self.optim)
+            grad_norm = self._clip_gradients()
+        self._stop_if_diverged(loss_value, grad_norm)
         self.scaler.step(self.optim)
         self.scaler.update()
         self.sched.step()
@@ -169,9 +172,43 @@ class Trainer:
         return StepResult(self.step, loss_value, grad_norm, lr, tokens, t_end - t0, t_end - t_optim, fingerprint)
 
     def _clip_gradients(self) -> float:
+        """The global gradient norm (one fused norm, one host sync), clipping to train.grad_clip."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip is not None else math.inf
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def _stop_if_diverged(self, loss: float, grad_norm: float) -> None:
+        """Raise TrainingDiverged, on every rank, before the optimizer step when the loss or the
+        gradient norm is NaN/inf on any rank. With fp16 the grad scaler owns non-finite gradients:
+        it skips such a step and lowers its scale, as dynamic loss scaling intends."""
+        bad_grads = not math.isfinite(grad_norm) and not self.scaler.is_enabled()
+        if not distributed.all_reduce_flag(not math.isfinite(loss) or bad_grads):
+            return
+        self.optim.zero_grad(set_to_none=True)
+        what = (f"loss is {loss}" if not math.isfinite(loss) else
+                f"gradient norm is {grad_norm} (loss {loss:.6g})" if bad_grads else
+                "the loss or gradient norm is not finite on another rank")
+        raise TrainingDiverged(f"{what} at step {self.step + 1}; the step was not applied and no checkpoint of it "
+                               f"was written. {DIVERGED_ADVICE}")
+
+    def check_finite_state(self) -> None:
+        """Raise TrainingDiverged, on every rank, when a parameter, buffer or optimizer tensor holds
+        NaN/inf: called before every save, so a poisoned state never becomes a checkpoint. One
+        host sync over on-device reductions; the per-tensor search runs only on failure."""
+        named = [(f"model/{n}", t) for n, t in (*self.model.named_parameters(), *self.model.named_buffers())]
+        for opt_name, opt in self.optim.optimizers.items():
+            names = {id(p): n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
+            named += [(f"optim/{opt_name}/{names.get(id(p), '?')}/{k}", v)
+                      for p, st in opt.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)]
+        named = [(n, t) for n, t in named if t.is_floating_point() and t.numel()]
+        finite = (torch.stack([t.detach().isfinite().all().to(self.device) for _, t in named]).all()
+                  if named else torch.ones((), dtype=torch.bool))
+        ok = bool(finite)
+        if distributed.all_ok(ok):
+            return
+        bad = next((n for n, t in named if not bool(t.detach().isfinite().all())), "a tensor on another rank")
+        raise TrainingDiverged(f"{bad} holds NaN/inf after step {self.step}; no checkpoint of this state was "
+                               f"written (the newest checkpoint is of an earlier step). {DIVERGED_ADVICE}")
 
     @torch.no_grad()
     def evaluate(self) -> float:
