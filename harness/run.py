@@ -2,8 +2,9 @@
 
 Contract of `train(cfg, ...)` (what `harness train` does):
 - Takes the run dir's single-writer lease, finds the newest *good* checkpoint and resumes from it
-  (`resume="auto"`), or starts fresh (`"never"`, refused when the run dir has checkpoints), or
-  loads the checkpoint at a given URL.
+  (`resume="auto"`; when every checkpoint is damaged it refuses, naming them, rather than start
+  over), or starts fresh (`"never"`, refused when the run dir has good checkpoints), or loads the
+  checkpoint at a given URL.
 - Refuses to resume when a key that changes the math differs from the checkpoint's config (the
   list of keys is in the message) unless `allow_config_change`; warns when the torch version or
   device type differs from the checkpoint's (bitwise equality is not promised there).
@@ -34,7 +35,7 @@ from harness.checkpoint.distributed_commit import GroupCommit, load_checkpoint
 from harness.checkpoint.filesystem import open_filesystem
 from harness.checkpoint.mirror import LocalFirstStore
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
-from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR, Verify, skipped
+from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR, Verify, folder_name, skipped
 from harness.config import RunConfig, config_changes, public_config
 from harness.errors import UserError
 from harness.events import EventLog
@@ -119,7 +120,19 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
                 raise
             skipped(ref, problems)
             restore_s += time.perf_counter() - t0
+    if candidates:
+        raise all_damaged(cfg, candidates)
     return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world()), None, restore_s
+
+
+def all_damaged(cfg: RunConfig, damaged: list[CheckpointRef]) -> UserError:
+    """The refusal to start over in a run dir whose every checkpoint fails verification: that
+    would cut its metrics back to step 0 and let retention replace the evidence."""
+    names = ", ".join(folder_name(ref.path) for ref in damaged)
+    return UserError(f"every checkpoint in {cfg.run_dir} fails verification ({names}; the problems are logged "
+                     f"above, `harness ckpt verify {cfg.run_dir}` lists them); nothing was changed. Restore a good "
+                     f"copy, or pass --resume never to start over from step 0 (the damaged ones are kept until "
+                     f"good checkpoints replace them)")
 
 
 def open_store(cfg: RunConfig) -> CheckpointStore | LocalFirstStore:
@@ -156,6 +169,8 @@ def agree_on_checkpoint(store: CheckpointStore, cfg: RunConfig,
     def decide() -> tuple[str | None, int] | None:
         source, candidates, verify = choose_checkpoint(store, cfg, resume)
         ref = source.first_good(candidates) if verify == "while" else next(iter(candidates), None)
+        if ref is None and candidates:
+            raise all_damaged(cfg, candidates)
         return None if ref is None else (None if source is store else source.url, ref.step)
 
     choice = distributed.on_rank0(decide)
