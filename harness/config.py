@@ -131,8 +131,10 @@ def _redact(tree: Any) -> Any:
 
 
 # Keys that may change between restarts of one run without changing its numbers.
+# `data.url` is not among them: the data's identity (URL and content fingerprint, harness.data.identity)
+# is part of the math.
 FREE_FIELDS = ("run_dir", "log_dir", "checkpoint", "debug", "data.num_workers", "data.storage_options",
-               "data.url", "train.eval_every", "train.eval_batches", "train.log_every", "train.device",
+               "train.eval_every", "train.eval_batches", "train.log_every", "train.device",
                "train.fingerprint_every", "train.on_divergence", "train.unregistered_state")
 
 

@@ -5,8 +5,9 @@ Contract of `train(cfg, ...)` (what `harness train` does):
   (`resume="auto"`; when every checkpoint is damaged it refuses, naming them, rather than start
   over), or starts fresh (`"never"`, refused when the run dir has good checkpoints), or loads the
   checkpoint at a given URL.
-- Refuses to resume when a key that changes the math differs from the checkpoint's config (the
-  list of keys is in the message) unless `allow_config_change`; warns when the torch version or
+- Refuses to resume when a key that changes the math differs from the checkpoint's config, or
+  the data's content fingerprint (`harness.data.identity`) differs from the one it recorded (the
+  list of keys is in the message), unless `allow_config_change`; warns when the torch version or
   device type differs from the checkpoint's (bitwise equality is not promised there).
 - A finished run started again says so and returns FINISHED without training.
 - Checkpoints at the configured cadence and always at the last step; on a preemption signal,
@@ -37,6 +38,7 @@ from harness.checkpoint.mirror import LocalFirstStore
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR, Verify, folder_name, skipped
 from harness.config import RunConfig, config_changes, public_config
+from harness.data import data_identity
 from harness.errors import UserError
 from harness.events import EventLog
 from harness.fingerprint import fingerprint_fields
@@ -216,6 +218,12 @@ def checkpoint_at(url: str, storage_options: dict[str, Any]) -> tuple[Checkpoint
 
 def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: bool) -> None:
     changed = config_changes(meta["config"], cfg)
+    saved_data = meta.get("data")  # absent in checkpoints written before the data identity was recorded
+    if saved_data is not None:
+        now = data_identity(cfg.data.url, cfg.data.storage_options)
+        if any(saved_data.get(k) != v for k, v in now.items() if k != "url"):
+            changed.append(f"data content ({saved_data.get('size')} bytes then, {now['size']} bytes now, or other "
+                           f"first/last bytes)")
     if changed and not allow_config_change:
         raise UserError(f"the config changes the math of the run in {cfg.run_dir}: {', '.join(changed)} differ "
                         f"from the checkpoint; restore them, use a new --run-dir, or pass --allow-config-change")
@@ -230,7 +238,8 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: 
 
 
 def write_run_json(cfg: RunConfig, trainer: Trainer) -> None:
-    doc = {"config": public_config(cfg), "environment": environment_fingerprint(trainer.device)}
+    doc = {"config": public_config(cfg), "data": trainer.data_identity,
+           "environment": environment_fingerprint(trainer.device)}
     try:
         # Through the store's filesystem: bounded retries that never draw from the global RNG.
         fs, path = open_filesystem(cfg.run_dir, cfg.checkpoint.storage_options)
@@ -333,8 +342,8 @@ class Loop:
         TrainingDiverged instead (every save goes through here: cadence, final, preemption)."""
         self.trainer.check_finite_state()
         step = self.trainer.step
-        meta = {"config": public_config(self.cfg), "finished": self.trainer.counters.finished,
-                "environment": environment_fingerprint(self.trainer.device)}
+        meta = {"config": public_config(self.cfg), "data": self.trainer.data_identity,
+                "finished": self.trainer.counters.finished, "environment": environment_fingerprint(self.trainer.device)}
         if self.saver is None:
             t0 = time.perf_counter()
             snapshot = capture(self.trainer.state.parts(), rank=distributed.rank())

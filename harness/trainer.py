@@ -22,7 +22,7 @@ import torch
 
 from harness import distributed
 from harness.config import RunConfig
-from harness.data import BatchStream, TokenDataset, eval_batches
+from harness.data import BatchStream, TokenDataset, data_identity, eval_batches
 from harness.data.prng import derive_seed
 from harness.completeness import check_registered
 from harness.errors import UserError
@@ -101,6 +101,7 @@ class Trainer:
         self.batch_hook: Callable[[int, Any], None] | None = None  # debug.sample_log
 
         dataset = TokenDataset.from_url(cfg.data.url, cfg.data.seq_len, cfg.data.storage_options)
+        self.data_identity = data_identity(cfg.data.url, cfg.data.storage_options)  # recorded with every checkpoint
         self.train_set, self.eval_set = dataset.split(cfg.data.eval_fraction)
         self.stream = BatchStream(self.train_set, cfg.data.batch_size, cfg.train.seed, rank=rank,
                                   world_size=world_size, num_workers=cfg.data.num_workers)
