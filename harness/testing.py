@@ -147,9 +147,9 @@ class _Run:
         return rec
 
     def save(self) -> dict[str, dict[str, str]]:
-        """Checkpoint the current step; returns the parts' digests at that moment."""
+        """Checkpoint the current step; returns the digests of what it saved (no non-persistent buffers)."""
         self.store.save(self.step, self.task.parts())
-        return state_digests(self.parts())
+        return state_digests(self.parts(), saved_only=True)
 
     def restart(self) -> tuple[list[str], dict[str, dict[str, str]], dict[str, dict[str, str]]]:
         """Save, drop everything, rebuild, load. Returns (parts that differ after loading, digests
@@ -158,7 +158,7 @@ class _Run:
         self.stop()
         self.start()
         self.store.load(self.store.ref(self.step), self.task.parts())
-        loaded = state_digests(self.parts())
+        loaded = state_digests(self.parts(), saved_only=True)
         return [p for p in saved if saved[p] != loaded.get(p)], saved, loaded
 
     def stop(self) -> None:

@@ -7,6 +7,8 @@ from `model.args` and are taken out before the GPT sees the rest.
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -37,12 +39,15 @@ class NanGradGPT(nn.Module):
 class OverflowingStatGPT(nn.Module):
     """The GPT keeping a running mean of its squared logits in a (persistent) buffer, as norm
     layers keep running statistics; at one training forward the statistic becomes inf while
-    the loss and the gradients stay finite."""
+    the loss and the gradients stay finite; on every rank, or only on `overflow_rank`."""
 
     def __init__(self, args: dict) -> None:
         super().__init__()
         args = dict(args)
         self.overflow_at_forward = int(args.pop("overflow_at_forward"))
+        rank = args.pop("overflow_rank", None)
+        if rank is not None and int(os.environ.get("RANK", 0)) != rank:
+            self.overflow_at_forward = -1
         self.gpt = build_gpt(args)
         self.register_buffer("logit_sq", torch.zeros(()))
         self.forwards = 0
