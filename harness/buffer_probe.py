@@ -15,7 +15,8 @@ the old value, so it reads it too. View operators and `*_like` / `new_*` (which 
 shape) read nothing; every other operator taking the buffer reads it. Tensors are matched to
 buffers by storage, so a view of a buffer is the buffer.
 
-Cost: Python for each operator of one forward, once per process (the trainer's first step);
+Cost: Python for each operator of one forward, once per process (the trainer's first step, or
+the first step of each build in `harness.testing`);
 every operator runs exactly as it would, so the numbers do not change.
 """
 
@@ -44,9 +45,11 @@ def non_persistent_buffers(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 class BufferProbe:
     """Watch the next forward of `module` (after any wrapper's own work, e.g. DDP's buffer
-    broadcast); `stateful` then lists the non-persistent buffers that carry state, in name order."""
+    broadcast); `stateful` then lists the non-persistent buffers that carry state, in name order,
+    as "PART.NAME" (`part`: the module's state part name)."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, part: str = "model") -> None:
+        self.part = part
         self._mode = _Watch(non_persistent_buffers(module))
         self._done = False
         self._handles = [module.register_forward_pre_hook(self._enter),
@@ -59,7 +62,7 @@ class BufferProbe:
     @property
     def stateful(self) -> list[str]:
         m = self._mode
-        return sorted(m.read_first & (m.written | m.mutated))
+        return [f"{self.part}.{name}" for name in sorted(m.read_first & (m.written | m.mutated))]
 
     def _enter(self, module: torch.nn.Module, args: Any) -> None:
         self._mode.__enter__()

@@ -180,7 +180,7 @@ class Trainer:
     def _check_buffers(self) -> None:
         """After the watched first forward, before its backward: apply the completeness policy to
         the non-persistent buffers that carry state, and let the fingerprints blame them."""
-        stateful = [f"model.{name}" for name in self._buffer_probe.stateful]
+        stateful = self._buffer_probe.stateful
         self._buffer_probe = None
         check_buffers(stateful, self.cfg.train.unregistered_state)
         if stateful:

@@ -37,7 +37,7 @@ def test_names_the_buffers_forward_reads_before_writing_and_then_writes():
     assert sorted(non_persistent_buffers(model)) == ["ema", "lazy", "mask", "part", "stat", "table"]
     probe = BufferProbe(model)
     out = model(torch.ones(3, 4))
-    assert probe.done and probe.stateful == ["ema", "part", "stat"]
+    assert probe.done and probe.stateful == ["model.ema", "model.part", "model.stat"]
     again = model(torch.ones(3, 4))  # the probe watched one forward only and is gone
     assert not model._forward_hooks and not model._forward_pre_hooks
     assert out.shape == again.shape
@@ -68,7 +68,7 @@ def test_a_forward_that_raises_leaves_no_mode_behind():
     probe = BufferProbe(model)
     with pytest.raises(ValueError):
         model(torch.ones(2))
-    assert probe.done and probe.stateful == ["ema"]
+    assert probe.done and probe.stateful == ["model.ema"]
     assert torch.ones(2).add(1).sum() == 4  # ops run without the probe's mode
     from torch.utils._python_dispatch import _get_current_dispatch_mode
     assert _get_current_dispatch_mode() is None
