@@ -19,6 +19,11 @@ So the data stream's generators and prefetch iterators belong to the registered 
 are not reported; an extra optimizer kept next to the bundle, an unregistered scheduler, a
 GradScaler, a stateful dataset or a generator held by an unregistered data iterator are.
 The policy is "error" (raise `UserError` naming them) or "warn" (log them).
+
+Non-persistent buffers are a module's own, so the walk cannot judge them: a cache rebuilt by
+forward is fine, an EMA kept in one is lost on resume. `check_buffers` applies the same policy to
+the ones `harness.buffer_probe` finds carrying state while watching the trainer's first forward
+(before any optimizer step).
 """
 
 from __future__ import annotations
@@ -146,3 +151,17 @@ def check_registered(roots: Mapping[str, Any], parts: Mapping[str, Any], policy:
         raise IncompleteState(message)
     log.warning("unregistered state", objects=found)
     return found
+
+
+def check_buffers(stateful: list[str], policy: str = "error") -> None:
+    """Raise `IncompleteState` (policy "error") or log ("warn") naming the non-persistent buffers
+    found to carry state across steps (`harness.buffer_probe`, at the first forward)."""
+    if not stateful:
+        return
+    message = (f"non-persistent buffers carry state across steps: {', '.join(stateful)} (forward reads each "
+               f"before writing it), but a checkpoint holds no non-persistent buffer, so a resume would not be "
+               f"exact. Register each with persistent=True, or rebuild it in forward before reading it, or set "
+               f"train.unregistered_state = \"warn\" to train anyway")
+    if policy == "error":
+        raise IncompleteState(message)
+    log.warning("non-persistent buffers carry state", buffers=stateful)

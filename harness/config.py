@@ -62,7 +62,7 @@ class TrainSection(Section):
     log_every: int = Field(10, gt=0, description="Console log line every N steps (metrics.jsonl gets every step).")
     fingerprint_every: int = Field(100, ge=0, description="Every N steps, hash every parameter, buffer and optimizer tensor into the step's fingerprint (metrics.jsonl `state_hash`; 0 = only at checkpoints). Costs a copy of the state to the CPU and a sha256 over it. The loss and batch hash are recorded every step regardless.")
     on_divergence: Literal["error", "warn"] = Field("warn", description="After a resume, when a re-run step's fingerprint differs from the one the interrupted process recorded (or the restored state from the saved one): stop with an error, or log a resume_mismatch event and go on.")
-    unregistered_state: Literal["error", "warn"] = Field("error", description="Before training: an optimizer, scheduler, grad scaler, generator or other stateful object reachable from the trainer that is not a registered state part (so a checkpoint would not hold it) is an error, or only a warning.")
+    unregistered_state: Literal["error", "warn"] = Field("error", description="Before training: an optimizer, scheduler, grad scaler, generator or other stateful object reachable from the trainer that is not a registered state part (so a checkpoint would not hold it) is an error, or only a warning; likewise a non-persistent buffer that the first forward reads before writing and then updates (an EMA).")
 
 
 class CheckpointSection(Section):
@@ -132,8 +132,10 @@ def _redact(tree: Any) -> Any:
 
 
 # Keys that may change between restarts of one run without changing its numbers.
+# `data.url` is not among them: the data's identity (URL and content fingerprint, harness.data.identity)
+# is part of the math.
 FREE_FIELDS = ("run_dir", "log_dir", "checkpoint", "debug", "data.num_workers", "data.storage_options",
-               "data.url", "train.eval_every", "train.eval_batches", "train.log_every", "train.device", "train.cpu_threads",
+               "train.eval_every", "train.eval_batches", "train.log_every", "train.device", "train.cpu_threads",
                "train.fingerprint_every", "train.on_divergence", "train.unregistered_state")
 
 

@@ -20,10 +20,13 @@ A fingerprint record is a JSON object:
 
 `FingerprintLog` is the trainer's state part `fingerprints`: it keeps the history (the newest
 `HISTORY_LIMIT` records) in the checkpoint, plus the state hash of the parts at the moment of the
-save. After a resume (`watch`) it checks (1) that the restored parts hash to what was saved, and
-(2) each re-run step against the record the interrupted process wrote for that step (read from
-metrics.jsonl before it is cut back). A mismatch is reported at once as a `resume_mismatch`
-event and an error log line, then either stops the run (`on_divergence="error"`) or goes on.
+save, without non-persistent buffers: a checkpoint does not restore them, and a cache that
+forward rebuilds before reading it is no divergence (one that carries state is found by
+`harness.buffer_probe` and named). After a resume (`watch`) it checks (1) that the restored
+parts hash to what was saved, and (2) each re-run step against the record the interrupted
+process wrote for that step (read from metrics.jsonl before it is cut back). A mismatch is
+reported at once as a `resume_mismatch` event and an error log line, then either stops the run
+(`on_divergence="error"`) or goes on.
 
 `differing_fields` and `diagnose` turn two records of one step into the parts that differ and a
 hint; `harness verify-resume` and `harness.testing` use them too.
@@ -39,6 +42,7 @@ from typing import Any
 import torch
 import xxhash
 
+from harness.buffer_probe import non_persistent_buffers
 from harness.checkpoint.tensorfile import tensor_bytes
 from harness.errors import UserError
 from harness.log import get_logger
@@ -117,11 +121,15 @@ def _optimizers(part: Any) -> dict[str, torch.optim.Optimizer] | None:
     return None
 
 
-def part_digests(part: Any, param_names: Mapping[int, str] | None = None) -> dict[str, str]:
-    """Tensor/value path -> digest for one part's live state (see the module docstring)."""
+def part_digests(part: Any, param_names: Mapping[int, str] | None = None, saved_only: bool = False) -> dict[str, str]:
+    """Tensor/value path -> digest for one part's live state (see the module docstring);
+    `saved_only` leaves out a module's non-persistent buffers."""
     out: dict[str, str] = {}
-    if isinstance(part, torch.nn.Module):  # non-persistent buffers too: they are state the step may use
-        _leaves({**dict(part.named_parameters()), **dict(part.named_buffers())}, "", out)
+    if isinstance(part, torch.nn.Module):  # non-persistent buffers too, unless saved_only: the step may use them
+        buffers = dict(part.named_buffers())
+        if saved_only:
+            buffers = {k: v for k, v in buffers.items() if k not in non_persistent_buffers(part)}
+        _leaves({**dict(part.named_parameters()), **buffers}, "", out)
         return out
     optimizers = _optimizers(part)
     if optimizers is None:
@@ -140,11 +148,13 @@ def part_digests(part: Any, param_names: Mapping[int, str] | None = None) -> dic
     return out
 
 
-def state_digests(parts: Mapping[str, Any]) -> dict[str, dict[str, str]]:
-    """Part -> (path -> digest) for every part; optimizer state is named by parameter name."""
+def state_digests(parts: Mapping[str, Any], saved_only: bool = False) -> dict[str, dict[str, str]]:
+    """Part -> (path -> digest) for every part; optimizer state is named by parameter name.
+    `saved_only`: what a checkpoint restores, without non-persistent buffers (which forward may
+    rebuild before reading; those that carry state are named by harness.buffer_probe instead)."""
     param_names = {id(p): n for part in parts.values() if isinstance(part, torch.nn.Module)
                    for n, p in part.named_parameters()}
-    return {name: part_digests(part, param_names) for name, part in parts.items()}
+    return {name: part_digests(part, param_names, saved_only) for name, part in parts.items()}
 
 
 def part_hashes(digests: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
@@ -202,11 +212,18 @@ _HINTS = {
 }
 
 
+def unsaved_hint(buffers: list[str]) -> str:
+    return (f"non-persistent buffer {', '.join(buffers)} carries state across steps (forward reads it before "
+            f"writing it) but no checkpoint holds a non-persistent buffer, so a resumed run starts it from its "
+            f"initial value: register it with persistent=True, or rebuild it in forward before reading it")
+
+
 def diagnose(fields: list[str]) -> tuple[str, str]:
     """(the part to blame, a hint) for the fields that differ at the first divergent step.
 
     The inputs of a step come before its outputs: a different batch or learning rate explains
-    everything after it; a different loss on the same batch and lr means randomness; otherwise
+    everything after it; then a non-persistent buffer known to carry state ("unsaved:PART.NAME",
+    from harness.buffer_probe); a different loss on the same batch and lr means randomness; otherwise
     the first part in `_PART_ORDER` whose state differs after the step.
     """
     restored = [f.split(":", 1)[1] for f in fields if f.startswith("restored:")]
@@ -218,6 +235,9 @@ def diagnose(fields: list[str]) -> tuple[str, str]:
         return "data", _HINTS["data"]
     if "lr" in fields:
         return "sched", _HINTS["sched"]
+    unsaved = [f.split(":", 1)[1] for f in fields if f.startswith("unsaved:")]
+    if unsaved:
+        return unsaved[0].split(".", 1)[0], unsaved_hint(unsaved)
     if "loss" in fields:
         return "rng", _HINTS["rng"]
     parts = [f.split(":", 1)[1] for f in fields if f.startswith("state:")]
@@ -244,6 +264,7 @@ class FingerprintLog:
         self._saved_state: dict[str, str] | None = None
         self._expected: dict[int, dict[str, Any]] = {}
         self._events = None
+        self.unsaved: list[str] = []  # non-persistent buffers that carry state ("model.ema"), see note_unsaved
 
     def take(self, step: int, loss: float, batch: Any, lr: Any) -> dict[str, Any]:
         """Record step `step` (after its update) and check it against the pre-interruption record."""
@@ -269,14 +290,22 @@ class FingerprintLog:
         self._expected = {int(r["step"]): dict(r) for r in ran_past if "batch_hash" in r and "loss" in r}
         if self._saved_state is None:
             return
-        now = part_hashes(state_digests(self._parts()))
+        now = part_hashes(state_digests(self._parts(), saved_only=True))
         fields = [f"restored:{p}" for p in ordered_parts(p for p in self._saved_state if now.get(p) != self._saved_state[p])]
         self._saved_state = None
         if fields:
             step = self.records[-1]["step"] if self.records else 0
             self._diverged(step, fields, "the restored state differs from the state that was saved")
 
+    def note_unsaved(self, buffers: list[str], step: int) -> None:
+        """Non-persistent buffers found to carry state (harness.buffer_probe): they take the blame
+        for a divergence after a resume, and a resumed process reports them as an event."""
+        self.unsaved = list(buffers)
+        if self._events is not None:
+            self._events.emit("unsaved_buffers", step=step, buffers=self.unsaved, hint=unsaved_hint(self.unsaved))
+
     def _diverged(self, step: int, fields: list[str], what: str) -> None:
+        fields = fields + [f"unsaved:{b}" for b in self.unsaved]
         part, hint = diagnose(fields)
         log.error("resume is not exact", step=step, fields=fields, part=part, hint=hint)
         if self._events is not None:
@@ -287,7 +316,7 @@ class FingerprintLog:
                 f"verify-resume CONFIG` to locate it, or set train.on_divergence = \"warn\" to continue")
 
     def state_dict(self) -> dict[str, Any]:
-        return {"records": list(self.records), "state_hash": part_hashes(state_digests(self._parts()))}
+        return {"records": list(self.records), "state_hash": part_hashes(state_digests(self._parts(), saved_only=True))}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.records = [dict(r) for r in state["records"]]

@@ -2,10 +2,12 @@
 
 Contract of `train(cfg, ...)` (what `harness train` does):
 - Takes the run dir's single-writer lease, finds the newest *good* checkpoint and resumes from it
-  (`resume="auto"`), or starts fresh (`"never"`, refused when the run dir has checkpoints), or
-  loads the checkpoint at a given URL.
-- Refuses to resume when a key that changes the math differs from the checkpoint's config (the
-  list of keys is in the message) unless `allow_config_change`; warns when the torch version or
+  (`resume="auto"`; when every checkpoint is damaged it refuses, naming them, rather than start
+  over), or starts fresh (`"never"`, refused when the run dir has good checkpoints), or loads the
+  checkpoint at a given URL.
+- Refuses to resume when a key that changes the math differs from the checkpoint's config, or
+  the data's content fingerprint (`harness.data.identity`) differs from the one it recorded (the
+  list of keys is in the message), unless `allow_config_change`; warns when the torch version or
   device type differs from the checkpoint's (bitwise equality is not promised there).
 - A finished run started again says so and returns FINISHED without training.
 - Checkpoints at the configured cadence and always at the last step; on a preemption signal,
@@ -34,8 +36,9 @@ from harness.checkpoint.distributed_commit import GroupCommit, load_checkpoint
 from harness.checkpoint.filesystem import open_filesystem
 from harness.checkpoint.mirror import LocalFirstStore
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
-from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR, Verify, skipped
+from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR, Verify, folder_name, skipped
 from harness.config import RunConfig, config_changes, public_config
+from harness.data import data_identity
 from harness.errors import UserError
 from harness.events import EventLog
 from harness.fingerprint import fingerprint_fields
@@ -120,7 +123,19 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
                 raise
             skipped(ref, problems)
             restore_s += time.perf_counter() - t0
+    if candidates:
+        raise all_damaged(cfg, candidates)
     return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world()), None, restore_s
+
+
+def all_damaged(cfg: RunConfig, damaged: list[CheckpointRef]) -> UserError:
+    """The refusal to start over in a run dir whose every checkpoint fails verification: that
+    would cut its metrics back to step 0 and let retention replace the evidence."""
+    names = ", ".join(folder_name(ref.path) for ref in damaged)
+    return UserError(f"every checkpoint in {cfg.run_dir} fails verification ({names}; the problems are logged "
+                     f"above, `harness ckpt verify {cfg.run_dir}` lists them); nothing was changed. Restore a good "
+                     f"copy, or pass --resume never to start over from step 0 (the damaged ones are kept until "
+                     f"good checkpoints replace them)")
 
 
 def open_store(cfg: RunConfig) -> CheckpointStore | LocalFirstStore:
@@ -157,6 +172,8 @@ def agree_on_checkpoint(store: CheckpointStore, cfg: RunConfig,
     def decide() -> tuple[str | None, int] | None:
         source, candidates, verify = choose_checkpoint(store, cfg, resume)
         ref = source.first_good(candidates) if verify == "while" else next(iter(candidates), None)
+        if ref is None and candidates:
+            raise all_damaged(cfg, candidates)
         return None if ref is None else (None if source is store else source.url, ref.step)
 
     choice = distributed.on_rank0(decide)
@@ -202,6 +219,12 @@ def checkpoint_at(url: str, storage_options: dict[str, Any]) -> tuple[Checkpoint
 
 def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: bool) -> None:
     changed = config_changes(meta["config"], cfg)
+    saved_data = meta.get("data")  # absent in checkpoints written before the data identity was recorded
+    if saved_data is not None:
+        now = data_identity(cfg.data.url, cfg.data.storage_options)
+        if any(saved_data.get(k) != v for k, v in now.items() if k != "url"):
+            changed.append(f"data content ({saved_data.get('size')} bytes then, {now['size']} bytes now, or other "
+                           f"first/last bytes)")
     if changed and not allow_config_change:
         raise UserError(f"the config changes the math of the run in {cfg.run_dir}: {', '.join(changed)} differ "
                         f"from the checkpoint; restore them, use a new --run-dir, or pass --allow-config-change")
@@ -219,7 +242,8 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: 
 
 
 def write_run_json(cfg: RunConfig, trainer: Trainer) -> None:
-    doc = {"config": public_config(cfg), "environment": environment_fingerprint(trainer.device)}
+    doc = {"config": public_config(cfg), "data": trainer.data_identity,
+           "environment": environment_fingerprint(trainer.device)}
     try:
         # Through the store's filesystem: bounded retries that never draw from the global RNG.
         fs, path = open_filesystem(cfg.run_dir, cfg.checkpoint.storage_options)
@@ -318,10 +342,12 @@ class Loop:
         """Checkpoint the current step. Synchronous: commit it here. Async: snapshot it into the
         staging buffers and persist it in the background (`committed` reports the commit); with
         `checkpoint.when_busy = "skip"` a save due while the previous one persists is skipped,
-        unless `must` or it is the final step."""
+        unless `must` or it is the final step. A state holding NaN/inf is never saved: that raises
+        TrainingDiverged instead (every save goes through here: cadence, final, preemption)."""
+        self.trainer.check_finite_state()
         step = self.trainer.step
-        meta = {"config": public_config(self.cfg), "finished": self.trainer.counters.finished,
-                "environment": environment_fingerprint(self.trainer.device)}
+        meta = {"config": public_config(self.cfg), "data": self.trainer.data_identity,
+                "finished": self.trainer.counters.finished, "environment": environment_fingerprint(self.trainer.device)}
         if self.saver is None:
             t0 = time.perf_counter()
             snapshot = capture(self.trainer.state.parts(), rank=distributed.rank())

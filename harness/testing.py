@@ -20,7 +20,9 @@ state), B's steps are compared with A's, and right after each load the restored 
 compared with what was saved. At the first difference both runs are checkpointed at that step
 and compared tensor by tensor (`harness.checkpoint.diff`) to name the tensor and its max
 difference. Before training, the completeness check (`harness.completeness`) refuses a task
-with stateful objects (an extra optimizer, a scheduler, a generator, ...) that are not parts.
+with stateful objects (an extra optimizer, a scheduler, a generator, ...) that are not parts,
+and after the first step of each build one whose model keeps state in a non-persistent buffer
+(`harness.buffer_probe`); with `unregistered="warn"` such a buffer takes the blame.
 
 What a checkpoint holds is `Task.state`; by default the model (`model`), the optimizer(s)
 (`optim`, `optim1`, ...), the scheduler(s) (`sched`, ...), the data iterator when it has
@@ -40,7 +42,8 @@ import torch
 
 from harness.checkpoint.diff import compare_checkpoints
 from harness.checkpoint.store import CheckpointStore
-from harness.completeness import check_registered
+from harness.buffer_probe import BufferProbe, non_persistent_buffers
+from harness.completeness import check_buffers, check_registered
 from harness.fingerprint import FingerprintLog, diagnose, part_hashes, record, state_digests
 from harness.rng import RNGState, seed_everything
 from harness.verify import Verdict, blame, describe_fields, first_divergence
@@ -125,11 +128,14 @@ class _Run:
         self.step = 0
         self.records: list[dict[str, Any]] = []
         self.tensors: dict[int, dict[str, dict[str, str]]] = {}
+        self.probe: BufferProbe | None = None
+        self.unsaved: list[str] = []
 
     def start(self) -> None:
         seed_everything(self.seed)
         self.task = self.build()
         check_registered({"task": self.task}, self.task.parts(), self.unregistered)
+        self.probe = BufferProbe(self.task.model) if non_persistent_buffers(self.task.model) else None
 
     def parts(self) -> dict[str, Any]:
         # The trainer's own fingerprint history is not hashed: it is compared here directly.
@@ -137,6 +143,10 @@ class _Run:
 
     def advance(self) -> dict[str, Any]:
         loss, batch = self.task.run_step()
+        if self.probe is not None and self.probe.done:  # non-persistent buffers that carry state
+            self.unsaved = self.probe.stateful
+            self.probe = None
+            check_buffers(self.unsaved, self.unregistered)
         self.step += 1
         state = None
         if self.every and self.step % self.every == 0:
@@ -147,9 +157,9 @@ class _Run:
         return rec
 
     def save(self) -> dict[str, dict[str, str]]:
-        """Checkpoint the current step; returns the parts' digests at that moment."""
+        """Checkpoint the current step; returns the digests of what it saved (no non-persistent buffers)."""
         self.store.save(self.step, self.task.parts())
-        return state_digests(self.parts())
+        return state_digests(self.parts(), saved_only=True)
 
     def restart(self) -> tuple[list[str], dict[str, dict[str, str]], dict[str, dict[str, str]]]:
         """Save, drop everything, rebuild, load. Returns (parts that differ after loading, digests
@@ -158,7 +168,7 @@ class _Run:
         self.stop()
         self.start()
         self.store.load(self.store.ref(self.step), self.task.parts())
-        loaded = state_digests(self.parts())
+        loaded = state_digests(self.parts(), saved_only=True)
         return [p for p in saved if saved[p] != loaded.get(p)], saved, loaded
 
     def stop(self) -> None:
@@ -237,8 +247,8 @@ def _step_verdict(verdict: Verdict, build, seed: int, every: int, tmp: str, run_
                   found: tuple[int, list[str]]) -> Verdict:
     """Both runs at the divergent step, checkpointed and compared, name the tensor."""
     step, fields = found
-    verdict.step, verdict.fields = step, fields
-    verdict.part, verdict.hint = diagnose(fields)
+    verdict.step, verdict.fields = step, fields + [f"unsaved:{name}" for name in run_b.unsaved]
+    verdict.part, verdict.hint = diagnose(verdict.fields)
     verdict.details += describe_fields(step, fields, run_a.records[step - 1], run_b.records[-1])
     run_b.save()
     digests_b = run_b.tensors.get(step, {})
@@ -254,6 +264,8 @@ def _step_verdict(verdict: Verdict, build, seed: int, every: int, tmp: str, run_
     verdict.tensor, verdict.max_diff = blame(diff.differences, verdict.part, prefer)
     if verdict.tensor is None and prefer:
         verdict.tensor = prefer
+    if run_b.unsaved:  # in no checkpoint, so no difference there names it
+        verdict.tensor, verdict.max_diff = run_b.unsaved[0], None
     if diff.differences:
         verdict.details.append(f"checkpoints at step {step} differ (first differences):")
         verdict.details += [f"  {d.line}" for d in diff.differences[:8]]

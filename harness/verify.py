@@ -8,7 +8,8 @@ batch hash, and with `--fingerprint-every 1` the hash of every state part; see
 Then it compares:
 1. the per-step fingerprints of A and B (B's metrics.jsonl reads like an uninterrupted run's);
 2. the `resume_mismatch` events B's resumed processes raised (a restored part that hashes
-   differently from the saved one is caught there, at the checkpoint's step);
+   differently from the saved one is caught there, at the checkpoint's step), and their
+   `unsaved_buffers` events (non-persistent buffers that carry state, which then take the blame);
 3. the final checkpoints, tensor by tensor (`harness.checkpoint.diff`).
 The verdict is "identical", or the first divergent step with the part to blame (`diagnose`), the
 tensor and its max |difference| in the final checkpoints, and a hint. Exit code 0 only when
@@ -308,11 +309,15 @@ def compare_runs(a: Path, b: Path, steps: int, points: list[int]) -> Verdict:
     else:
         verdict.identical = True
         return verdict
+    unsaved = sorted({b for e in _events(b, "unsaved_buffers") for b in e["buffers"]})
+    verdict.fields += [f"unsaved:{name}" for name in unsaved]
     verdict.part, verdict.hint = diagnose(verdict.fields)
     if verdict.when == "final":
         verdict.hint = ("every step's fingerprint matches, only the final checkpoints differ: state that does not "
                         "take part in the steps (a counter, a buffer) is not restored")
     verdict.tensor, verdict.max_diff = blame(final.differences, verdict.part)
+    if unsaved:  # not in any checkpoint, so no difference there names it
+        verdict.tensor, verdict.max_diff = unsaved[0], None
     if final.differences:
         verdict.details.append("final checkpoints differ (first differences):")
         verdict.details += [f"  {d.line}" for d in final.differences[:8]]

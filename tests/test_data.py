@@ -244,3 +244,23 @@ def test_eval_batches_are_fixed_and_bounded():
     assert [b.position for b in batches] == [0, 4, 8]
     assert len(list(eval_batches(make_dataset(10), batch_size=4, max_batches=2))) == 2
     assert torch.equal(torch.get_rng_state(), rng_before)
+
+
+def test_data_identity_is_size_and_the_hashes_of_the_first_and_last_block(tmp_path):
+    import pytest
+
+    from harness.data import data_identity
+    from harness.data.identity import BLOCK
+    from harness.errors import UserError
+
+    path = tmp_path / "big.txt"
+    path.write_bytes(b"a" * BLOCK + b"b" * 10 + b"c" * BLOCK)
+    first = data_identity(str(path))
+    assert first["url"] == str(path) and first["size"] == 2 * BLOCK + 10
+    path.write_bytes(b"a" * BLOCK + b"x" * 10 + b"c" * BLOCK)  # the middle is not read
+    assert data_identity(str(path)) == first
+    path.write_bytes(b"a" * BLOCK + b"b" * 10 + b"c" * (BLOCK - 1) + b"d")
+    assert data_identity(str(path))["tail"] != first["tail"]
+    assert data_identity(None) == data_identity(None) and data_identity(None)["url"] is None
+    with pytest.raises(UserError, match="not found"):
+        data_identity(str(tmp_path / "missing.txt"))

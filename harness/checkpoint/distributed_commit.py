@@ -119,7 +119,7 @@ class GroupCommit:
             raise
         log.info("checkpoint committed", step=ref.step, url=ref.url, bytes=manifest.nbytes,
                  ranks=distributed.world())
-        self.store.gc()
+        self.store.gc(newest_good=ref.step)
 
     def _failing(self, rank: int, step: int) -> bool:
         return self.fail_rank == rank and self.fail_step in (None, step)

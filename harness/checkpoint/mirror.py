@@ -126,7 +126,7 @@ class LocalFirstStore:
             raise
         log.info("checkpoint uploaded", step=ref.step, url=ref.url, bytes=sum(r.size for r in files),
                  seconds=round(time.perf_counter() - t0, 3))
-        self.remote.gc()
+        self.remote.gc(newest_good=ref.step)
         return ref
 
     def check_uploaded(self, work: str, files: tuple[FileRecord, ...]) -> list[str]:

@@ -21,8 +21,9 @@ the live state, so a verified resume reads the checkpoint once: a corrupt one ra
 overwritten, so the caller discards them; resuming builds a new trainer and tries the next
 older checkpoint of `candidates()`).
 
-Retention runs after each successful commit (and in `gc`): keep the last `keep_last` and every
-step divisible by `keep_every`; leftover temporary folders of writers that are not alive (not
+Retention runs after each successful commit (and in `gc`): keep the last `keep_last`, every
+step divisible by `keep_every` and the newest good checkpoint, and delete none while no good one
+exists (retention.py); leftover temporary folders of writers that are not alive (not
 this store and not the lease holder) are removed.
 """
 
@@ -225,7 +226,7 @@ class CheckpointStore:
             raise
         log.info("checkpoint committed", step=step, url=ref.url, bytes=manifest.nbytes,
                  seconds=round(time.perf_counter() - started, 3))
-        self.gc()
+        self.gc(newest_good=step)
         return ref
 
     # The steps of `commit`, public for writers that split it across processes
@@ -281,11 +282,16 @@ class CheckpointStore:
         elif self.loc.fs.exists(ref.path):
             self.loc.fs.rm(ref.path, recursive=True)
 
-    def gc(self) -> list[str]:
-        """Apply retention and remove leftovers of dead writers; returns the URLs removed."""
+    def gc(self, newest_good: int | None = None) -> list[str]:
+        """Apply retention and remove leftovers of dead writers; returns the URLs removed.
+        `newest_good`: the step of a checkpoint known to be good (one just committed); unset, the
+        newest that verifies is looked for (reading checkpoints newest first). Retention keeps it
+        and deletes nothing while there is none (retention.py)."""
         removed = []
         committed = self.list()
-        keep = steps_to_keep([r.step for r in committed], self.keep_last, self.keep_every)
+        if newest_good is None:
+            newest_good = getattr(self.first_good(committed[::-1]), "step", None)
+        keep = steps_to_keep([r.step for r in committed], self.keep_last, self.keep_every, newest_good)
         for ref in committed:
             if ref.step not in keep:
                 self.delete(ref)

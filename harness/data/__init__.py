@@ -9,11 +9,13 @@ dataset size; a cursor `{"epoch", "position"}` resumes it in O(1). Modules, in r
 - `stream`: `BatchStream`, the trainer's endless stream with its cursor `state_dict`.
 - `evaluation`: `eval_batches`, the held-out set in fixed order.
 - `prng`: the portable generator behind every seed derivation.
+- `identity`: `data_identity`, the data's URL and content fingerprint that checkpoints record.
 """
 
 from harness.data.batch import Batch
 from harness.data.dataset import VOCAB_SIZE, SampleSource, TokenDataset
 from harness.data.evaluation import eval_batches
+from harness.data.identity import data_identity
 from harness.data.stream import BatchStream
 
-__all__ = ["VOCAB_SIZE", "Batch", "BatchStream", "SampleSource", "TokenDataset", "eval_batches"]
+__all__ = ["VOCAB_SIZE", "Batch", "BatchStream", "SampleSource", "TokenDataset", "data_identity", "eval_batches"]

@@ -11,6 +11,8 @@ an id.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -20,6 +22,20 @@ from harness.data.corpus import default_corpus
 from harness.errors import UserError
 
 VOCAB_SIZE = 256
+
+
+@contextmanager
+def data_errors(url: str) -> Iterator[None]:
+    """Turn a missing or unopenable data file at `url` into a UserError saying what to fix."""
+    try:
+        yield
+    except FileNotFoundError as e:
+        raise UserError(
+            f"data file {url!r} not found: fix the data URL in the config, "
+            "or leave it unset to train on the built-in corpus"
+        ) from e
+    except (ValueError, ImportError) as e:
+        raise UserError(f"data URL {url!r} cannot be opened ({e}); use a local path or an fsspec URL such as s3://") from e
 
 
 class SampleSource(Protocol):
@@ -57,17 +73,10 @@ class TokenDataset:
         """Read the whole file at `url` (None: the built-in corpus). Raises UserError if it is missing."""
         if url is None:
             return cls.from_bytes(default_corpus(), seq_len)
-        try:
+        with data_errors(url):
             # The store's filesystem: bounded retries whose jitter never draws from the global RNG.
             fs, path = open_filesystem(url, storage_options)
             data = fs.cat_file(path)
-        except FileNotFoundError as e:
-            raise UserError(
-                f"data file {url!r} not found: fix the data URL in the config, "
-                "or leave it unset to train on the built-in corpus"
-            ) from e
-        except (ValueError, ImportError) as e:
-            raise UserError(f"data URL {url!r} cannot be opened ({e}); use a local path or an fsspec URL such as s3://") from e
         return cls.from_bytes(data, seq_len)
 
     @classmethod

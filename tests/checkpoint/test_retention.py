@@ -21,13 +21,13 @@ from harness.checkpoint.retention import steps_to_keep
     ([100, 150, 200, 250, 300], 2, 100, {100, 200, 250, 300}),
 ])
 def test_keep_last_k_and_every_m(steps, k, m, kept):
-    assert steps_to_keep(steps, k, m) == kept
+    assert steps_to_keep(steps, k, m, max(steps, default=None)) == kept
 
 
 @pytest.mark.parametrize("k, m", [(1, 0), (0, 0), (3, -1)])
 def test_bad_policy_is_refused(k, m):
     with pytest.raises(CheckpointError, match="keep"):
-        steps_to_keep([1], k, m)
+        steps_to_keep([1], k, m, 1)
     with pytest.raises(CheckpointError):
         CheckpointStore("memory://never", keep_last=k, keep_every=m)
 
@@ -80,3 +80,29 @@ def test_interrupted_delete_is_not_a_checkpoint(run_dir):
     os.remove(f"{ref.path}/manifest.json")  # what a crash right after "manifest first" leaves
     assert [r.step for r in store.list()] == [2]
     assert store.incomplete() == [ref.path]
+
+
+def test_with_no_good_checkpoint_nothing_is_deleted_and_the_newest_good_is_always_kept():
+    assert steps_to_keep([4, 8, 12], 2, 0, None) == {4, 8, 12}
+    assert steps_to_keep([4, 8, 12], 2, 0, 4) == {4, 8, 12}
+    assert steps_to_keep([4, 8, 12, 16], 2, 0, 8) == {8, 12, 16}
+
+
+def _damage(ref) -> None:
+    path = Path(ref.path) / "state.json"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x20
+    path.write_bytes(bytes(data))
+
+
+def test_retention_never_deletes_damaged_checkpoints_while_no_good_one_exists(run_dir):
+    """Every checkpoint damaged: `gc` deletes none of them, and a new commit at an older step
+    (a run started over with --resume never) keeps itself and the damaged ones."""
+    store = CheckpointStore(run_dir, keep_last=2)
+    for step in (8, 12, 16):
+        _damage(store.save(step, {"p": {"x": step}}))  # retention kept 12 and 16
+    assert store.gc() == []
+    assert [r.step for r in store.list()] == [12, 16]
+    store.save(4, {"p": {"x": 4}})
+    assert [r.step for r in store.list()] == [4, 12, 16]
+    assert store.latest_good().step == 4

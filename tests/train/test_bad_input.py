@@ -2,7 +2,7 @@
 
 import pytest
 
-from procs import TINY, harness
+from procs import TINY, assert_one_line_error, harness
 
 CASES = {
     "unknown config key": (["--set", "train.stepz=3"], "train.stepz: unknown key"),
@@ -12,15 +12,6 @@ CASES = {
     "unknown optimizer type": (["--set", "optim.type=adamx"], "unknown type 'adamx'"),
     "missing config file": (None, "does not exist"),
 }
-
-
-def assert_one_line_error(proc, needle: str) -> None:
-    """Exit 2, no traceback, and an `error: ` line naming the problem (details may follow it)."""
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    _, sep, message = proc.stderr.partition("\nerror: ")
-    message = message or proc.stderr.removeprefix("error: ")
-    assert (sep or proc.stderr.startswith("error: ")) and needle in message, proc.stderr
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
