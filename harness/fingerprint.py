@@ -261,16 +261,19 @@ class FingerprintLog:
                 self._diverged(step, fields, "a re-run step differs from the record the interrupted process wrote")
         return rec
 
-    def watch(self, events: Any, ran_past: Iterable[Mapping[str, Any]]) -> None:
+    def watch(self, events: Any, ran_past: Iterable[Mapping[str, Any]], replanned: Iterable[str] = ()) -> None:
         """After a resume: check the restored parts against their hash at save time, then expect
         the re-run steps to match `ran_past` (records of steps after the checkpoint that the
-        interrupted process logged). `events` gets `resume_mismatch` events."""
+        interrupted process logged). `events` gets `resume_mismatch` events. Parts in `replanned`
+        are not checked: a changed config legitimately loaded them differently."""
         self._events = events
         self._expected = {int(r["step"]): dict(r) for r in ran_past if "batch_hash" in r and "loss" in r}
         if self._saved_state is None:
             return
         now = part_hashes(state_digests(self._parts()))
-        fields = [f"restored:{p}" for p in ordered_parts(p for p in self._saved_state if now.get(p) != self._saved_state[p])]
+        skip = set(replanned)
+        fields = [f"restored:{p}" for p in ordered_parts(p for p in self._saved_state
+                                                         if p not in skip and now.get(p) != self._saved_state[p])]
         self._saved_state = None
         if fields:
             step = self.records[-1]["step"] if self.records else 0
