@@ -15,9 +15,11 @@ Update, per 2D parameter p with gradient g (the team's reference rule):
 
 For float32 parameters, with float32 NS, no weight decay and the per-matrix path this is bitwise
 the reference. For bfloat16 parameters it is not: the reference runs NS in the parameter dtype
-(bfloat16), Muon here in `ns_dtype` whatever the parameter dtype (float32 by default, closer to
-the exact polar factor), and casts the result to the parameter dtype; `ns_dtype="bfloat16"`
-gives the reference's bfloat16 arithmetic (tests/optim/test_muon.py). It equals
+(bfloat16), Muon here in `ns_dtype` whatever the parameter dtype (float32 by default: fewer
+roundings), then casts the result to the parameter dtype. With `ns_dtype="bfloat16"` the NS
+result is bitwise the reference's, and so is the update of wide and square matrices; for tall
+ones the result is a transposed view and the final bfloat16 `add_` can round one unit in the
+last place differently (tests/optim/test_muon.py). It equals
 `torch.optim.Muon(adjust_lr_fn="original", weight_decay=0)` up to NS precision: torch keeps an
 EMA buffer (a (1 - momentum) multiple of ours), which the NS normalisation cancels.
 Only 2D parameters are accepted (the reference's non-2D fallback is AdamW's job in optim.build).

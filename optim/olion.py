@@ -24,8 +24,9 @@ class OLion(torch.optim.Optimizer):
 
     Args: lr (1e-3), betas ((0.9, 0.99)), gamma (0.2), ns_steps (5), wd (0.0, decoupled),
     ns_batched (None: stack same-shape matrices when faster). NS runs in float32 whatever the
-    parameter dtype; the reference runs it in the parameter dtype, so the two agree bitwise for
-    float32 parameters only (bfloat16 ones: float32 NS here, bfloat16 there).
+    parameter dtype, where the reference runs it in the parameter dtype: bitwise the reference
+    for float32 parameters; for bfloat16 ones Q differs by bfloat16 roundings and the update,
+    its sign, differs only where an entry of Q near zero changes sign.
     Raises ValueError for a non-2D parameter, naming it.
     """
 

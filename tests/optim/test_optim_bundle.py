@@ -165,3 +165,22 @@ def test_optimizers_must_carry_unique_parameter_names():
     with pytest.raises(ValueError, match="'rms': RMSprop does not declare its state keys"):
         MultiOpt({"rms": torch.optim.RMSprop([("w", w)], lr=0.1)})
     assert MultiSched({}).get_last_lr() == {}
+
+
+def test_changed_muon_hyperparameters_apply_after_a_load(tiny_gpt, train, roundtrip):
+    """lr_muon, momentum, ns_steps and Muon's weight decay of the new config, Muon's `mom` of the
+    checkpoint; the schedule continues from the restored step (before: all from the checkpoint)."""
+    model = tiny_gpt()
+    opt, sched = build_bundle(parse_optim_config({"type": "muon", "warmup": 2}), model, 10)
+    train(model, opt, sched, 0, 3)
+    ckpt = roundtrip({"optim": opt.state_dict(), "sched": sched.state_dict()})
+    cfg = parse_optim_config({"type": "muon", "warmup": 2, "lr_muon": 0.05, "momentum": 0.9, "ns_steps": 3,
+                              "muon_weight_decay": 0.1})
+    new_opt, new_sched = build_bundle(cfg, tiny_gpt(), 10)
+    new_opt.load_state_dict(ckpt["optim"])
+    new_sched.load_state_dict(ckpt["sched"])
+    (group,) = new_opt.optimizers["muon"].param_groups
+    multiplier = new_sched.schedulers["muon"].schedule.multiplier(3)
+    assert (group["lr"], group["momentum"], group["ns_steps"], group["weight_decay"]) == (0.05 * multiplier, 0.9, 3, 0.1)
+    p = group["params"][0]
+    assert new_opt.optimizers["muon"].state[p]["mom"] is ckpt["optim"]["muon"]["state"][group["param_names"][0]]["mom"]

@@ -56,3 +56,21 @@ def test_extending_a_finished_run_does_not_make_the_lr_jump(tmp_path):
     assert change["changes"] == {"train.steps": {"old": 8, "new": 12}}
     assert change["schedule"]["from"]["total_steps"] == 8 and change["schedule"]["to"]["total_steps"] == 12
     assert change["schedule"]["anchor"] == {"step": 8, "progress": 1.0}
+
+
+def test_config_changes_name_old_and_new_values_and_read_old_configs_as_they_ran():
+    """A checkpoint's config from before `optim.decay_1d`/`decay_embeddings` existed decayed every
+    parameter (the reference's AdamW): resuming it under the new default is a change, not silence."""
+    from harness.config import RunConfig, config_changes, load_config, public_config
+
+    cfg = load_config(TINY)
+    saved = public_config(cfg)
+    assert config_changes(saved, cfg) == {}
+    lower = load_config(TINY, ["optim.lr=1e-4", "optim.adam_betas=[0.8, 0.9]"])
+    assert config_changes(saved, lower) == {"optim.adam_betas": ([0.9, 0.999], [0.8, 0.9]),
+                                            "optim.lr": (3e-3, 1e-4)}
+    for key in ("decay_1d", "decay_embeddings"):
+        del saved["optim"][key]
+    assert config_changes(saved, cfg) == {"optim.decay_1d": (True, False), "optim.decay_embeddings": (True, False)}
+    assert config_changes(saved, RunConfig.model_validate(
+        {**saved, "optim": {**saved["optim"], "decay_1d": True, "decay_embeddings": True}})) == {}
