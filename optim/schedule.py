@@ -51,10 +51,12 @@ class Schedule:
             raise ValueError(f"unknown schedule kind {self.kind!r}")
 
     def multiplier(self, step: int, anchor: Anchor | None = None) -> float:
+        """The multiplier at scheduler step `step`; from `anchor.step` on, along the re-planned
+        progress of `anchor` (see `replan`)."""
         if step < self.warmup:
             return (step + 1) / max(self.warmup, 1)
         if self.constant():
-            return min(1.0, (step + 1) / max(self.warmup, 1))
+            return 1.0
         if anchor is not None and step >= anchor.step:
             progress = anchor.progress + (1 - anchor.progress) * min(
                 1.0, (step - anchor.step) / max(1, self.total_steps - anchor.step))
@@ -63,6 +65,7 @@ class Schedule:
         return self.curve(progress)
 
     def constant(self) -> bool:
+        """True when the multiplier stays 1 after warmup (no decay to plan)."""
         return self.total_steps <= 0 or self.lr_min_ratio >= 1.0
 
     def curve(self, p: float) -> float:
