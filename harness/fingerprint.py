@@ -261,17 +261,19 @@ class FingerprintLog:
                 self._diverged(step, fields, "a re-run step differs from the record the interrupted process wrote")
         return rec
 
-    def watch(self, events: Any, ran_past: Iterable[Mapping[str, Any]], replanned: Iterable[str] = ()) -> None:
+    def watch(self, events: Any, ran_past: Iterable[Mapping[str, Any]]) -> None:
         """After a resume: check the restored parts against their hash at save time, then expect
         the re-run steps to match `ran_past` (records of steps after the checkpoint that the
-        interrupted process logged). `events` gets `resume_mismatch` events. Parts in `replanned`
-        are not checked: a changed config legitimately loaded them differently."""
+        interrupted process logged). `events` gets `resume_mismatch` events. A part whose
+        `restored_with_changes` is non-empty is not checked: its load changed the state on
+        purpose (the optimizer bundle under a changed config)."""
         self._events = events
         self._expected = {int(r["step"]): dict(r) for r in ran_past if "batch_hash" in r and "loss" in r}
         if self._saved_state is None:
             return
-        now = part_hashes(state_digests(self._parts()))
-        skip = set(replanned)
+        parts = self._parts()
+        now = part_hashes(state_digests(parts))
+        skip = {name for name, part in parts.items() if getattr(part, "restored_with_changes", None)}
         fields = [f"restored:{p}" for p in ordered_parts(p for p in self._saved_state
                                                          if p not in skip and now.get(p) != self._saved_state[p])]
         self._saved_state = None

@@ -74,9 +74,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             t_check = time.perf_counter()
             ran_past = metrics.truncate_after(trainer.step)
             if ref is not None and lead:  # check the restored state, then each re-run step, against the run's own history
-                # A changed config re-plans the optimizer's hyperparameters and the schedule on load.
-                trainer.fingerprints.watch(events, [] if allow_config_change else ran_past,
-                                           replanned=("optim", "sched") if changes else ())
+                trainer.fingerprints.watch(events, [] if allow_config_change else ran_past)
             restore_s += time.perf_counter() - t_check
             events.emit("start", step=trainer.step, resumed_from=ref.step if ref else None, pid=os.getpid(),
                         host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time(),

@@ -106,9 +106,22 @@ def _check_shape(where: str, opt: torch.optim.Optimizer, saved: dict) -> None:
         _require(isinstance(entry, dict), f"{where}/{name}", "a parameter's state must be a dict")
 
 
-def _positional(where: str, opt: torch.optim.Optimizer, saved: dict) -> dict:
+def _changed_hyperparameters(saved_groups: list, owners: dict) -> set[str]:
+    """Hyperparameter keys whose live value for some parameter differs from the checkpoint's
+    (`lr` is the schedule's, compared through `initial_lr`)."""
+    changed = set()
+    for group in saved_groups:
+        for name in group["params"]:
+            live = owners[name][1]
+            changed |= {k for k, v in group.items()
+                        if k not in ("params", "lr") and _plain(live[k], k) != v}
+    return changed
+
+
+def _positional(where: str, opt: torch.optim.Optimizer, saved: dict) -> tuple[dict, set[str]]:
     """Translate one optimizer's name-keyed state into torch's positional form over the live
-    groups (their hyperparameters and grouping), after checking names, keys and shapes."""
+    groups (their hyperparameters and grouping), after checking names, keys and shapes; with
+    the hyperparameter keys whose values the live groups change."""
     _check_shape(where, opt, saved)
     saved_groups = saved["param_groups"]
     _refuse_mismatch("parameter", where,
@@ -144,7 +157,7 @@ def _positional(where: str, opt: torch.optim.Optimizer, saved: dict) -> dict:
                 raise UserError(f"tensor {where}/{name}/{key} has shape {got}, this run expects "
                                 f"{expected[key]}")
         state[positions[name]] = dict(entry)
-    return {"state": state, "param_groups": torch_groups}
+    return {"state": state, "param_groups": torch_groups}, _changed_hyperparameters(saved_groups, owners)
 
 
 class MultiOpt:
@@ -152,11 +165,14 @@ class MultiOpt:
 
     Each optimizer must be built from named parameters (torch's `(name, param)` form), so that
     every group carries `param_names`; a parameter may belong to one optimizer only; each must
-    declare its state keys (`state_shapes`).
+    declare its state keys (`state_shapes`). After a load, `restored_with_changes` lists the
+    hyperparameters (`optimizer/key`) whose values this bundle's config changed, so the restored
+    state differs from the saved one on purpose (empty when none did).
     """
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
         self.optimizers = dict(optimizers)
+        self.restored_with_changes: list[str] = []
         owner: dict[str, str] = {}
         for opt_name, opt in self.optimizers.items():
             for group in opt.param_groups:
@@ -208,12 +224,15 @@ class MultiOpt:
         positional = {name: _positional(f"optim/{name}", opt, state_dict[name])
                       for name, opt in self.optimizers.items()}
         for name, opt in self.optimizers.items():
-            opt.load_state_dict(positional[name])
+            opt.load_state_dict(positional[name][0])
+        self.restored_with_changes = sorted(f"{name}/{key}" for name, (_, keys) in positional.items() for key in keys)
 
 
 class MultiSched:
     """Named schedulers (optim.schedule.ScheduledLR), one per optimizer of a MultiOpt, stepped
-    together. `replanned` is the schedule change the last load made (None when it kept it)."""
+    together. After a load, `replanned` is the schedule change it made (None when it kept the
+    schedule) and `restored_with_changes` what differs from the saved state on purpose (as in
+    MultiOpt: `scheduler/what`)."""
 
     def __init__(self, schedulers: dict[str, ScheduledLR]):
         self.schedulers = dict(schedulers)
@@ -221,6 +240,10 @@ class MultiSched:
     @property
     def replanned(self):
         return next((s.replanned for s in self.schedulers.values() if s.replanned), None)
+
+    @property
+    def restored_with_changes(self) -> list[str]:
+        return [f"{name}/{what}" for name, s in self.schedulers.items() for what in s.restored_with_changes]
 
     def step(self) -> None:
         for sched in self.schedulers.values():

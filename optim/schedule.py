@@ -119,13 +119,16 @@ class ScheduledLR(torch.optim.lr_scheduler.LRScheduler):
     takes the counters, re-plans from the saved schedule to this one (`replan`) and sets every
     group's lr for the restored step from this run's peak lrs. Loading a state saved under the
     same schedule and peak lrs restores the lrs bitwise. `replanned` describes the last re-plan
-    (None when the schedule was kept).
+    (None when the schedule was kept); `restored_with_changes` lists what the load did not take
+    as saved ("base_lrs", "schedule", "schedule not recorded" for a state from before schedules
+    were saved).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, schedule: Schedule):
         self.schedule = schedule
         self.anchor: Anchor | None = None
         self.replanned: dict[str, Any] | None = None
+        self.restored_with_changes: list[str] = []
         super().__init__(optimizer)
 
     def get_lr(self) -> list[float]:
@@ -148,9 +151,12 @@ class ScheduledLR(torch.optim.lr_scheduler.LRScheduler):
                 Anchor(**anchor) if anchor is not None else None)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        step, step_count, old, saved_anchor = self.parse(state_dict)
+        step, step_count, recorded, saved_anchor = self.parse(state_dict)
         # A state without a schedule was written before schedules were saved: it followed this one.
-        old = old or self.schedule
+        old = recorded or self.schedule
+        self.restored_with_changes = [what for what, differs in (
+            ("base_lrs", state_dict.get("base_lrs") != list(self.base_lrs)),
+            ("schedule", old != self.schedule), ("schedule not recorded", recorded is None)) if differs]
         self.anchor = replan(old, saved_anchor, step, self.schedule)
         self.replanned = None if old == self.schedule else {
             "step": step, "from": asdict(old), "to": asdict(self.schedule),

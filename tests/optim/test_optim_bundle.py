@@ -124,6 +124,9 @@ def test_hyperparameters_and_grouping_come_from_the_bundle_not_the_checkpoint(tr
     # checkpoint had [head (decayed), the rest], all at one lr, and another decay and betas.
     assert [(g["lr"], g["weight_decay"], g["betas"]) for g in adamw.param_groups] == [
         (1e-4 * multiplier, 0.0, (0.8, 0.9)), (2e-4 * multiplier, 0.3, (0.8, 0.9))]
+    assert new_opt.restored_with_changes == ["adafactor/initial_lr", "adamw/betas", "adamw/initial_lr",
+                                             "adamw/weight_decay"]
+    assert new_sched.restored_with_changes == ["adafactor/base_lrs", "adamw/base_lrs"]
     names = {n: p for g in adamw.param_groups for n, p in zip(g["param_names"], g["params"])}
     assert torch.equal(adamw.state[names["head.weight"]]["exp_avg"], ckpt["optim"]["adamw"]["state"]["head.weight"]["exp_avg"])
 

@@ -134,3 +134,21 @@ def test_a_new_peak_lr_scales_the_same_multiplier_from_the_restored_step():
     assert b.replanned is None
     assert opt_b.param_groups[0]["lr"] == 0.25 * sched.multiplier(7)
     assert b.last_epoch == 7 and b.base_lrs == [0.25]
+
+
+def test_a_lambdalr_state_from_before_schedules_were_saved_loads_with_the_same_lrs():
+    """Checkpoints written with torch's LambdaLR (no schedule recorded): the counters are taken,
+    the lrs come out the same, and the load says the schedule was not recorded."""
+    schedule = Schedule("cosine", 2, 20, 0.1)
+    w = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([w], lr=1.0)
+    legacy = torch.optim.lr_scheduler.LambdaLR(opt, schedule.multiplier)
+    steps(legacy, opt, 7)
+    state = {k: v for k, v in legacy.state_dict().items() if k != "lr_lambdas"}
+    ours, ours_opt = scheduler(schedule)
+    ours.load_state_dict(state)
+    assert ours.get_last_lr() == legacy.get_last_lr() and ours.last_epoch == 7
+    assert ours.restored_with_changes == ["schedule not recorded"] and ours.replanned is None
+    steps(legacy, opt, 3)
+    steps(ours, ours_opt, 3)
+    assert ours.get_last_lr() == legacy.get_last_lr()
