@@ -13,6 +13,7 @@ Contract:
 
 from __future__ import annotations
 
+import copy
 import tomllib
 from collections.abc import Iterable
 from pathlib import Path
@@ -145,11 +146,25 @@ def math_fields(cfg: RunConfig) -> dict[str, Any]:
     return {k: v for k, v in flat.items() if not any(k == f or k.startswith(f + ".") for f in FREE_FIELDS)}
 
 
-def config_changes(saved: dict[str, Any], current: RunConfig) -> list[str]:
-    """Math keys whose values differ between a saved resolved config and the current one."""
+# Math keys added after runs existed whose default is not what those runs did: a saved config
+# without the key ran with this value (the reference's AdamW decayed every parameter).
+ADDED_MATH_KEYS = {"optim.decay_1d": True, "optim.decay_embeddings": True}
+
+
+def config_changes(saved: dict[str, Any], current: RunConfig) -> dict[str, tuple[Any, Any]]:
+    """Math key -> (saved value, current value) for every key that differs, sorted by key."""
+    saved = copy.deepcopy(saved)
+    for dotted, value in ADDED_MATH_KEYS.items():
+        *parents, leaf = dotted.split(".")
+        node = saved
+        for p in parents:
+            node = node.get(p) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.setdefault(leaf, value)
     before = math_fields(RunConfig.model_validate(saved))
     after = math_fields(current)
-    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    return {k: (before.get(k), after.get(k)) for k in sorted(before.keys() | after.keys())
+            if before.get(k) != after.get(k)}
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:

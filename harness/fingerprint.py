@@ -285,13 +285,18 @@ class FingerprintLog:
     def watch(self, events: Any, ran_past: Iterable[Mapping[str, Any]]) -> None:
         """After a resume: check the restored parts against their hash at save time, then expect
         the re-run steps to match `ran_past` (records of steps after the checkpoint that the
-        interrupted process logged). `events` gets `resume_mismatch` events."""
+        interrupted process logged). `events` gets `resume_mismatch` events. A part whose
+        `restored_with_changes` is non-empty is not checked: its load changed the state on
+        purpose (the optimizer bundle under a changed config)."""
         self._events = events
         self._expected = {int(r["step"]): dict(r) for r in ran_past if "batch_hash" in r and "loss" in r}
         if self._saved_state is None:
             return
-        now = part_hashes(state_digests(self._parts(), saved_only=True))
-        fields = [f"restored:{p}" for p in ordered_parts(p for p in self._saved_state if now.get(p) != self._saved_state[p])]
+        parts = self._parts()
+        now = part_hashes(state_digests(parts, saved_only=True))
+        skip = {name for name, part in parts.items() if getattr(part, "restored_with_changes", None)}
+        fields = [f"restored:{p}" for p in ordered_parts(p for p in self._saved_state
+                                                         if p not in skip and now.get(p) != self._saved_state[p])]
         self._saved_state = None
         if fields:
             step = self.records[-1]["step"] if self.records else 0

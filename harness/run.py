@@ -7,8 +7,11 @@ Contract of `train(cfg, ...)` (what `harness train` does):
   checkpoint at a given URL.
 - Refuses to resume when a key that changes the math differs from the checkpoint's config, or
   the data's content fingerprint (`harness.data.identity`) differs from the one it recorded (the
-  list of keys is in the message), unless `allow_config_change`; warns when the torch version or
-  device type differs from the checkpoint's (bitwise equality is not promised there).
+  list of keys is in the message), unless `allow_config_change`; then the new values take effect
+  from the first resumed step (optimizer hyperparameters and the schedule come from the config,
+  optim/bundle.py) and a `config_changed` event records old -> new per key and any re-planned
+  schedule. Warns when the torch version, device type or numerical settings (harness.numerics)
+  differ from the checkpoint's (bitwise equality is not promised there).
 - A finished run started again says so and returns FINISHED without training.
 - Checkpoints at the configured cadence and always at the last step; on a preemption signal,
   finishes the current step, saves within the deadline and returns PREEMPTED.
@@ -64,7 +67,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
         started = resume_newest(cfg, source, candidates, verify, allow_config_change)
         if started is None:
             return exit_codes.FINISHED
-        trainer, ref, restore_s = started
+        trainer, ref, restore_s, changes = started
         try:
             distributed.on_rank0(write_run_json, cfg, trainer)
             lead = distributed.rank() == 0  # rank 0 keeps the logs: every rank logs the same all-reduced loss
@@ -80,6 +83,9 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             events.emit("start", step=trainer.step, resumed_from=ref.step if ref else None, pid=os.getpid(),
                         host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time(),
                         restore_s=restore_s)
+            if changes:
+                events.emit("config_changed", step=trainer.step, changes={k: {"old": a, "new": b} for k, (a, b) in changes.items()},
+                            schedule=trainer.sched.replanned)
             return Loop(cfg, trainer, store, metrics, events, log_dir).run()
         finally:
             trainer.close()
@@ -88,10 +94,11 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
 
 
 def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[CheckpointRef], verify: Verify,
-                  allow_config_change: bool) -> tuple[Trainer, CheckpointRef | None, float] | None:
+                  allow_config_change: bool) -> tuple[Trainer, CheckpointRef | None, float, dict] | None:
     """(trainer, the checkpoint it was restored from or None for a fresh start, seconds spent
-    reading, loading and verifying checkpoints), or None when the newest checkpoint is of a
-    finished run (it says so on stderr).
+    reading, loading and verifying checkpoints, the config changes since that checkpoint as
+    `config_changes` gives them), or None when the newest checkpoint is of a finished run (it
+    says so on stderr).
 
     `candidates` are tried newest first. With `verify="while"` each is hashed as it loads (one
     read of every byte); one found damaged is logged and skipped, and the trainer is built anew
@@ -103,7 +110,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
         trainer = None
         try:
             saved = source.read_state(ref)
-            check_compatible(saved["meta"], cfg, allow_config_change)
+            changes = check_compatible(saved["meta"], cfg, allow_config_change)
             if saved["meta"].get("finished") and ref.step >= cfg.train.steps:
                 log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
                 print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
@@ -112,7 +119,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             trainer = Trainer(cfg, rank=distributed.rank(), world_size=distributed.world())
             t0 = time.perf_counter()
             load_checkpoint(source, ref, trainer.state.parts(), verify=verify)
-            return trainer, ref, restore_s + time.perf_counter() - t0
+            return trainer, ref, restore_s + time.perf_counter() - t0, changes
         except BaseException as e:
             if trainer is not None:
                 trainer.close()
@@ -125,7 +132,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             restore_s += time.perf_counter() - t0
     if candidates:
         raise all_damaged(cfg, candidates)
-    return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world()), None, restore_s
+    return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world()), None, restore_s, {}
 
 
 def all_damaged(cfg: RunConfig, damaged: list[CheckpointRef]) -> UserError:
@@ -217,19 +224,21 @@ def checkpoint_at(url: str, storage_options: dict[str, Any]) -> tuple[Checkpoint
     return source, ref
 
 
-def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: bool) -> None:
+def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: bool) -> dict[str, tuple[Any, Any]]:
+    """The math keys changed since the checkpoint (`config_changes`); raises UserError when there
+    are any and `allow_config_change` is off."""
     changed = config_changes(meta["config"], cfg)
     saved_data = meta.get("data")  # absent in checkpoints written before the data identity was recorded
     if saved_data is not None:
         now = data_identity(cfg.data.url, cfg.data.storage_options)
         if any(saved_data.get(k) != v for k, v in now.items() if k != "url"):
-            changed.append(f"data content ({saved_data.get('size')} bytes then, {now['size']} bytes now, or other "
-                           f"first/last bytes)")
+            changed["data content"] = (f"{saved_data.get('size')} bytes", f"{now['size']} bytes, or other first/last bytes")
     if changed and not allow_config_change:
         raise UserError(f"the config changes the math of the run in {cfg.run_dir}: {', '.join(changed)} differ "
                         f"from the checkpoint; restore them, use a new --run-dir, or pass --allow-config-change")
     if changed:
-        log.warning("resuming with a changed config; bitwise equality is not promised", keys=changed)
+        log.warning("resuming with a changed config; the new values apply from the first resumed step, bitwise "
+                    "equality is not promised", changes={k: f"{a!r} -> {b!r}" for k, (a, b) in changed.items()})
     before = meta.get("environment", {})
     now = environment_fingerprint(resolve_device(cfg.train.device))
     differ = [(key, before[key], now[key]) for key in ("torch", "device_type") if key in before and before[key] != now[key]]
@@ -239,6 +248,7 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: 
     for key, then, current in differ:
         log.warning("resuming on a different environment; bitwise equality is not promised there",
                     key=key, checkpoint=then, now=current)
+    return changed
 
 
 def write_run_json(cfg: RunConfig, trainer: Trainer) -> None:
@@ -292,8 +302,8 @@ class Loop:
                     self.crash_hook()
                     if cfg.train.eval_every and trainer.step % cfg.train.eval_every == 0:
                         self.metrics.write({"step": trainer.step, "eval_loss": trainer.evaluate()})
-                    if trainer.step >= cfg.train.steps:
-                        trainer.counters.finished = True
+                    # Not sticky: a finished run extended with a larger train.steps is unfinished again.
+                    trainer.counters.finished = trainer.step >= cfg.train.steps
                     if distributed.rank0_flag(self.clock.due(trainer.step)):
                         self.save()
                     if cfg.debug.step_sleep_s:

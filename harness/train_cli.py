@@ -20,7 +20,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", default="auto", metavar="auto|never|CKPT_URL",
                    help="auto: newest good checkpoint of the run dir (default); never: start fresh; or a checkpoint URL")
     p.add_argument("--allow-config-change", action="store_true",
-                   help="resume even when keys that change the math differ from the checkpoint's config")
+                   help="resume even when keys that change the math differ from the checkpoint's config; "
+                        "the new values (lr, weight decay, schedule, ...) apply from the first resumed step")
     p.add_argument("--takeover", action="store_true",
                    help="take the run dir's writer lease from another holder (only when that process is gone)")
     add_restart_args(p)

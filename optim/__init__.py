@@ -1,7 +1,8 @@
 """Optimizers the team researches (Muon, Lion, OLion, Adafactor2D) and resumable bundles.
 
 `optim.build.build_bundle(cfg, model, total_steps)` turns an `OptimConfig` into a `MultiOpt`
-(name-keyed, resumable optimizers) and a `MultiSched` (their warmup + cosine schedules).
+(name-keyed, resumable optimizers) and a `MultiSched` (their schedules: warmup, then cosine,
+linear or warmup-stable-decay; `optim.schedule`).
 """
 
 from optim.adafactor import Adafactor2D

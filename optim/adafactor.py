@@ -43,7 +43,8 @@ class Adafactor2D(torch.optim.Optimizer):
 
     @staticmethod
     def state_shapes(p: torch.Tensor) -> dict[str, tuple[int, ...]]:
-        """Shapes of the per-parameter state (the bundle checks a loaded state against them)."""
+        """The state kept per parameter once it has stepped, with its shapes (the bundle checks
+        loads against it)."""
         return {"r": (p.shape[0],), "c": (p.shape[1],)}
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -8,10 +8,20 @@ fully-local baseline; no split).
 
 Block matrices are the 2D parameters whose `model.named_parameters()` name matches one of
 `matrix_patterns` (fnmatch; the default `blocks.*` is the reference's
-`blocks.parameters()` with ndim == 2). Every optimizer gets the warmup + cosine schedule of
-`optim.schedule`; `head_lr_mult` scales the peak lr of the parameters matching `head_pattern`,
-in whichever optimizer holds them. Bundle names: the arm's name for the matrix optimizer,
-`adamw` for the rest (omitted when nothing is left), `sgdm` for the SGD arm.
+`blocks.parameters()` with ndim == 2). Every optimizer gets the same schedule
+(`optim.schedule`: warmup, then cosine, linear or warmup-stable-decay); `head_lr_mult` scales
+the peak lr of the parameters matching `head_pattern`, in whichever optimizer holds them.
+Bundle names: the arm's name for the matrix optimizer, `adamw` for the rest (omitted when
+nothing is left), `sgdm` for the SGD arm.
+
+Weight decay in AdamW (the adamw arm and the AdamW part of every hybrid arm): by default not on
+parameters with fewer than 2 dims (biases, norm gains) nor on embedding tables (the weights of
+`torch.nn.Embedding` modules): nanoGPT decays only parameters with 2+ dims, minGPT also leaves
+out embeddings. Decaying a norm gain or a bias towards 0 only fights the parameter's role, and
+decaying rarely-seen token rows shrinks them on every step where they get no gradient.
+`decay_1d` / `decay_embeddings` turn it back on (the reference decays everything). Each AdamW
+group is then split in two, decayed first, so groups are [rest, rest no-decay, head, head no-decay]
+(empty ones dropped).
 """
 
 from fnmatch import fnmatchcase
@@ -26,7 +36,7 @@ from optim.bundle import MultiOpt, MultiSched
 from optim.lion import Lion
 from optim.muon import Muon
 from optim.olion import OLion
-from optim.schedule import warmup_cosine
+from optim.schedule import Schedule, ScheduledLR
 
 
 class _Shared(BaseModel):
@@ -37,11 +47,27 @@ class _Shared(BaseModel):
     lr: float = Field(3e-4, gt=0, description="Peak lr of AdamW (all params for adamw, the "
                       "non-matrix rest otherwise; sgdm's lr).")
     warmup: int = Field(0, ge=0, description="Linear warmup steps (multiplier (s+1)/warmup).")
-    total_steps: int | None = Field(None, ge=0, description="Schedule length: cosine to "
+    schedule: Literal["cosine", "linear", "wsd"] = Field("cosine", description="Decay after "
+                                                         "warmup: cosine or linear to "
+                                                         "lr_min_ratio, or wsd (warmup-stable-"
+                                                         "decay: the peak lr, then a linear decay "
+                                                         "over the last decay_fraction of the "
+                                                         "steps; extending a run moves the decay).")
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd only: the share of the "
+                                  "post-warmup steps spent decaying.")
+    total_steps: int | None = Field(None, ge=0, description="Schedule length: decay to "
                                     "lr_min_ratio over total_steps, 0 = constant after warmup, "
-                                    "None = the run's length (build_bundle's total_steps).")
-    lr_min_ratio: float = Field(0.1, ge=0, le=1, description="Final lr / peak lr of the cosine.")
+                                    "None = the run's length (build_bundle's total_steps). A "
+                                    "change on resume re-plans the rest without an lr jump "
+                                    "(optim/schedule.py).")
+    lr_min_ratio: float = Field(0.1, ge=0, le=1, description="Final lr / peak lr of the decay.")
     weight_decay: float = Field(1e-4, ge=0, description="AdamW's decoupled weight decay.")
+    decay_1d: bool = Field(False, description="AdamW's weight decay also on parameters with fewer "
+                           "than 2 dims (biases, norm gains); false = none on them (nanoGPT "
+                           "practice). Unused by sgdm.")
+    decay_embeddings: bool = Field(False, description="AdamW's weight decay also on the weights of "
+                                   "torch.nn.Embedding modules; false = none on them. Unused by "
+                                   "sgdm.")
     adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's (beta1, beta2).")
     head_lr_mult: float = Field(1.0, gt=0, description="Peak-lr multiplier for the params "
                                 "matching head_pattern.")
@@ -76,7 +102,9 @@ class MuonConfig(_Shared):
                                          "sqrt(max(1, rows/cols)) (reference); a float such as "
                                          "0.2: by consistent_rms*sqrt(max(rows, cols)) "
                                          "(Moonlight; AdamW lrs transfer).")
-    ns_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Newton-Schulz dtype.")
+    ns_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Newton-Schulz dtype, "
+                                                     "whatever the parameter dtype (the reference "
+                                                     "runs NS in the parameter dtype).")
     muon_weight_decay: float = Field(0.0, ge=0, description="Muon's decoupled weight decay.")
 
 
@@ -151,6 +179,22 @@ def _groups(named: list, lr: float, cfg: _Shared) -> list[dict]:
     return [g for g in groups if g["params"]]
 
 
+def _decay_split(groups: list[dict], cfg: _Shared, model: torch.nn.Module) -> list[dict]:
+    """Each AdamW group split into [decayed, not decayed] (module docstring), empty ones dropped."""
+    embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding)
+                  for p in m.parameters(recurse=False)}
+
+    def exempt(p: torch.Tensor) -> bool:
+        return (p.ndim < 2 and not cfg.decay_1d) or (id(p) in embeddings and not cfg.decay_embeddings)
+
+    out = []
+    for group in groups:
+        out.append({**group, "params": [(n, p) for n, p in group["params"] if not exempt(p)]})
+        out.append({**group, "params": [(n, p) for n, p in group["params"] if exempt(p)],
+                    "weight_decay": 0.0})
+    return [g for g in out if g["params"]]
+
+
 def _matrix_optimizer(cfg: _Shared, matrices: list) -> torch.optim.Optimizer:
     if isinstance(cfg, MuonConfig):
         return Muon(_groups(matrices, cfg.lr_muon, cfg), lr=cfg.lr_muon, momentum=cfg.momentum,
@@ -178,7 +222,8 @@ def build_bundle(
                         f"names look like {[n for n, _ in named[:5]]}")
     adamw = dict(lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
     if isinstance(cfg, AdamWConfig):
-        optimizers = {"adamw": torch.optim.AdamW(_groups(named, cfg.lr, cfg), **adamw)}
+        optimizers = {"adamw": torch.optim.AdamW(_decay_split(_groups(named, cfg.lr, cfg), cfg, model),
+                                                 **adamw)}
     elif isinstance(cfg, SGDMConfig):
         optimizers = {"sgdm": torch.optim.SGD(_groups(named, cfg.lr, cfg), lr=cfg.lr,
                                               momentum=cfg.momentum, nesterov=cfg.nesterov)}
@@ -192,9 +237,10 @@ def build_bundle(
                             f"for the {cfg.type} arm; names look like {[n for n, _ in named[:5]]}")
         optimizers = {cfg.type: _matrix_optimizer(cfg, matrices)}
         if rest:
-            optimizers["adamw"] = torch.optim.AdamW(_groups(rest, cfg.lr, cfg), **adamw)
-    steps = cfg.total_steps if cfg.total_steps is not None else total_steps
-    multiplier = warmup_cosine(cfg.warmup, steps, cfg.lr_min_ratio)
-    schedulers = {name: torch.optim.lr_scheduler.LambdaLR(opt, multiplier)
-                  for name, opt in optimizers.items()}
+            optimizers["adamw"] = torch.optim.AdamW(_decay_split(_groups(rest, cfg.lr, cfg), cfg, model),
+                                                    **adamw)
+    schedule = Schedule(cfg.schedule, cfg.warmup,
+                        cfg.total_steps if cfg.total_steps is not None else total_steps,
+                        cfg.lr_min_ratio, cfg.decay_fraction)
+    schedulers = {name: ScheduledLR(opt, schedule) for name, opt in optimizers.items()}
     return MultiOpt(optimizers), MultiSched(schedulers)

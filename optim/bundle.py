@@ -10,18 +10,31 @@ State dict (a plain tree: dict/list/Tensor/int/float/str/bool/None, no tuples on
 survives safetensors + JSON unchanged; lists are accepted where the optimizer had tuples):
     MultiOpt:   {opt_name: {"state": {param_name: {key: value}},
                             "param_groups": [{hyperparameter: value, "params": [param_name]}]}}
-    MultiSched: {opt_name: scheduler.state_dict() without `lr_lambdas`}
-Schedule functions come from the config, never from a checkpoint.
+    MultiSched: {opt_name: scheduler.state_dict()}   (optim.schedule.ScheduledLR's)
 
-Loading raises `harness.errors.UserError` naming the missing or extra optimizer, parameter or
-scheduler, a parameter that moved to another group, or a tensor whose shape differs. Loaded
-tensors become the optimizer's state as they are (no copy when dtype and device already match),
-so a resume never holds two copies of the optimizer state.
+What a load takes from the checkpoint: the per-parameter state (momentum, moments, ...) and
+the schedulers' step counters. What it keeps from the bundle as built (the config): every
+group's hyperparameters (lr, betas, weight decay, momentum, ...), the grouping of parameters and
+the schedule, so `--allow-config-change` with a new lr takes effect from the first resumed
+step; with an unchanged config the result is the saved state bit for bit.
+
+Loading raises `harness.errors.UserError` before changing anything when the checkpoint does not
+fit: a state that is not this name-keyed format (the team reference's positional list, for one),
+a missing or extra optimizer, parameter or scheduler, a group whose hyperparameter keys differ
+from this optimizer's (another version of the optimizer), a state entry whose keys differ from
+the ones the optimizer keeps (a missing `mom` would silently restart momentum at zero), or a
+tensor whose shape differs. Loaded tensors become the optimizer's state as they are (no copy
+when dtype and device already match), so a resume never holds two copies of the optimizer state.
 """
 
 import torch
 
 from harness.errors import UserError
+from optim.schedule import ScheduledLR
+
+_REFERENCE_FORMAT = ("it looks like the team reference's positional MultiOpt state (one torch state dict "
+                     "per optimizer, in list order); this bundle loads only its own name-keyed state "
+                     "(optim.bundle), so resume from a checkpoint written by the harness")
 
 
 def _plain(value, where: str):
@@ -45,70 +58,136 @@ def _refuse_mismatch(kind: str, where: str, saved, current) -> None:
                         f"(extra: {extra}); resume with the config the checkpoint was written with")
 
 
-def _expected_shape(opt: torch.optim.Optimizer, p: torch.Tensor, key: str):
-    shapes = opt.state_shapes(p) if hasattr(opt, "state_shapes") else {}
-    return tuple(shapes.get(key, p.shape))
+def _require(ok: bool, where: str, what: str) -> None:
+    if not ok:
+        raise UserError(f"checkpoint {where} is malformed: {what}; it was not written by this "
+                        "harness's optimizer bundle")
 
 
-def _positional(where: str, opt: torch.optim.Optimizer, saved: dict) -> dict:
-    """Translate one optimizer's name-keyed state into torch's positional form, in the
-    current parameter order, after checking names, groups and shapes."""
-    groups = opt.param_groups
+def state_shapes(opt: torch.optim.Optimizer, p: torch.Tensor, group: dict) -> dict[str, tuple]:
+    """The state keys `opt` keeps for `p` (in `group`) once it has stepped, with their shapes.
+
+    Our optimizers declare theirs (`state_shapes(p)`); torch's AdamW/Adam and SGD are known here.
+    Raises TypeError for any other optimizer (MultiOpt refuses it when built)."""
+    if hasattr(opt, "state_shapes"):
+        return {k: tuple(v) for k, v in opt.state_shapes(p).items()}
+    shape = tuple(p.shape)
+    if isinstance(opt, torch.optim.Adam):  # AdamW subclasses Adam
+        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+        return {"step": (), **{k: shape for k in keys}}
+    if isinstance(opt, torch.optim.SGD):
+        return {"momentum_buffer": shape} if group["momentum"] != 0 else {}
+    raise TypeError(f"{type(opt).__name__} does not declare its state keys; give it a "
+                    "state_shapes(p) -> {key: shape} method")
+
+
+def _check_group_keys(where: str, opt: torch.optim.Optimizer, saved_groups: list) -> None:
+    """Every saved group must carry exactly the hyperparameter keys of this optimizer's groups."""
+    live = set(opt.param_groups[0]) - {"params", "param_names"}
+    for i, group in enumerate(saved_groups):
+        keys = set(group) - {"params"}
+        missing, extra = sorted(live - keys), sorted(keys - live)
+        if missing or extra:
+            what = f"lacks hyperparameter {missing[0]!r}" if missing else f"has hyperparameter {extra[0]!r}"
+            raise UserError(f"checkpoint {where} group {i} {what} that {type(opt).__name__} here does "
+                            f"{'' if missing else 'not '}have (missing: {missing}, extra: {extra}); "
+                            "it was written by another version of the optimizer: resume with that version")
+
+
+def _check_shape(where: str, opt: torch.optim.Optimizer, saved: dict) -> None:
+    _require(isinstance(saved, dict) and isinstance(saved.get("state"), dict)
+             and isinstance(saved.get("param_groups"), list), where,
+             'expected {"state": {...}, "param_groups": [...]}')
+    for i, group in enumerate(saved["param_groups"]):
+        _require(isinstance(group, dict) and isinstance(group.get("params"), list)
+                 and all(isinstance(n, str) for n in group["params"]), f"{where} group {i}",
+                 "expected a dict whose 'params' lists parameter names")
+    for name, entry in saved["state"].items():
+        _require(isinstance(entry, dict), f"{where}/{name}", "a parameter's state must be a dict")
+
+
+def _changed_hyperparameters(saved_groups: list, owners: dict) -> set[str]:
+    """Hyperparameter keys whose live value for some parameter differs from the checkpoint's
+    (`lr` is the schedule's, compared through `initial_lr`)."""
+    changed = set()
+    for group in saved_groups:
+        for name in group["params"]:
+            live = owners[name][1]
+            changed |= {k for k, v in group.items()
+                        if k not in ("params", "lr") and _plain(live[k], k) != v}
+    return changed
+
+
+def _positional(where: str, opt: torch.optim.Optimizer, saved: dict) -> tuple[dict, set[str]]:
+    """Translate one optimizer's name-keyed state into torch's positional form over the live
+    groups (their hyperparameters and grouping), after checking names, keys and shapes; with
+    the hyperparameter keys whose values the live groups change."""
+    _check_shape(where, opt, saved)
     saved_groups = saved["param_groups"]
     _refuse_mismatch("parameter", where,
                      [n for g in saved_groups for n in g["params"]],
-                     [n for g in groups for n in g["param_names"]])
-    if len(saved_groups) != len(groups):
-        raise UserError(f"checkpoint {where} has {len(saved_groups)} parameter groups, this "
-                        f"run {len(groups)}; resume with the same head/matrix split")
-    positions, params, torch_groups = {}, {}, []
-    for i, (group, saved_group) in enumerate(zip(groups, saved_groups)):
-        moved = sorted(set(group["param_names"]) - set(saved_group["params"]))
-        if moved:
-            raise UserError(f"parameter {moved[0]!r} is in group {i} of {where} but the "
-                            "checkpoint has it in another group; resume with the same split")
-        hyper = {k: tuple(v) if isinstance(group.get(k), tuple) else v
-                 for k, v in saved_group.items() if k != "params"}
+                     [n for g in opt.param_groups for n in g["param_names"]])
+    _check_group_keys(where, opt, saved_groups)
+    positions, owners, torch_groups = {}, {}, []
+    for group in opt.param_groups:
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         ids = list(range(len(positions), len(positions) + len(group["params"])))
         for pos, name, p in zip(ids, group["param_names"], group["params"]):
-            positions[name], params[name] = pos, p
+            positions[name], owners[name] = pos, (p, group)
         torch_groups.append({**hyper, "params": ids, "param_names": list(group["param_names"])})
     state = {}
     for name, entry in saved["state"].items():
-        if name not in params:
+        if name not in owners:
             raise UserError(f"checkpoint {where} has state for {name!r}, which is in none of its "
                             "parameter groups; the checkpoint is inconsistent")
-        p = params[name]
+        p, group = owners[name]
+        expected = state_shapes(opt, p, group)
+        missing, unknown = sorted(set(expected) - set(entry)), sorted(set(entry) - set(expected))
+        if unknown:
+            raise UserError(f"checkpoint {where}/{name} has state {unknown[0]!r}, which "
+                            f"{type(opt).__name__} does not keep (it keeps {sorted(expected)}); "
+                            "the checkpoint was written by another optimizer or version")
+        if missing:
+            raise UserError(f"checkpoint {where}/{name} lacks state {missing[0]!r} (has {sorted(entry)}); "
+                            f"{type(opt).__name__} would silently restart it at zero: the checkpoint "
+                            "is damaged or was written by another optimizer or version")
         for key, value in entry.items():
-            if isinstance(value, torch.Tensor) and value.ndim > 0:
-                expected = _expected_shape(opt, p, key)
-                if tuple(value.shape) != expected:
-                    raise UserError(f"tensor {where}/{name}/{key} has shape "
-                                    f"{tuple(value.shape)}, this run expects {expected}")
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected[key]:
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise UserError(f"tensor {where}/{name}/{key} has shape {got}, this run expects "
+                                f"{expected[key]}")
         state[positions[name]] = dict(entry)
-    return {"state": state, "param_groups": torch_groups}
+    return {"state": state, "param_groups": torch_groups}, _changed_hyperparameters(saved_groups, owners)
 
 
 class MultiOpt:
     """Named torch optimizers stepped together; `param_groups` lists every group of every one.
 
     Each optimizer must be built from named parameters (torch's `(name, param)` form), so that
-    every group carries `param_names`; a parameter may belong to one optimizer only.
+    every group carries `param_names`; a parameter may belong to one optimizer only; each must
+    declare its state keys (`state_shapes`). After a load, `restored_with_changes` lists the
+    hyperparameters (`optimizer/key`) whose values this bundle's config changed, so the restored
+    state differs from the saved one on purpose (empty when none did).
     """
 
     def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
         self.optimizers = dict(optimizers)
+        self.restored_with_changes: list[str] = []
         owner: dict[str, str] = {}
         for opt_name, opt in self.optimizers.items():
             for group in opt.param_groups:
                 if "param_names" not in group:
                     raise ValueError(f"optimizer {opt_name!r} was built without parameter names; "
                                      "pass model.named_parameters() pairs")
-                for name in group["param_names"]:
+                for name, p in zip(group["param_names"], group["params"]):
                     if name in owner:
                         raise ValueError(f"parameter {name!r} is in both {owner[name]!r} "
                                          f"and {opt_name!r}")
                     owner[name] = opt_name
+                    try:
+                        state_shapes(opt, p, group)
+                    except TypeError as e:
+                        raise ValueError(f"optimizer {opt_name!r}: {e}") from None
 
     @property
     def param_groups(self) -> list[dict]:
@@ -137,19 +216,34 @@ class MultiOpt:
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if not isinstance(state_dict, dict):
+            raise UserError(f"checkpoint optim is a {type(state_dict).__name__}, not a dict keyed by "
+                            f"optimizer name: {_REFERENCE_FORMAT}")
         _refuse_mismatch("optimizer", "optim", state_dict, self.optimizers)
         # Check every optimizer before loading any, so a refused load leaves the bundle as it was.
         positional = {name: _positional(f"optim/{name}", opt, state_dict[name])
                       for name, opt in self.optimizers.items()}
         for name, opt in self.optimizers.items():
-            opt.load_state_dict(positional[name])
+            opt.load_state_dict(positional[name][0])
+        self.restored_with_changes = sorted(f"{name}/{key}" for name, (_, keys) in positional.items() for key in keys)
 
 
 class MultiSched:
-    """Named LR schedulers, one per optimizer of a MultiOpt, stepped together."""
+    """Named schedulers (optim.schedule.ScheduledLR), one per optimizer of a MultiOpt, stepped
+    together. After a load, `replanned` is the schedule change it made (None when it kept the
+    schedule) and `restored_with_changes` what differs from the saved state on purpose (as in
+    MultiOpt: `scheduler/what`)."""
 
-    def __init__(self, schedulers: dict[str, torch.optim.lr_scheduler.LRScheduler]):
+    def __init__(self, schedulers: dict[str, ScheduledLR]):
         self.schedulers = dict(schedulers)
+
+    @property
+    def replanned(self):
+        return next((s.replanned for s in self.schedulers.values() if s.replanned), None)
+
+    @property
+    def restored_with_changes(self) -> list[str]:
+        return [f"{name}/{what}" for name, s in self.schedulers.items() for what in s.restored_with_changes]
 
     def step(self) -> None:
         for sched in self.schedulers.values():
@@ -159,15 +253,19 @@ class MultiSched:
         return {name: list(s.get_last_lr()) for name, s in self.schedulers.items()}
 
     def state_dict(self) -> dict:
-        return {name: _plain({k: v for k, v in s.state_dict().items() if k != "lr_lambdas"},
-                             f"sched.{name}")
-                for name, s in self.schedulers.items()}
+        return {name: _plain(s.state_dict(), f"sched.{name}") for name, s in self.schedulers.items()}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if not isinstance(state_dict, dict):
+            raise UserError(f"checkpoint sched is a {type(state_dict).__name__}, not a dict keyed by "
+                            f"optimizer name: {_REFERENCE_FORMAT}")
         _refuse_mismatch("scheduler", "sched", state_dict, self.schedulers)
+        # Parse every state before loading any, so a refused load leaves the schedulers as they were.
         for name, sched in self.schedulers.items():
-            state = dict(state_dict[name])
-            if hasattr(sched, "lr_lambdas"):
-                # None tells LambdaLR to keep its own function (a plain function has no state).
-                state["lr_lambdas"] = [None] * len(sched.lr_lambdas)
-            sched.load_state_dict(state)
+            try:
+                _require(isinstance(state_dict[name], dict), f"sched/{name}", "expected a dict")
+                sched.parse(state_dict[name])
+            except (TypeError, ValueError, KeyError) as e:
+                _require(False, f"sched/{name}", f"{type(e).__name__}: {e}")
+        for name, sched in self.schedulers.items():
+            sched.load_state_dict(state_dict[name])

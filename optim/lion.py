@@ -23,6 +23,11 @@ class Lion(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 3e-4, betas=(0.9, 0.99), wd: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), wd=wd))
 
+    @staticmethod
+    def state_shapes(p: torch.Tensor) -> dict[str, tuple[int, ...]]:
+        """The state kept per parameter once it has stepped (the bundle checks loads against it)."""
+        return {"m": tuple(p.shape)}
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = run_closure(closure)

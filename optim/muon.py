@@ -13,7 +13,13 @@ Update, per 2D parameter p with gradient g (the team's reference rule):
     p   <- p - lr * scale * O,  scale = sqrt(max(1, rows/cols))           if consistent_rms is None
                                         consistent_rms * sqrt(max(rows, cols))  otherwise
 
-With float32 NS, no weight decay and the per-matrix path this is bitwise the reference. It equals
+For float32 parameters, with float32 NS, no weight decay and the per-matrix path this is bitwise
+the reference. For bfloat16 parameters it is not: the reference runs NS in the parameter dtype
+(bfloat16), Muon here in `ns_dtype` whatever the parameter dtype (float32 by default: fewer
+roundings), then casts the result to the parameter dtype. With `ns_dtype="bfloat16"` the NS
+result is bitwise the reference's, and so is the update of wide and square matrices; for tall
+ones the result is a transposed view and the final bfloat16 `add_` can round one unit in the
+last place differently (tests/optim/test_muon.py). It equals
 `torch.optim.Muon(adjust_lr_fn="original", weight_decay=0)` up to NS precision: torch keeps an
 EMA buffer (a (1 - momentum) multiple of ours), which the NS normalisation cancels.
 Only 2D parameters are accepted (the reference's non-2D fallback is AdamW's job in optim.build).
@@ -64,6 +70,11 @@ class Muon(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         require_matrices(self, self.param_groups[-1])
+
+    @staticmethod
+    def state_shapes(p: torch.Tensor) -> dict[str, tuple[int, ...]]:
+        """The state kept per parameter once it has stepped (the bundle checks loads against it)."""
+        return {"mom": tuple(p.shape)}
 
     @staticmethod
     def update_scale(shape: torch.Size, consistent_rms: float | None) -> float:

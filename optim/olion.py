@@ -8,7 +8,7 @@ pages the team read (an assumption carried over from the reference).
 Update, per 2D parameter p with gradient g (the team's reference rule):
     m  <- beta2 * m + (1 - beta2) * g          (slow momentum, updated first)
     gt <- (1 - beta1) * g + beta1 * m          (Nesterov-style mix)
-    Q  <- NewtonSchulz(gt)                      (optim.newton_schulz, shared with Muon)
+    Q  <- NewtonSchulz(gt)                      (optim.newton_schulz, shared with Muon; float32)
     p  <- p * (1 - lr * wd)                     (only when wd > 0)
     p  <- p - lr * gamma * sign(Q)
 """
@@ -23,8 +23,11 @@ class OLion(torch.optim.Optimizer):
     """OLion over 2D parameters. State per parameter: `m` (momentum, shape of p).
 
     Args: lr (1e-3), betas ((0.9, 0.99)), gamma (0.2), ns_steps (5), wd (0.0, decoupled),
-    ns_batched (None: stack same-shape matrices when faster). NS runs in float32 as in the
-    reference. Raises ValueError for a non-2D parameter, naming it.
+    ns_batched (None: stack same-shape matrices when faster). NS runs in float32 whatever the
+    parameter dtype, where the reference runs it in the parameter dtype: bitwise the reference
+    for float32 parameters; for bfloat16 ones Q differs by bfloat16 roundings and the update,
+    its sign, differs only where an entry of Q near zero changes sign.
+    Raises ValueError for a non-2D parameter, naming it.
     """
 
     def __init__(
@@ -45,6 +48,11 @@ class OLion(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         require_matrices(self, self.param_groups[-1])
+
+    @staticmethod
+    def state_shapes(p: torch.Tensor) -> dict[str, tuple[int, ...]]:
+        """The state kept per parameter once it has stepped (the bundle checks loads against it)."""
+        return {"m": tuple(p.shape)}
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -68,3 +68,18 @@ def test_non_2d_parameter_is_refused_by_name():
     with pytest.raises(ValueError, match=r"OLion only takes 2D parameters, but 'ln\.weight'"):
         OLion([("w", torch.nn.Parameter(torch.zeros(2, 2))),
                ("ln.weight", torch.nn.Parameter(torch.zeros(2)))])
+
+
+def test_bfloat16_parameters_get_float32_newton_schulz(ref_ns):
+    """The docstring's claim: NS in float32 whatever the parameter dtype (the reference: in the
+    parameter dtype); the update is the rule with float32 NS, bitwise."""
+    start = [p.detach().bfloat16() for p in make_params()]
+    grads = [g.bfloat16() for g in grads_for(0)]
+    params = [torch.nn.Parameter(p.clone()) for p in start]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    OLion(params, ns_batched=False).step()
+    for p, start_p, g in zip(params, start, grads):
+        m = torch.zeros_like(g).mul_(0.99).add_(g, alpha=0.01)
+        q = ref_ns(((1 - 0.9) * g + 0.9 * m).float()).bfloat16()
+        assert torch.equal(p.detach(), start_p.clone().add_(torch.sign(q), alpha=-1e-3 * 0.2))

@@ -64,9 +64,9 @@ def test_the_union_works_as_a_field_type():
     assert isinstance(Run(optim={}).optim, build.AdamWConfig)
 
 
-def test_untyped_config_reproduces_plain_adamw_and_lambdalr_bit_for_bit(tiny_gpt, train):
-    cfg = parse_optim_config({"lr": 2e-3, "warmup": 2, "weight_decay": 0.05,
-                              "adam_betas": [0.85, 0.98], "lr_min_ratio": 0.2})
+def test_untyped_config_decaying_everything_reproduces_plain_adamw_and_lambdalr_bit_for_bit(tiny_gpt, train):
+    cfg = parse_optim_config({"lr": 2e-3, "warmup": 2, "weight_decay": 0.05, "decay_1d": True,
+                              "decay_embeddings": True, "adam_betas": [0.85, 0.98], "lr_min_ratio": 0.2})
     ours = tiny_gpt()
     opt, sched = build_bundle(cfg, ours, total_steps=6)
     plain = tiny_gpt()
@@ -89,6 +89,37 @@ def test_untyped_config_reproduces_plain_adamw_and_lambdalr_bit_for_bit(tiny_gpt
     assert list(opt.optimizers) == ["adamw"]
 
 
+def no_decay_names(opt):
+    return sorted(n for g in opt.param_groups if g["weight_decay"] == 0.0 for n in g["param_names"])
+
+
+@pytest.mark.parametrize("arm", ["adamw", "muon", "lion", "olion", "adafactor"])
+def test_adamw_does_not_decay_1d_parameters_or_embeddings_by_default(tiny_gpt, train, arm):
+    model = tiny_gpt()
+    opt, sched = build_bundle(parse_optim_config({"type": arm, "weight_decay": 0.1}), model, 10)
+    adamw = opt.optimizers["adamw"]
+    exempt = sorted(n for n, p in model.named_parameters() if p.ndim < 2) + ["emb.weight"]
+    assert no_decay_names(adamw) == sorted(exempt)
+    assert all(g["weight_decay"] == 0.1 for g in adamw.param_groups if g["weight_decay"])
+    # With zero gradients only decay moves a parameter: the exempt ones stay where they were.
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    moved = sorted(n for n, p in model.named_parameters() if not torch.equal(p, before[n]))
+    assert "head.weight" in moved and not set(moved) & set(exempt)
+    everything = parse_optim_config({"type": arm, "decay_1d": True, "decay_embeddings": True})
+    assert no_decay_names(build_bundle(everything, tiny_gpt(), 10)[0].optimizers["adamw"]) == []
+    only_1d = build_bundle(parse_optim_config({"type": arm, "decay_embeddings": True}), tiny_gpt(), 10)[0]
+    assert no_decay_names(only_1d.optimizers["adamw"]) == sorted(set(exempt) - {"emb.weight"})
+
+
+def test_decay_split_keeps_the_head_groups_order(tiny_gpt):
+    cfg = parse_optim_config({"lr": 1e-3, "head_lr_mult": 2.0, "head_pattern": "head.*"})
+    groups = build_bundle(cfg, tiny_gpt(), 10)[0].optimizers["adamw"].param_groups
+    assert [(g["initial_lr"], g["weight_decay"] > 0) for g in groups] == [(1e-3, True), (1e-3, False), (2e-3, True)]
+
+
 @pytest.mark.parametrize(("arm", "cls"), [("muon", Muon), ("lion", Lion), ("olion", OLion),
                                           ("adafactor", Adafactor2D)])
 def test_default_split_is_the_2d_block_parameters(tiny_gpt, arm, cls):
@@ -99,7 +130,7 @@ def test_default_split_is_the_2d_block_parameters(tiny_gpt, arm, cls):
     blocks = sorted(n for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2)
     assert names(opt.optimizers[arm]) == blocks
     assert names(opt.optimizers["adamw"]) == sorted(set(n for n, _ in model.named_parameters()) - set(blocks))
-    assert len(opt.param_groups) == 2
+    assert len(opt.param_groups) == 3  # the matrices; AdamW's decayed and not decayed rest
 
 
 def test_matrix_patterns_choose_the_matrices_and_only_2d_ones(tiny_gpt):
@@ -142,7 +173,7 @@ def test_head_lr_mult_scales_the_head_group(tiny_gpt, arm):
     cfg = parse_optim_config({"type": arm, "lr": 1e-3, "head_lr_mult": 3.0, "head_pattern": "head.*"})
     opt, sched = build_bundle(cfg, model, 10)
     holder = opt.optimizers["sgdm" if arm == "sgdm" else "adamw"]
-    rest, head = holder.param_groups
+    rest, head = holder.param_groups[0], holder.param_groups[-1]
     assert head["param_names"] == ["head.weight"] and "head.weight" not in rest["param_names"]
     assert (rest["initial_lr"], head["initial_lr"]) == (1e-3, 3e-3)
     with pytest.raises(UserError, match="'lm_head'"):
@@ -156,4 +187,4 @@ def test_total_steps_comes_from_the_config_else_the_run(tiny_gpt, cfg_total, arg
     for _ in range(10):
         opt.step()
         sched.step()
-    assert sched.get_last_lr()["adamw"] == [pytest.approx(lr_at_10)]
+    assert sched.get_last_lr()["adamw"] == [pytest.approx(lr_at_10)] * 2  # decayed and not decayed

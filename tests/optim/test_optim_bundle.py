@@ -24,8 +24,8 @@ def test_state_is_keyed_by_optimizer_and_parameter_name(trained):
     assert list(sd) == ["adafactor", "adamw"] and list(sched.state_dict()) == ["adafactor", "adamw"]
     assert set(sd["adafactor"]["state"]["blocks.0.fc.weight"]) == {"r", "c"}
     assert sd["adamw"]["param_groups"][0]["betas"] == [0.9, 0.999]
-    assert "emb.weight" in sd["adamw"]["param_groups"][0]["params"]
-    assert "lr_lambdas" not in sched.state_dict()["adamw"]
+    assert "emb.weight" in sd["adamw"]["param_groups"][1]["params"]  # the group without decay
+    assert sched.state_dict()["adamw"]["schedule"]["kind"] == "cosine"
 
 
 def test_loading_adopts_tensors_without_copying_and_restores_tuples(trained, roundtrip):
@@ -45,7 +45,18 @@ def test_loading_adopts_tensors_without_copying_and_restores_tuples(trained, rou
     (lambda sd: sd.update(lion=sd["adamw"]), "has optimizer 'lion'"),
     (lambda sd: sd["adamw"]["param_groups"][0]["params"].remove("head.weight"), "lacks parameter 'head.weight'"),
     (lambda sd: sd["adamw"]["param_groups"][0]["params"].append("head.bias"), "has parameter 'head.bias'"),
-    (lambda sd: sd["adamw"]["param_groups"].append({"params": []}), "2 parameter groups"),
+    (lambda sd: sd["adamw"]["param_groups"][0].pop("amsgrad"),
+     r"optim/adamw group 0 lacks hyperparameter 'amsgrad' that AdamW here does have"),
+    (lambda sd: sd["adafactor"]["param_groups"][0].update(beta1=0.9),
+     r"optim/adafactor group 0 has hyperparameter 'beta1' that Adafactor2D here does not have"),
+    (lambda sd: sd["adafactor"]["state"]["blocks.1.fc.weight"].pop("c"),
+     r"optim/adafactor/blocks.1.fc.weight lacks state 'c' \(has \['r'\]\); Adafactor2D would silently"),
+    (lambda sd: sd["adamw"]["state"]["emb.weight"].update(momentum_buffer=torch.zeros(2)),
+     r"optim/adamw/emb.weight has state 'momentum_buffer', which AdamW does not keep"),
+    (lambda sd: sd["adamw"]["state"]["emb.weight"].update(exp_avg=0.5),
+     r"tensor optim/adamw/emb.weight/exp_avg has shape float"),
+    (lambda sd: sd["adamw"].pop("state"), r"checkpoint optim/adamw is malformed: expected \{"),
+    (lambda sd: sd["adamw"]["param_groups"].append(["head.bias"]), r"optim/adamw group 2 is malformed"),
     (lambda sd: sd["adafactor"]["state"]["blocks.1.fc.weight"].update(r=torch.zeros(3)),
      r"tensor optim/adafactor/blocks.1.fc.weight/r has shape \(3,\), this run expects \(64,\)"),
     (lambda sd: sd["adamw"]["state"]["emb.weight"].update(exp_avg=torch.zeros(2, 2)),
@@ -63,18 +74,68 @@ def test_loading_refuses_a_mismatch_and_names_it(trained, edit, message):
     assert all(not o.state for o in new_opt.optimizers.values())
 
 
-def test_loading_refuses_a_parameter_in_another_group(tiny_gpt):
-    plain = build_bundle(parse_optim_config({}), tiny_gpt(), 10)[0].state_dict()
-    head = parse_optim_config({"head_lr_mult": 2.0, "head_pattern": "head.*"})
-    split, _ = build_bundle(head, tiny_gpt(), 10)
-    plain["adamw"]["param_groups"].append({**plain["adamw"]["param_groups"][0], "params": []})
-    with pytest.raises(UserError, match="in group 1 of optim/adamw"):
-        split.load_state_dict(plain)
+def test_the_reference_list_format_is_refused_with_a_clear_error(trained):
+    """The team reference's MultiOpt.state_dict() is a list of torch state dicts (positional)."""
+    opt, sched, fresh = trained
+    new_opt, new_sched = fresh()
+    with pytest.raises(UserError, match=r"checkpoint optim is a list, not a dict keyed by optimizer name: "
+                                        r"it looks like the team reference's positional MultiOpt state"):
+        new_opt.load_state_dict([o.state_dict() for o in opt.optimizers.values()])
+    with pytest.raises(UserError, match="checkpoint sched is a list"):
+        new_sched.load_state_dict([s.state_dict() for s in sched.schedulers.values()])
+
+
+def test_a_muon_checkpoint_without_momentum_or_a_group_key_is_refused(tiny_gpt, train):
+    """Before: a missing `mom` restarted momentum at zero; a missing `ns_batched` loaded and
+    then step() raised KeyError."""
+    cfg = parse_optim_config({"type": "muon"})
+    model = tiny_gpt()
+    opt, sched = build_bundle(cfg, model, 10)
+    train(model, opt, sched, 0, 1)
+    for edit, message in [
+        (lambda sd: sd["muon"]["state"]["blocks.0.fc.weight"].pop("mom"),
+         r"optim/muon/blocks.0.fc.weight lacks state 'mom' \(has \[\]\); Muon would silently restart it at zero"),
+        (lambda sd: sd["muon"]["state"]["blocks.0.fc.weight"].update(momentum_buffer=torch.zeros(64, 16)),
+         r"has state 'momentum_buffer', which Muon does not keep \(it keeps \['mom'\]\)"),
+        (lambda sd: sd["muon"]["param_groups"][0].pop("ns_batched"),
+         r"optim/muon group 0 lacks hyperparameter 'ns_batched' that Muon here does have"),
+    ]:
+        sd = opt.state_dict()
+        edit(sd)
+        new_opt, _ = build_bundle(cfg, tiny_gpt(), 10)
+        with pytest.raises(UserError, match=message):
+            new_opt.load_state_dict(sd)
+        assert all(not o.state for o in new_opt.optimizers.values())
+
+
+def test_hyperparameters_and_grouping_come_from_the_bundle_not_the_checkpoint(trained, roundtrip, tiny_gpt):
+    """A changed config (`--allow-config-change`) takes effect: lr, weight decay, betas and the
+    head split are the new bundle's; the per-parameter state is the checkpoint's."""
+    opt, sched, _ = trained
+    ckpt = roundtrip({"optim": opt.state_dict(), "sched": sched.state_dict()})
+    cfg = parse_optim_config({"type": "adafactor", "lr": 1e-4, "weight_decay": 0.3, "adam_betas": [0.8, 0.9],
+                              "head_lr_mult": 2.0, "head_pattern": "head.*"})
+    new_opt, new_sched = build_bundle(cfg, tiny_gpt(), 10)
+    new_opt.load_state_dict(ckpt["optim"])
+    new_sched.load_state_dict(ckpt["sched"])
+    adamw = new_opt.optimizers["adamw"]
+    multiplier = new_sched.schedulers["adamw"].schedule.multiplier(2)
+    # The rest (1-D and the embedding: no decay) and the head at twice the lr, where the
+    # checkpoint had [head (decayed), the rest], all at one lr, and another decay and betas.
+    assert [(g["lr"], g["weight_decay"], g["betas"]) for g in adamw.param_groups] == [
+        (1e-4 * multiplier, 0.0, (0.8, 0.9)), (2e-4 * multiplier, 0.3, (0.8, 0.9))]
+    assert new_opt.restored_with_changes == ["adafactor/initial_lr", "adamw/betas", "adamw/initial_lr",
+                                             "adamw/weight_decay"]
+    assert new_sched.restored_with_changes == ["adafactor/base_lrs", "adamw/base_lrs"]
+    names = {n: p for g in adamw.param_groups for n, p in zip(g["param_names"], g["params"])}
+    assert torch.equal(adamw.state[names["head.weight"]]["exp_avg"], ckpt["optim"]["adamw"]["state"]["head.weight"]["exp_avg"])
 
 
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda sd: sd.pop("adamw"), "lacks scheduler 'adamw'"),
     (lambda sd: sd.update(extra={}), "has scheduler 'extra'"),
+    (lambda sd: sd["adamw"].pop("last_epoch"), r"checkpoint sched/adamw is malformed: KeyError"),
+    (lambda sd: sd["adamw"].update(schedule={"kind": "step"}), r"sched/adamw is malformed: ValueError: unknown schedule"),
 ])
 def test_scheduler_loading_refuses_a_missing_or_extra_scheduler(trained, edit, message):
     _, sched, fresh = trained
@@ -83,6 +144,7 @@ def test_scheduler_loading_refuses_a_missing_or_extra_scheduler(trained, edit, m
     _, new_sched = fresh()
     with pytest.raises(UserError, match=message):
         new_sched.load_state_dict(sd)
+    assert new_sched.state_dict() == fresh()[1].state_dict()  # refused before loading any
 
 
 def test_behaves_like_a_torch_optimizer(trained):
@@ -103,4 +165,25 @@ def test_optimizers_must_carry_unique_parameter_names():
         MultiOpt({"sgd": torch.optim.SGD([w], lr=0.1)})
     with pytest.raises(ValueError, match="'w' is in both 'a' and 'b'"):
         MultiOpt({"a": torch.optim.SGD([("w", w)], lr=0.1), "b": torch.optim.SGD([("w", w)], lr=0.1)})
+    with pytest.raises(ValueError, match="'rms': RMSprop does not declare its state keys"):
+        MultiOpt({"rms": torch.optim.RMSprop([("w", w)], lr=0.1)})
     assert MultiSched({}).get_last_lr() == {}
+
+
+def test_changed_muon_hyperparameters_apply_after_a_load(tiny_gpt, train, roundtrip):
+    """lr_muon, momentum, ns_steps and Muon's weight decay of the new config, Muon's `mom` of the
+    checkpoint; the schedule continues from the restored step (before: all from the checkpoint)."""
+    model = tiny_gpt()
+    opt, sched = build_bundle(parse_optim_config({"type": "muon", "warmup": 2}), model, 10)
+    train(model, opt, sched, 0, 3)
+    ckpt = roundtrip({"optim": opt.state_dict(), "sched": sched.state_dict()})
+    cfg = parse_optim_config({"type": "muon", "warmup": 2, "lr_muon": 0.05, "momentum": 0.9, "ns_steps": 3,
+                              "muon_weight_decay": 0.1})
+    new_opt, new_sched = build_bundle(cfg, tiny_gpt(), 10)
+    new_opt.load_state_dict(ckpt["optim"])
+    new_sched.load_state_dict(ckpt["sched"])
+    (group,) = new_opt.optimizers["muon"].param_groups
+    multiplier = new_sched.schedulers["muon"].schedule.multiplier(3)
+    assert (group["lr"], group["momentum"], group["ns_steps"], group["weight_decay"]) == (0.05 * multiplier, 0.9, 3, 0.1)
+    p = group["params"][0]
+    assert new_opt.optimizers["muon"].state[p]["mom"] is ckpt["optim"]["muon"]["state"][group["param_names"][0]]["mom"]

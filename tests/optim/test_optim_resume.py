@@ -54,6 +54,7 @@ def test_resume_is_bitwise_the_uninterrupted_run(arm, dtype, tiny_gpt, train, ro
     opt, sched = build_bundle(cfg, resumed, TOTAL)
     opt.load_state_dict(ckpt["optim"])
     sched.load_state_dict(ckpt["sched"])
+    assert opt.restored_with_changes == [] and sched.restored_with_changes == []
     train(resumed, opt, sched, K, N)
 
     params = dict(resumed.named_parameters())

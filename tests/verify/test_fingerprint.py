@@ -61,6 +61,25 @@ def test_history_round_trips_and_checks_the_restored_state():
     assert events.emitted[0][1]["fields"] == ["restored:optim", "restored:model"]
 
 
+def test_a_part_restored_with_changes_on_purpose_is_not_compared():
+    """The optimizer bundle under `--allow-config-change` loads other hyperparameters than it
+    saved and says so (`restored_with_changes`): no false `restored:optim` alarm, the rest checked."""
+    model, opt, fp = make_log()
+    step(model, opt, fp, 1)
+    saved = fp.state_dict()
+    other_opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)  # another lr, no momentum yet
+    other_opt.restored_with_changes = ["sgd/lr"]
+    again = FingerprintLog(lambda: {"model": model, "optim": other_opt}, 2)
+    again.load_state_dict(saved)
+    events = Events()
+    again.watch(events, [])
+    assert events.emitted == []
+    model.weight.data.add_(1.0)
+    again.load_state_dict(saved)
+    again.watch(events, [])
+    assert events.emitted[0][1]["fields"] == ["restored:model"]
+
+
 @pytest.mark.parametrize("policy", ["warn", "error"])
 def test_a_rerun_step_that_differs_is_reported_at_once(policy):
     model, opt, fp = make_log(every=1, on_divergence=policy)
