@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from harness.errors import UserError
+from harness.errors import Unavailable, UserError
 from harness.log import get_logger
 
 log = get_logger(__name__)
@@ -150,7 +150,8 @@ def rank0_flag(flag: bool) -> bool:
 def on_rank0(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Run `fn` on rank 0 only and return its (picklable, small) result on every rank; an
     exception it raises is raised on every rank (on rank 0 the original; elsewhere a UserError
-    with the same message, or a RuntimeError naming the original type)."""
+    or Unavailable with the same message, so every rank exits with the same code, or a
+    RuntimeError naming the original type)."""
     if not is_distributed():
         return fn(*args, **kwargs)
     if rank() == 0:
@@ -158,15 +159,16 @@ def on_rank0(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
             result = fn(*args, **kwargs)
         except Exception as e:
             # Only the kind and the message travel: any exception object can be sent that way.
-            user_error = isinstance(e, UserError)
-            broadcast_object((False, (user_error, str(e) if user_error else f"rank 0 failed: {type(e).__name__}: {e}")))
+            kind = next((k for k in (Unavailable, UserError) if isinstance(e, k)), None)
+            message = str(e) if kind else f"rank 0 failed: {type(e).__name__}: {e}"
+            broadcast_object((False, (kind and kind.__name__, message)))
             raise
         broadcast_object((True, result))
         return result
     ok, value = broadcast_object(None)
     if not ok:
-        user_error, message = value
-        raise UserError(message) if user_error else RuntimeError(message)
+        kind, message = value
+        raise {"Unavailable": Unavailable, "UserError": UserError}.get(kind, RuntimeError)(message)
     return value
 
 
