@@ -173,7 +173,7 @@ class AsyncSaver:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         self.store, self.when_busy, self.on_commit = store, when_busy, on_commit
-        self.commit = commit or store.commit
+        self._commit = commit
         self.persist_delay_s = persist_delay_s
         self.save_deadline_s, self.on_slow, self.slow_floor_s = save_deadline_s, on_slow, slow_floor_s
         self.buffers = StagingBuffers()
@@ -226,7 +226,7 @@ class AsyncSaver:
                 event.synchronize()
             if self.persist_delay_s:
                 time.sleep(self.persist_delay_s)
-            ref = self.commit(step, snapshot, meta=meta)
+            ref = (self._commit or self.store.commit)(step, snapshot, meta=meta)
             self._last_persist_s = time.perf_counter() - t0
             if self.on_commit is not None:
                 self.on_commit(Committed(ref, self._last_persist_s, snapshot.nbytes))
