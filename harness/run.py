@@ -235,11 +235,16 @@ class Loop:
         c = cfg.checkpoint
         self.clock = CheckpointClock(c.every_steps, c.every_minutes, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
                                      report=self.interval_chosen)
-        # With several ranks every save is synchronous: see harness/checkpoint/distributed_commit.py.
-        self.saver = AsyncSaver(store, when_busy=c.when_busy, on_commit=self.committed,
-                                persist_delay_s=cfg.debug.persist_delay_s, save_deadline_s=c.save_deadline_s,
-                                on_slow=self.slow_save) if c.async_save and not distributed.is_distributed() else None
-        self.commit = GroupCommit(store, fail_rank=cfg.debug.fail_save_rank, fail_step=cfg.debug.fail_save_step)
+        failing = {"fail_rank": cfg.debug.fail_save_rank, "fail_step": cfg.debug.fail_save_step}
+        self.commit = GroupCommit(store, **failing)
+        self.saver = None
+        if c.async_save:
+            # With several ranks the background commit's collectives run on a gloo group of their
+            # own: see harness/checkpoint/distributed_commit.py.
+            side = GroupCommit(store, group=distributed.new_side_group(c.save_deadline_s), **failing)
+            self.saver = AsyncSaver(store, when_busy=c.when_busy, on_commit=self.committed,
+                                    persist_delay_s=cfg.debug.persist_delay_s, save_deadline_s=c.save_deadline_s,
+                                    on_slow=self.slow_save, commit=side, rank=distributed.rank(), select=side.mine)
         # Local-first: a checkpoint counts as saved once its upload is published (finish waits for it).
         self.uploads = store if isinstance(store, LocalFirstStore) else None
         self.last_saved = trainer.step
@@ -326,13 +331,14 @@ class Loop:
             blocking = time.perf_counter() - t0
             self.committed(Committed(ref, blocking, snapshot.nbytes))
         else:
-            submitted = self.saver.submit(step, self.trainer.state.parts(), meta=meta,
-                                          must=must or step >= self.cfg.train.steps)
-            if submitted is None:
+            # Every rank skips, or every rank saves: one rank's persist may still run when another's is done.
+            busy = distributed.all_reduce_flag(self.saver.busy)
+            if busy and self.saver.when_busy == "skip" and not (must or step >= self.cfg.train.steps):
+                log.warning("checkpoint skipped: the previous save is still being persisted", step=step)
                 self.clock.saved(step)
                 self.events.emit("checkpoint_skipped", step=step, reason="the previous save is still persisting")
                 return
-            blocking = submitted.blocking_s
+            blocking = self.saver.submit(step, self.trainer.state.parts(), meta=meta, must=True).blocking_s
         self.save_s += blocking
         self.last_saved = step
         self.clock.saved(step, blocking)

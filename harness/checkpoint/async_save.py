@@ -163,17 +163,20 @@ class AsyncSaver:
     save is in flight (config `debug.persist_delay_s`). `save_deadline_s` bounds every wait for a
     persist (counted from its start; None = unbounded) and `on_slow(step, seconds)` is told about
     a slow one (see the module docstring); `slow_floor_s` is the least time that counts as slow.
-    `commit(step, snapshot, meta=)` replaces `store.commit` as the persist (the group commit).
+    `commit(step, snapshot, meta=)` replaces `store.commit` as the persist (the group commit),
+    `rank` is this process's rank (the snapshot's per-rank file names) and `select(snapshot)` the
+    part of a snapshot this rank stages and writes (`GroupCommit.mine`; default all of it).
     """
 
     def __init__(self, store: CheckpointStore, *, when_busy: Literal["wait", "skip"] = "wait",
                  on_commit: Callable[[Committed], None] | None = None, persist_delay_s: float = 0.0,
                  save_deadline_s: float | None = None, on_slow: Callable[[int, float], None] | None = None,
-                 slow_floor_s: float = SLOW_FLOOR_S, commit: Callable[..., CheckpointRef] | None = None) -> None:
+                 slow_floor_s: float = SLOW_FLOOR_S, commit: Callable[..., CheckpointRef] | None = None,
+                 rank: int = 0, select: Callable[[Snapshot], Snapshot] | None = None) -> None:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         self.store, self.when_busy, self.on_commit = store, when_busy, on_commit
-        self._commit = commit
+        self._commit, self.rank, self.select = commit, rank, select or (lambda snapshot: snapshot)
         self.persist_delay_s = persist_delay_s
         self.save_deadline_s, self.on_slow, self.slow_floor_s = save_deadline_s, on_slow, slow_floor_s
         self.buffers = StagingBuffers()
@@ -210,7 +213,7 @@ class AsyncSaver:
                      persisting_step=self._persisting, waited_s=round(waited, 3))
             self.poll()
         t0 = time.perf_counter()
-        snapshot, copied = self.buffers.stage(capture(parts))
+        snapshot, copied = self.buffers.stage(self.select(capture(parts, rank=self.rank)))
         self._persisting = step
         self._started = time.monotonic()
         self._next_warning = self._started + max(self.slow_floor_s, 2 * self._last_persist_s)
