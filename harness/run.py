@@ -235,16 +235,15 @@ class Loop:
         c = cfg.checkpoint
         self.clock = CheckpointClock(c.every_steps, c.every_minutes, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
                                      report=self.interval_chosen)
-        failing = {"fail_rank": cfg.debug.fail_save_rank, "fail_step": cfg.debug.fail_save_step}
-        self.commit = GroupCommit(store, **failing)
-        self.saver = None
-        if c.async_save:
-            # With several ranks the background commit's collectives run on a gloo group of their
-            # own: see harness/checkpoint/distributed_commit.py.
-            side = GroupCommit(store, group=distributed.new_side_group(c.save_deadline_s), **failing)
-            self.saver = AsyncSaver(store, when_busy=c.when_busy, on_commit=self.committed,
-                                    persist_delay_s=cfg.debug.persist_delay_s, save_deadline_s=c.save_deadline_s,
-                                    on_slow=self.slow_save, commit=side, rank=distributed.rank(), select=side.mine)
+        # In the background, with several ranks, the commit's collectives run on a gloo group of
+        # their own: see harness/checkpoint/distributed_commit.py.
+        side = distributed.new_side_group(c.save_deadline_s) if c.async_save else None
+        self.commit = GroupCommit(store, group=side, fail_rank=cfg.debug.fail_save_rank,
+                                  fail_step=cfg.debug.fail_save_step)
+        self.saver = AsyncSaver(store, when_busy=c.when_busy, on_commit=self.committed,
+                                persist_delay_s=cfg.debug.persist_delay_s, save_deadline_s=c.save_deadline_s,
+                                on_slow=self.slow_save, commit=self.commit, rank=distributed.rank(),
+                                select=self.commit.mine, agree=distributed.all_reduce_flag) if c.async_save else None
         # Local-first: a checkpoint counts as saved once its upload is published (finish waits for it).
         self.uploads = store if isinstance(store, LocalFirstStore) else None
         self.last_saved = trainer.step
@@ -331,14 +330,13 @@ class Loop:
             blocking = time.perf_counter() - t0
             self.committed(Committed(ref, blocking, snapshot.nbytes))
         else:
-            # Every rank skips, or every rank saves: one rank's persist may still run when another's is done.
-            busy = distributed.all_reduce_flag(self.saver.busy)
-            if busy and self.saver.when_busy == "skip" and not (must or step >= self.cfg.train.steps):
-                log.warning("checkpoint skipped: the previous save is still being persisted", step=step)
+            submitted = self.saver.submit(step, self.trainer.state.parts(), meta=meta,
+                                          must=must or step >= self.cfg.train.steps)
+            if submitted is None:
                 self.clock.saved(step)
                 self.events.emit("checkpoint_skipped", step=step, reason="the previous save is still persisting")
                 return
-            blocking = self.saver.submit(step, self.trainer.state.parts(), meta=meta, must=True).blocking_s
+            blocking = submitted.blocking_s
         self.save_s += blocking
         self.last_saved = step
         self.clock.saved(step, blocking)

@@ -166,17 +166,21 @@ class AsyncSaver:
     `commit(step, snapshot, meta=)` replaces `store.commit` as the persist (the group commit),
     `rank` is this process's rank (the snapshot's per-rank file names) and `select(snapshot)` the
     part of a snapshot this rank stages and writes (`GroupCommit.mine`; default all of it).
+    `agree(busy) -> bool` makes the ranks of a group decide alike whether a persist is still in
+    flight (any rank's: `distributed.all_reduce_flag`), so every rank skips a save or every rank
+    takes it and their commits stay paired; every rank must then call `submit` at the same steps.
     """
 
     def __init__(self, store: CheckpointStore, *, when_busy: Literal["wait", "skip"] = "wait",
                  on_commit: Callable[[Committed], None] | None = None, persist_delay_s: float = 0.0,
                  save_deadline_s: float | None = None, on_slow: Callable[[int, float], None] | None = None,
                  slow_floor_s: float = SLOW_FLOOR_S, commit: Callable[..., CheckpointRef] | None = None,
-                 rank: int = 0, select: Callable[[Snapshot], Snapshot] | None = None) -> None:
+                 rank: int = 0, select: Callable[[Snapshot], Snapshot] | None = None,
+                 agree: Callable[[bool], bool] = bool) -> None:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         self.store, self.when_busy, self.on_commit = store, when_busy, on_commit
-        self._commit, self.rank, self.select = commit, rank, select or (lambda snapshot: snapshot)
+        self._commit, self.rank, self.select, self.agree = commit, rank, select or (lambda snapshot: snapshot), agree
         self.persist_delay_s = persist_delay_s
         self.save_deadline_s, self.on_slow, self.slow_floor_s = save_deadline_s, on_slow, slow_floor_s
         self.buffers = StagingBuffers()
@@ -201,7 +205,7 @@ class AsyncSaver:
         """
         self.poll()
         waited = 0.0
-        if self.busy:
+        if self.agree(self.busy):
             if self.when_busy == "skip" and not must:
                 log.warning("checkpoint skipped: the previous save is still being persisted",
                             step=step, persisting_step=self._persisting)
