@@ -8,7 +8,6 @@ of them (launch.COMMON), so its orthogonalisation sees the all-reduced gradient 
 import json
 import signal
 
-import pytest
 
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.manifest import MANIFEST_FILE

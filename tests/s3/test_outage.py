@@ -32,17 +32,18 @@ def server():
     srv.stop()
 
 
-@pytest.fixture(autouse=True)
-def fake_credentials(monkeypatch):
-    for k, v in FAKE_ENV.items():
-        monkeypatch.setitem(procs.ENV, k, v)
+@pytest.fixture(scope="module", autouse=True)
+def fake_credentials():
+    """The child processes find the fake credentials in their environment, for this module only."""
+    with pytest.MonkeyPatch.context() as patch:
+        for k, v in FAKE_ENV.items():
+            patch.setitem(procs.ENV, k, v)
+        yield
 
 
 @pytest.fixture(scope="module")
 def continuous(server, tmp_path_factory):
     """A run never interrupted, on the same endpoint: the reference for bitwise equality."""
-    for k, v in FAKE_ENV.items():
-        procs.ENV.setdefault(k, v)
     log = tmp_path_factory.mktemp("continuous")
     url = f"s3://{server.bucket}/continuous"
     harness(*train_args(server.endpoint, url, log), check=True)
