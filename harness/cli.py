@@ -2,7 +2,9 @@
 
 Every command module exposes `register(subparsers)`, which adds its parser and sets
 `func(args) -> int` (the exit code). A `UserError` anywhere becomes one line on stderr and exit
-code 2; anything else is a bug and keeps its traceback.
+code 2, an `Unavailable` (storage outage past its retry deadline) one line and exit code 69;
+anything else is a bug and keeps its traceback. The exit code is recorded for launchers that
+cannot see it (`exit_codes.record`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ import argparse
 import importlib
 import sys
 
-from harness import numerics
-from harness.errors import UserError
+from harness import exit_codes, numerics
+from harness.errors import Unavailable, UserError
 from harness.log import configure
 
 # Modules that contribute commands, in the order `harness --help` lists them.
@@ -42,9 +44,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     configure(args.log_level)
+    code = run_command(args)
+    exit_codes.record(code)
+    return code
+
+
+def run_command(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
-    except UserError as e:
+    except (UserError, Unavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:

@@ -16,7 +16,9 @@ What the ranks agree on, and through which helper:
 * `rank0_flag(flag)`: a checkpoint that rank 0's clock finds due (a minutes trigger, the "auto"
   cadence: both read a clock, which ranks do not share) is taken by every rank at that step.
 * `all_gather_object` / `broadcast_object`: the commit of one checkpoint by all ranks
-  (checkpoint/distributed_commit.py).
+  (checkpoint/distributed_commit.py). These and `on_rank0` take a `group`: the background
+  commit runs them on a second gloo group (`new_side_group`) from its persist thread, so they
+  never interleave with the step loop's collectives on the main group.
 The flags cost one all-reduce of one int each: cheap next to a training step.
 """
 
@@ -27,13 +29,14 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from harness.errors import UserError
+from harness.errors import Unavailable, UserError
 from harness.log import get_logger
 
 log = get_logger(__name__)
@@ -98,31 +101,44 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", 0)) if is_distributed() else 0
 
 
-def _device() -> torch.device:
+def _device(group: Any = None) -> torch.device:
     # NCCL collectives need their tensors on this rank's GPU.
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    nccl = dist.get_backend(group) == "nccl"
+    return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
 
-def barrier() -> None:
+def new_side_group(timeout_s: float) -> Any:
+    """A second process group over every rank, gloo (host memory, any backend for training), for
+    collectives that run off the main thread (the background checkpoint commit) and so must
+    never interleave with the training collectives of the default group. Collective: every rank
+    calls it at the same point. None without a process group. Its collectives give up after
+    `timeout_s` (a rank that died mid-commit must not hold the others forever)."""
+    if not is_distributed():
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def barrier(group: Any = None) -> None:
     if is_distributed():
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def broadcast_object(obj: T, src: int = 0) -> T:
-    """`obj` of rank `src` on every rank (pickled: small objects only)."""
+def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
+    """`obj` of rank `src` on every rank of `group` (default: the main group; pickled: small
+    objects only)."""
     if not is_distributed():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, device=_device())
+    dist.broadcast_object_list(box, src=src, device=_device(group), group=group)
     return box[0]
 
 
-def all_gather_object(obj: T) -> list[T]:
+def all_gather_object(obj: T, group: Any = None) -> list[T]:
     """Every rank's `obj`, in rank order, on every rank (pickled: small objects only)."""
     if not is_distributed():
         return [obj]
     out: list[Any] = [None] * world()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -147,10 +163,11 @@ def rank0_flag(flag: bool) -> bool:
     return _reduce_int(int(flag) if rank() == 0 else 0, dist.ReduceOp.MAX) == 1 if is_distributed() else flag
 
 
-def on_rank0(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+def on_rank0(fn: Callable[..., T], *args: Any, group: Any = None, **kwargs: Any) -> T:
     """Run `fn` on rank 0 only and return its (picklable, small) result on every rank; an
     exception it raises is raised on every rank (on rank 0 the original; elsewhere a UserError
-    with the same message, or a RuntimeError naming the original type)."""
+    or Unavailable with the same message, so every rank exits with the same code, or a
+    RuntimeError naming the original type)."""
     if not is_distributed():
         return fn(*args, **kwargs)
     if rank() == 0:
@@ -158,15 +175,16 @@ def on_rank0(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
             result = fn(*args, **kwargs)
         except Exception as e:
             # Only the kind and the message travel: any exception object can be sent that way.
-            user_error = isinstance(e, UserError)
-            broadcast_object((False, (user_error, str(e) if user_error else f"rank 0 failed: {type(e).__name__}: {e}")))
+            kind = next((k for k in (Unavailable, UserError) if isinstance(e, k)), None)
+            message = str(e) if kind else f"rank 0 failed: {type(e).__name__}: {e}"
+            broadcast_object((False, (kind and kind.__name__, message)), group=group)
             raise
-        broadcast_object((True, result))
+        broadcast_object((True, result), group=group)
         return result
-    ok, value = broadcast_object(None)
+    ok, value = broadcast_object(None, group=group)
     if not ok:
-        user_error, message = value
-        raise UserError(message) if user_error else RuntimeError(message)
+        kind, message = value
+        raise {"Unavailable": Unavailable, "UserError": UserError}.get(kind, RuntimeError)(message)
     return value
 
 

@@ -5,6 +5,8 @@
 | 0    | FINISHED               | the run reached its last step; the final checkpoint is committed | stop      |
 | 2    | USER_ERROR             | bad config, missing file, incompatible checkpoint (`UserError`)  | stop, fix |
 | 3    | GAVE_UP                | the supervisor saw a crash loop or hit --max-restarts     | stop, read the error |
+| 69   | STORAGE_UNAVAILABLE    | the storage endpoint did not answer within the retry      | retry with backoff |
+|      |                        | deadline (named with the operation in the error line)     |                 |
 | 75   | PREEMPTED              | a stop signal was honoured: checkpoint committed, then exit | requeue   |
 | 76   | SAVE_DEADLINE_MISSED   | a stop signal arrived but the save overran its deadline;  | requeue   |
 |      |                        | the previous checkpoint is still the newest good one       |                 |
@@ -16,16 +18,33 @@ SAVE_DEADLINE_MISSED is kept apart from PREEMPTED although both mean "requeue": 
 missing its deadline loses every step since its previous checkpoint at each preemption, and the
 fix (a longer grace period, or a larger deadline) is only found if the exit code says so.
 Launchers treat the two alike through `REQUEUE`.
+
+STORAGE_UNAVAILABLE is 69, EX_UNAVAILABLE from sysexits.h ("a service is unavailable"). It is a
+third kind: not a crash (restarting at once would only hammer an endpoint that is down) and not a
+user error (exit 2 tells a launcher "do not retry", which would end a week-long job over a
+minute's outage). Every launcher retries it after a backoff (`RETRY_LATER`); the checkpoint
+commit is atomic and the lease is left for the next attempt, so nothing is lost.
+
+`record(code)`: when `HARNESS_EXIT_CODE_DIR` is set (ops/torchrun/train.sh sets it), the process
+writes its exit code to `restart-R.rank-N` there, so a launcher can learn the trainers' codes
+through torchrun, which reports any failed worker group as its own exit 1.
 """
+
+import os
+from pathlib import Path
 
 FINISHED = 0
 USER_ERROR = 2
 GAVE_UP = 3
 PREEMPTED = 75
 SAVE_DEADLINE_MISSED = 76
+STORAGE_UNAVAILABLE = 69
 
 # Exit codes after which the run is consistent on storage and simply has to be started again.
 REQUEUE = frozenset({PREEMPTED, SAVE_DEADLINE_MISSED})
+# Exit codes of an infrastructure outage: start again after a backoff.
+RETRY_LATER = frozenset({STORAGE_UNAVAILABLE})
+EXIT_CODE_DIR_ENV = "HARNESS_EXIT_CODE_DIR"
 
 NAMES = {
     FINISHED: "finished",
@@ -33,4 +52,18 @@ NAMES = {
     GAVE_UP: "gave_up",
     PREEMPTED: "preempted",
     SAVE_DEADLINE_MISSED: "save_deadline_missed",
+    STORAGE_UNAVAILABLE: "storage_unavailable",
 }
+
+
+def record(code: int) -> None:
+    """Write `code` to `$HARNESS_EXIT_CODE_DIR/restart-R.rank-N` (R: torchrun's restart count, N:
+    the global rank) when that variable is set; see the module docstring."""
+    folder = os.environ.get(EXIT_CODE_DIR_ENV)
+    if not folder:
+        return
+    name = f"restart-{int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0))}.rank-{int(os.environ.get('RANK', 0))}"
+    try:
+        (Path(folder) / name).write_text(f"{code}\n")
+    except OSError:
+        pass  # the launcher then sees no code for this rank and treats the exit as a crash

@@ -8,6 +8,7 @@ the trainer (rank 0 only) unless marked supervisor:
 | start      | resumed_from: int or null, startup_s, restore_s | once per process, after the state is restored and checked, just before the first step; startup_s = seconds since the process started (imports, config, restore); restore_s = the part spent finding, verifying, loading and checking the checkpoint |
 | progress   | step, train_s                            | every few steps (e.g. each console log line) and after each checkpoint; step = steps completed so far; train_s = seconds this process has spent inside training steps so far (cumulative, blocking saves excluded) |
 | checkpoint | step, blocking_s                         | after each commit; blocking_s = seconds the step loop was blocked by this save |
+| save_slow  | step, seconds                            | while a background save has been persisting longer than expected (checkpoint.save_deadline_s), repeated each slow interval |
 | exit       | reason ("finished", "preempted"), step, train_s | on a clean exit; train_s as in progress |
 | restart    | cause, exit_code, step, restart, backoff_s | supervisor, before each restart; step = newest committed checkpoint |
 | gave_up    | cause, step, restarts, streak, stderr_tail | supervisor, when it stops retrying |

@@ -150,7 +150,7 @@ def open_store(cfg: RunConfig) -> CheckpointStore | LocalFirstStore:
     to the run dir in the background (checkpoint/mirror.py)."""
     c = cfg.checkpoint
     store = CheckpointStore(cfg.run_dir, keep_last=c.keep_last, keep_every=c.keep_every,
-                            storage_options=c.storage_options or None)
+                            storage_options=c.storage_options or None, lease_heartbeat_s=c.lease_heartbeat_s)
     if c.local_dir is None:
         return store
     if distributed.is_distributed():
@@ -273,10 +273,15 @@ class Loop:
         c = cfg.checkpoint
         self.clock = CheckpointClock(c.every_steps, c.every_minutes, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
                                      report=self.interval_chosen)
-        # With several ranks every save is synchronous: see harness/checkpoint/distributed_commit.py.
+        # In the background, with several ranks, the commit's collectives run on a gloo group of
+        # their own: see harness/checkpoint/distributed_commit.py.
+        side = distributed.new_side_group(c.save_deadline_s) if c.async_save else None
+        self.commit = GroupCommit(store, group=side, fail_rank=cfg.debug.fail_save_rank,
+                                  fail_step=cfg.debug.fail_save_step)
         self.saver = AsyncSaver(store, when_busy=c.when_busy, on_commit=self.committed,
-                                persist_delay_s=cfg.debug.persist_delay_s) if c.async_save and not distributed.is_distributed() else None
-        self.commit = GroupCommit(store, fail_rank=cfg.debug.fail_save_rank, fail_step=cfg.debug.fail_save_step)
+                                persist_delay_s=cfg.debug.persist_delay_s, save_deadline_s=c.save_deadline_s,
+                                on_slow=self.slow_save, commit=self.commit, rank=distributed.rank(),
+                                select=self.commit.mine, agree=distributed.all_reduce_flag) if c.async_save else None
         # Local-first: a checkpoint counts as saved once its upload is published (finish waits for it).
         self.uploads = store if isinstance(store, LocalFirstStore) else None
         self.last_saved = trainer.step
@@ -339,7 +344,7 @@ class Loop:
             self.saver.poll()
         if self.uploads is not None:
             self.uploads.poll()
-        self.store.heartbeat()
+        self.store.poll_lease()
 
     def finish_saves(self) -> None:
         """Wait until the newest checkpoint is committed (and, local-first, published remotely)."""
@@ -382,6 +387,9 @@ class Loop:
         """A checkpoint is committed; called from the persist thread when saving in the background."""
         self.clock.committed(done.persist_s)
         self.events.emit("committed", step=done.ref.step, persist_s=done.persist_s, bytes=done.nbytes)
+
+    def slow_save(self, step: int, seconds: float) -> None:
+        self.events.emit("save_slow", step=step, seconds=seconds)
 
     def interval_chosen(self, choice: dict) -> None:
         log.info("checkpoint interval chosen (Young/Daly)",

@@ -6,6 +6,11 @@
 - PREEMPTED / SAVE_DEADLINE_MISSED: the child stopped on request and storage is consistent;
   stop with the same code so the launcher requeues (restarting here would fight the preemption).
 - USER_ERROR (2): a config or usage error does not heal by retrying; exit 2.
+- STORAGE_UNAVAILABLE (69): the storage endpoint did not answer within the retry deadline. The
+  child is restarted after the backoff of an outage streak (growing with each outage in a row,
+  like a crash streak), but an outage is not a crash: it never counts toward the crash-loop
+  limit. It does count toward `max_restarts`; when those are spent the supervisor exits 69
+  itself, so the launcher above retries later.
 - anything else (non-zero, killed by a signal): a crash. The child is restarted after an
   exponential backoff with jitter (tenacity's wait functions) and resumes by itself
   from the newest good checkpoint.
@@ -47,8 +52,8 @@ from collections.abc import Callable, Iterable, Sequence
 import tenacity
 
 from harness.events import EventLog, events_url
-from harness.errors import UserError
-from harness.exit_codes import FINISHED, GAVE_UP, PREEMPTED, REQUEUE, USER_ERROR
+from harness.errors import Unavailable, UserError
+from harness.exit_codes import FINISHED, GAVE_UP, PREEMPTED, REQUEUE, RETRY_LATER, USER_ERROR
 from harness.log import get_logger
 from harness.signals import DEFAULT_SIGNALS, PreemptionWatch
 
@@ -104,6 +109,7 @@ class Supervisor:
     def run(self) -> int:
         restarts = 0
         streak = 0  # consecutive crashes that committed no newer checkpoint
+        outages = 0  # consecutive exits on an unavailable storage
         with PreemptionWatch(self._signals, on_signal=self._forward) as watch:
             while True:
                 before = self._probe()
@@ -117,13 +123,19 @@ class Supervisor:
                     return USER_ERROR
                 step = self._probe()
                 advanced = step is not None and (before is None or step > before)
-                streak = 0 if advanced else streak + 1
-                cause = describe_exit(code)
+                outage = code in RETRY_LATER
+                outages = outages + 1 if outage else 0
+                streak = 0 if advanced else streak + (not outage)
+                cause = "storage unavailable" if outage else describe_exit(code)
+                if outage and restarts >= self.max_restarts:
+                    log.error("the storage is still unavailable; exiting for the launcher to retry later",
+                              exit_code=code, restarts=restarts)
+                    return code
                 if streak >= self.crash_loop_limit or restarts >= self.max_restarts:
                     return self._give_up(cause, step, streak, restarts)
                 restarts += 1
-                backoff = self.backoff(max(streak, 1))
-                log.warning("child crashed; restarting", cause=cause, step=step,
+                backoff = self.backoff(max(outages if outage else streak, 1))
+                log.warning("child exited; restarting", cause=cause, step=step,
                             restart=restarts, backoff_s=round(backoff, 3))
                 if self._events is not None:
                     self._events.emit("restart", cause=cause, exit_code=code, step=step,
@@ -134,7 +146,7 @@ class Supervisor:
     def _probe(self) -> int | None:
         try:
             return self._progress()
-        except OSError as e:
+        except (OSError, Unavailable) as e:
             # A storage hiccup must not end the supervision of a healthy run; an unknown step
             # only makes this crash count toward the crash-loop limit.
             log.warning("cannot read the newest checkpoint step", error=str(e))

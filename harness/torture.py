@@ -50,7 +50,7 @@ import torch
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.faults import FaultPlan, SimulatedCrash
-from harness.checkpoint.lease import LEASE_FILE
+from harness.checkpoint.lease import LEASE_FILE, MISSED_HEARTBEATS
 from harness.checkpoint.manifest import MANIFEST_FILE
 from harness.checkpoint.storage import open_location
 
@@ -58,7 +58,8 @@ DEFAULT_MODES = ("kill", "eio", "enospc", "powerloss")
 ALL_MODES = ("kill", "powerloss", "eio", "enospc", "transient", "permanent")
 PREV, NEW = 2, 3
 KEEP_LAST = 2
-LEASE_STALE_S = 60.0
+LEASE_HEARTBEAT_S = 15.0
+LEASE_STALE_S = MISSED_HEARTBEATS * LEASE_HEARTBEAT_S
 
 
 def tiny_state(step: int) -> dict[str, Any]:
@@ -147,7 +148,7 @@ class Torture:
                clock: Callable[[], float] = time.time) -> CheckpointStore:
         options = {**self.options, **({"faults": faults} if faults else {})}
         return CheckpointStore(url, keep_last=KEEP_LAST, storage_options=options, writer_id=writer,
-                               clock=clock, lease_stale_after_s=LEASE_STALE_S)
+                               clock=clock, lease_heartbeat_s=LEASE_HEARTBEAT_S)
 
     def prepare(self, url: str) -> None:
         """A fresh run dir at `url` with steps 1 and 2 committed and no lease."""

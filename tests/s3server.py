@@ -4,6 +4,8 @@
 boto3 and exposes `endpoint` (http://127.0.0.1:PORT). `FAKE_ENV` holds recognisable fake
 credentials; tests put them in the environment (where s3fs, boto3 and child processes find them)
 and grep written objects and logs for `FAKE_SECRET` to prove it never leaks.
+`S3ServerProcess` runs the same server as a separate process (ops/s3/local_server.py) that a test
+can freeze with SIGSTOP and thaw with SIGCONT.
 `AWS_EC2_METADATA_DISABLED` stops botocore from probing the instance metadata service, which
 would add seconds of connect timeouts on a machine without it.
 """
@@ -11,10 +13,16 @@ would add seconds of connect timeouts on a machine without it.
 from __future__ import annotations
 
 import logging
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import boto3
 from moto.server import ThreadedMotoServer
 
+LOCAL_SERVER = Path(__file__).resolve().parents[1] / "ops" / "s3" / "local_server.py"
 FAKE_KEY = "AKIAHARNESSTESTKEY01"
 FAKE_SECRET = "harness-test-secret-2f9c1d7e4b"
 FAKE_ENV = {
@@ -55,3 +63,53 @@ class S3Server:
 
     def open_multipart_uploads(self) -> list[dict]:
         return self.client().list_multipart_uploads(Bucket=self.bucket).get("Uploads", [])
+
+
+class S3ServerProcess:
+    """`ops/s3/local_server.py` in its own process on a free loopback port, so a test can freeze
+    the endpoint for real (`freeze`: SIGSTOP, a black hole that accepts connections and never
+    answers; `thaw`: SIGCONT) or take it away (`stop`). Objects live in that process's memory."""
+
+    def __init__(self, bucket: str = "harness-test") -> None:
+        self.bucket = bucket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> S3ServerProcess:
+        self._proc = subprocess.Popen([sys.executable, str(LOCAL_SERVER), "--port", str(self.port), "--bucket", self.bucket],
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = self._proc.stdout.readline()  # printed once the bucket exists
+        if not line.startswith("S3 server on"):
+            self.stop()
+            raise RuntimeError(f"the local S3 server did not start: {line!r}")
+        return self
+
+    def freeze(self) -> None:
+        self._proc.send_signal(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self._proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.send_signal(signal.SIGCONT)
+            self._proc.kill()
+            self._proc.wait()
+
+    def client(self):
+        return boto3.client("s3", endpoint_url=self.endpoint, region_name="us-east-1",
+                            aws_access_key_id=FAKE_KEY, aws_secret_access_key=FAKE_SECRET)
+
+
+def download_final(client, bucket: str, url: str, step: int, log_dir: Path) -> None:
+    """Copy checkpoint `step` of the S3 run dir `url` next to the run's local metrics, the layout
+    `procs.assert_same_run` reads."""
+    prefix = url.split("/", 3)[3] + f"/checkpoints/step-{step:08d}/"
+    dest = Path(log_dir) / "checkpoints" / f"step-{step:08d}"
+    dest.mkdir(parents=True)
+    pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    for key in (obj["Key"] for page in pages for obj in page.get("Contents", [])):
+        client.download_file(bucket, key, str(dest / key.removeprefix(prefix)))

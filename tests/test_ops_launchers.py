@@ -20,13 +20,12 @@ def test_shell_launchers_parse(script):
     assert result.returncode == 0, result.stderr
 
 
-def test_slurm_script_requeues_on_the_harness_stop_codes():
+def test_slurm_script_names_the_harness_exit_codes():
     text = (OPS / "slurm/train.sbatch").read_text()
     assert "#SBATCH --requeue" in text
     assert re.search(r"#SBATCH --signal=B:USR1@\d+", text)
-    assert f"PREEMPTED={exit_codes.PREEMPTED}" in text
-    assert f"SAVE_DEADLINE_MISSED={exit_codes.SAVE_DEADLINE_MISSED}" in text
-    assert 'scontrol requeue "$SLURM_JOB_ID"' in text
+    for code, name in exit_codes.NAMES.items():
+        assert f"{name.upper()}={code}" in text  # behaviour: tests/distributed/test_launchers.py
 
 
 def test_torchrun_script_uses_max_restarts():
@@ -42,9 +41,16 @@ def test_k8s_job_policy_matches_the_exit_codes(tmp_path):
     codes = {rule["action"]: rule["onExitCodes"]["values"]
              for rule in job["podFailurePolicy"]["rules"] if "onExitCodes" in rule}
     assert codes["FailJob"] == [exit_codes.USER_ERROR]
-    assert sorted(codes["Ignore"]) == sorted(exit_codes.REQUEUE)
+    assert sorted(codes["Ignore"]) == sorted(exit_codes.REQUEUE | exit_codes.RETRY_LATER)
+    assert exit_codes.GAVE_UP not in codes["Ignore"]  # counted toward backoffLimit
 
     [container] = pod["containers"]
+    # The run's logs are on the persistent volume, not on the pod's own disk.
+    args = container["command"]
+    log_dir = args[args.index("--set", args.index("--run-dir")) + 1].removeprefix("log_dir=")
+    [mount] = [m for m in container["volumeMounts"] if log_dir.startswith(m["mountPath"] + "/")]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["persistentVolumeClaim"]["claimName"] == docs["PersistentVolumeClaim"]["metadata"]["name"]
     env = {e["name"]: e for e in container["env"]}
     assert env["RUN_DIR"]["value"].startswith("s3://")
     assert "secretKeyRef" in env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]

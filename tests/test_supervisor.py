@@ -22,7 +22,7 @@ import pytest
 
 from harness.cli import main
 from harness.events import EventLog
-from harness.exit_codes import FINISHED, GAVE_UP, PREEMPTED, USER_ERROR
+from harness.exit_codes import FINISHED, GAVE_UP, PREEMPTED, STORAGE_UNAVAILABLE, USER_ERROR
 from harness.supervisor import Supervisor, describe_exit, strip_flags
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -30,13 +30,13 @@ ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
 TRAINER = textwrap.dedent(
     """
     import hashlib, json, os, signal, sys, time
-    from harness.exit_codes import PREEMPTED, USER_ERROR
+    from harness.exit_codes import PREEMPTED, STORAGE_UNAVAILABLE, USER_ERROR
     from harness.log import configure
     from harness.signals import PreemptionWatch, SaveDeadline
 
     configure()
     run_dir, steps, every, step_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-    crash = os.environ.get("FAKE_CRASH", "")  # once:K:exit|raise|kill, always:K, after_each_checkpoint, user_error
+    crash = os.environ.get("FAKE_CRASH", "")  # once:K:exit|raise|kill, always:K, after_each_checkpoint, user_error, outage:N
     ckpt = os.path.join(run_dir, "ckpt.json")
 
     def commit(step, value):
@@ -71,6 +71,9 @@ TRAINER = textwrap.dedent(
     if crash == "user_error":
         print("error: bad config key 'lr'", file=sys.stderr)
         sys.exit(USER_ERROR)
+    if crash.startswith("outage:") and any(first_time(f"outage-{i}") for i in range(int(crash[7:]))):  # N outages
+        print("error: storage endpoint http://s3 unavailable: S3 head_object ...", file=sys.stderr)
+        sys.exit(STORAGE_UNAVAILABLE)
     state = json.load(open(ckpt)) if os.path.exists(ckpt) else {"step": 0, "value": "seed"}
     step, value = state["step"], state["value"]
     with PreemptionWatch() as watch:
@@ -183,6 +186,19 @@ def test_transient_crash_is_restarted_and_the_run_finishes_bitwise_equal(run, mo
     assert run.finished_bitwise_equal()
     restarts = run.kinds("restart")
     assert [(r["cause"], r["step"], r["restart"]) for r in restarts] == [(cause, 4, 1)]
+
+
+def test_storage_outages_are_retried_with_backoff_and_never_count_as_a_crash_loop(run):
+    assert run.supervisor(crash="outage:4", crash_loop_limit=2).run() == FINISHED
+    assert run.finished_bitwise_equal()
+    restarts = run.kinds("restart")
+    assert [(r["cause"], r["exit_code"]) for r in restarts] == [("storage unavailable", STORAGE_UNAVAILABLE)] * 4
+    assert run.kinds("gave_up") == []
+
+
+def test_an_outage_that_outlasts_max_restarts_exits_retryable_for_the_launcher(run):
+    assert run.supervisor(crash="outage:5", max_restarts=2).run() == STORAGE_UNAVAILABLE
+    assert len(run.kinds("restart")) == 2 and run.kinds("gave_up") == []
 
 
 def test_crash_at_the_same_step_every_time_gives_up_naming_step_and_stderr(run, capsys):

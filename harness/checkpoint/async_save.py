@@ -30,7 +30,13 @@ Trade-offs, stated before the code:
 * The JSON half of a snapshot is plain data built fresh by `capture` (new dicts and lists, immutable
   scalars), so it is already detached from the live objects and needs no copy.
 * A failure in the background is kept and raised by the next `poll`/`submit`/`finish` the step
-  loop makes, wrapped in an error that names the step; it never passes silently. A kill during
+  loop makes, wrapped in an error that names the step; it never passes silently. A storage
+  outage stays an outage (`Unavailable`: the retryable exit 69), never a user error.
+* A persist that is slow is reported while it runs: `poll` and every wait log a warning (and
+  call `on_slow`) once it has run `slow_after_s` (the larger of 30 s and twice the previous
+  persist), and again each such interval. Nothing waits for it past `save_deadline_s` from its
+  start: then `SaveStalled` (an `Unavailable`) names the step, and the step loop exits with the
+  retryable code instead of waiting on a storage that does not answer. A kill during
   the persist leaves at worst an uncommitted temporary folder (the commit is atomic), so the
   previous checkpoint stays the newest good one.
 """
@@ -48,7 +54,7 @@ import torch
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import Snapshot, capture
 from harness.checkpoint.store import CheckpointRef, CheckpointStore
-from harness.errors import UserError
+from harness.errors import Unavailable, UserError
 from harness.log import get_logger
 
 log = get_logger(__name__)
@@ -57,6 +63,14 @@ log = get_logger(__name__)
 class BackgroundSaveError(RuntimeError):
     """A background persist failed with an unexpected error (a bug or an infrastructure fault);
     the original exception is its `__cause__`."""
+
+
+class SaveStalled(Unavailable):
+    """A background persist did not commit within the save deadline (storage not answering)."""
+
+
+# A persist is "slow" after this long at least (and after twice the previous one's time).
+SLOW_FLOOR_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -146,19 +160,36 @@ class AsyncSaver:
     "skip" this save (logged; `submit` returns None). `must=True` always waits (final and
     preemption saves). `on_commit(Committed)` runs in the background thread after each commit.
     `persist_delay_s` sleeps before each persist: a test hook that widens the window in which a
-    save is in flight (config `debug.persist_delay_s`).
+    save is in flight (config `debug.persist_delay_s`). `save_deadline_s` bounds every wait for a
+    persist (counted from its start; None = unbounded) and `on_slow(step, seconds)` is told about
+    a slow one (see the module docstring); `slow_floor_s` is the least time that counts as slow.
+    `commit(step, snapshot, meta=)` replaces `store.commit` as the persist (the group commit),
+    `rank` is this process's rank (the snapshot's per-rank file names) and `select(snapshot)` the
+    part of a snapshot this rank stages and writes (`GroupCommit.mine`; default all of it).
+    `agree(busy) -> bool` makes the ranks of a group decide alike whether a persist is still in
+    flight (any rank's: `distributed.all_reduce_flag`), so every rank skips a save or every rank
+    takes it and their commits stay paired; every rank must then call `submit` at the same steps.
     """
 
     def __init__(self, store: CheckpointStore, *, when_busy: Literal["wait", "skip"] = "wait",
-                 on_commit: Callable[[Committed], None] | None = None, persist_delay_s: float = 0.0) -> None:
+                 on_commit: Callable[[Committed], None] | None = None, persist_delay_s: float = 0.0,
+                 save_deadline_s: float | None = None, on_slow: Callable[[int, float], None] | None = None,
+                 slow_floor_s: float = SLOW_FLOOR_S, commit: Callable[..., CheckpointRef] | None = None,
+                 rank: int = 0, select: Callable[[Snapshot], Snapshot] | None = None,
+                 agree: Callable[[bool], bool] = bool) -> None:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         self.store, self.when_busy, self.on_commit = store, when_busy, on_commit
+        self._commit, self.rank, self.select, self.agree = commit, rank, select or (lambda snapshot: snapshot), agree
         self.persist_delay_s = persist_delay_s
+        self.save_deadline_s, self.on_slow, self.slow_floor_s = save_deadline_s, on_slow, slow_floor_s
         self.buffers = StagingBuffers()
         self._thread: threading.Thread | None = None
         self._persisting: int | None = None
         self._failure: tuple[int, BaseException] | None = None
+        self._started = 0.0
+        self._last_persist_s = 0.0
+        self._next_warning = 0.0
 
     @property
     def busy(self) -> bool:
@@ -174,20 +205,22 @@ class AsyncSaver:
         """
         self.poll()
         waited = 0.0
-        if self.busy:
+        if self.agree(self.busy):
             if self.when_busy == "skip" and not must:
                 log.warning("checkpoint skipped: the previous save is still being persisted",
                             step=step, persisting_step=self._persisting)
                 return None
             t0 = time.perf_counter()
-            self.wait()
+            self._wait_bounded()
             waited = time.perf_counter() - t0
             log.info("waited for the previous save before snapshotting", step=step,
                      persisting_step=self._persisting, waited_s=round(waited, 3))
             self.poll()
         t0 = time.perf_counter()
-        snapshot, copied = self.buffers.stage(capture(parts))
+        snapshot, copied = self.buffers.stage(self.select(capture(parts, rank=self.rank)))
         self._persisting = step
+        self._started = time.monotonic()
+        self._next_warning = self._started + max(self.slow_floor_s, 2 * self._last_persist_s)
         self._thread = threading.Thread(target=self._persist, args=(step, snapshot, dict(meta or {}), copied),
                                         name=f"ckpt-persist-{step}", daemon=True)
         self._thread.start()
@@ -200,24 +233,58 @@ class AsyncSaver:
                 event.synchronize()
             if self.persist_delay_s:
                 time.sleep(self.persist_delay_s)
-            ref = self.store.commit(step, snapshot, meta=meta)
+            ref = (self._commit or self.store.commit)(step, snapshot, meta=meta)
+            self._last_persist_s = time.perf_counter() - t0
             if self.on_commit is not None:
-                self.on_commit(Committed(ref, time.perf_counter() - t0, snapshot.nbytes))
+                self.on_commit(Committed(ref, self._last_persist_s, snapshot.nbytes))
         except BaseException as e:  # kept for the step loop; a thread's exception is otherwise only printed
             self._failure = (step, e)
 
     def poll(self) -> None:
         """Raise the failure of a finished persist, once: `CheckpointError` (a `UserError`) when
-        the store raised one, else `BackgroundSaveError`; both name the step."""
-        if self._failure is None or self.busy:
+        the store raised one, the same `Unavailable` kind for a storage outage, else
+        `BackgroundSaveError`; each names the step. While a persist runs: warn if it is slow,
+        raise `SaveStalled` once it has run past the save deadline."""
+        if self.busy:
+            self._check_progress()
+            return
+        if self._failure is None:
             return
         step, e = self._failure
         self._failure = None
         message = f"the background save of the checkpoint at step {step} failed: {e}"
+        if isinstance(e, Unavailable):
+            raise type(e)(f"{message}; the previous checkpoint is still the newest good one") from e
         if isinstance(e, UserError):
             raise CheckpointError(f"{message}; the previous checkpoint is still the newest good one") from e
         raise BackgroundSaveError(f"{message} ({type(e).__name__}); the previous checkpoint is still "
                                   f"the newest good one") from e
+
+    def _check_progress(self) -> None:
+        """A slow persist: warn (each slow interval); one past the save deadline: `SaveStalled`."""
+        now = time.monotonic()
+        elapsed = now - self._started
+        if self.save_deadline_s is not None and elapsed >= self.save_deadline_s:
+            raise SaveStalled(
+                f"the background save of the checkpoint at step {self._persisting} has not committed after "
+                f"{elapsed:.0f}s (checkpoint.save_deadline_s = {self.save_deadline_s:g}): the storage at "
+                f"{self.store.url} is not answering; the previous checkpoint is still the newest good one")
+        if now >= self._next_warning:
+            log.warning("the background save is slow: still persisting", step=self._persisting,
+                        seconds=round(elapsed, 1), url=self.store.url)
+            if self.on_slow is not None:
+                self.on_slow(self._persisting, elapsed)
+            self._next_warning = now + max(self.slow_floor_s, 2 * self._last_persist_s)
+
+    def _wait_bounded(self) -> None:
+        """Wait for the in-flight persist, warning while it is slow, raising `SaveStalled` at
+        the save deadline."""
+        while self.busy:
+            self._check_progress()
+            limit = self._next_warning
+            if self.save_deadline_s is not None:
+                limit = min(limit, self._started + self.save_deadline_s)
+            self._thread.join(max(limit - time.monotonic(), 0.01))
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the in-flight persist, at most `timeout` seconds; True when none is left."""
@@ -227,16 +294,19 @@ class AsyncSaver:
 
     def finish(self, timeout: float | None = None) -> None:
         """Wait until the in-flight persist is committed, then raise its failure if it failed.
-        Raises `TimeoutError` if it is still running after `timeout` seconds."""
-        if not self.wait(timeout):
+        Raises `TimeoutError` if it is still running after `timeout` seconds, `SaveStalled` at
+        the save deadline."""
+        if timeout is None:
+            self._wait_bounded()
+        elif not self.wait(timeout):
             raise TimeoutError(f"the background save of step {self._persisting} is still running after {timeout}s")
         self.poll()
 
     def close(self) -> None:
-        """On an error exit: let a good in-flight save commit, and log (not raise) its failure,
-        so the error already propagating stays the one reported."""
-        self.wait()
+        """On an error exit: let a good in-flight save commit (within the save deadline), and
+        log (not raise) its failure, so the error already propagating stays the one reported."""
         try:
+            self._wait_bounded()
             self.poll()
         except Exception as e:  # noqa: BLE001 - reported, not raised, on purpose (see above)
             log.error("background checkpoint save failed during an error exit", error=str(e))

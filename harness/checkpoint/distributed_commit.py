@@ -19,8 +19,13 @@ Commit (`GroupCommit`; every rank calls it at the same step, the step loop agree
    every rank succeeded; otherwise it discards the folder. It broadcasts the result, and every
    rank returns the same ref or raises. A killed rank makes the others fail in the next
    collective, before any manifest exists.
-Writing is synchronous when the world size is above 1 (see docs/distributed.md): a background
-persist would need its collectives on a second process group; not built yet.
+Saving in the background (`AsyncSaver(store, commit=GroupCommit(store, group=side), select=
+GroupCommit.mine)`): each rank stages only what it writes (`mine`: everything on rank 0, its own
+rank file on the others) and runs this same commit in its persist thread, with every collective
+on `group`, a second gloo group (`distributed.new_side_group`). The main group stays the step
+loop's alone, so a commit in flight never interleaves with a training all-reduce; the ranks'
+persists run in the same order on every rank (the step loop agrees on every save, and on
+skipping one), so the side group's collectives match up.
 
 Load (`load_checkpoint`): rank 0 decides which checkpoint (run.py), every rank reads the
 replicated parts and its own per-rank parts. A rank that did not exist in the saving run takes
@@ -58,37 +63,52 @@ def rank_state_file(rank: int) -> str:
 class GroupCommit:
     """`commit(step, snapshot, meta=)` for the process group (or the plain store commit without one).
 
-    `fail_rank`, `fail_step`: the test hook `debug.fail_save_rank` / `debug.fail_save_step`: that
-    rank fails half-way through writing its tensor file (at every save, or only at `fail_step`).
+    `group`: the process group of the commit's collectives (default: the main one; a side group
+    when it runs in a background thread). `fail_rank`, `fail_step`: the test hook
+    `debug.fail_save_rank` / `debug.fail_save_step`: that rank fails half-way through writing its
+    tensor file (at every save, or only at `fail_step`).
     """
 
-    def __init__(self, store: CheckpointStore, *, fail_rank: int | None = None, fail_step: int | None = None) -> None:
-        self.store = store
+    def __init__(self, store: CheckpointStore, *, group: Any = None, fail_rank: int | None = None,
+                 fail_step: int | None = None) -> None:
+        self.store, self.group = store, group
         self.fail_rank, self.fail_step = fail_rank, fail_step
+
+    @staticmethod
+    def mine(snapshot: Snapshot) -> Snapshot:
+        """The part of `snapshot` its rank writes: all of it on rank 0; on rank r > 0 its own
+        rank file and per-rank trees (what `_write_own` reads), so a background save stages no
+        copy of the replicated state there."""
+        if snapshot.rank == 0:
+            return snapshot
+        own = tensor_file(min(RANK_PARTS), snapshot.rank)
+        tensors = {f: t for f, t in snapshot.tensors.items() if f == own}
+        return replace(snapshot, tensors=tensors, parts={p: t for p, t in snapshot.parts.items() if p in RANK_PARTS},
+                       nbytes=sum(t.numel() * t.element_size() for named in tensors.values() for t in named.values()))
 
     def __call__(self, step: int, snapshot: Snapshot, *, meta: Mapping[str, Any] | None = None) -> CheckpointRef:
         if not distributed.is_distributed():
             return self.store.commit(step, snapshot, meta=meta)
-        rank = distributed.rank()
-        ref, work = distributed.on_rank0(self.store.begin, step)
+        rank, group = distributed.rank(), self.group
+        ref, work = distributed.on_rank0(self.store.begin, step, group=group)
         try:
             records = self._write_own(ref, work, snapshot, {**(meta or {}), WORLD_SIZE_KEY: distributed.world()})
             mine: tuple[bool, Any] = (True, records)
         except Exception as e:  # noqa: BLE001 - reported to rank 0, then re-raised below
             mine, failure = (False, f"{type(e).__name__}: {e}"), e
-        outcomes = distributed.all_gather_object(mine)
+        outcomes = distributed.all_gather_object(mine, group=group)
         failed = [(r, err) for r, (ok, err) in enumerate(outcomes) if not ok]
         if failed:
             if rank == 0:
                 self.store.discard(work)
-            distributed.barrier()  # the folder is gone before anyone reports
+            distributed.barrier(group)  # the folder is gone before anyone reports
             if not mine[0]:
                 raise failure
             r, err = failed[0]
             raise CommitAborted(f"rank {r} failed to write its part of the checkpoint at step {step} ({err}); nothing "
                                 f"was committed, the previous checkpoint is still the newest good one")
         all_records = [rec for _, recs in outcomes for rec in recs]
-        distributed.on_rank0(self._seal, ref, work, all_records)
+        distributed.on_rank0(self._seal, ref, work, all_records, group=group)
         return ref
 
     def _write_own(self, ref: CheckpointRef, work: str, snapshot: Snapshot, meta: dict[str, Any]) -> list[FileRecord]:

@@ -13,8 +13,10 @@ Contract of `call_with_retries(fn, what=, policy=, target=, endpoint=)`:
 * Access denied, bad credentials and a missing bucket raise `StorageError` at once, after one
   request, with a message that says what to fix. Other permanent errors (a missing key is
   `FileNotFoundError`, which callers rely on) propagate unchanged.
-* Running out of attempts or time raises `StorageError` naming the operation, the attempts, the
-  time spent and the last error.
+* Running out of attempts or time on transient errors raises `StorageUnavailable` naming the
+  operation, the object, the endpoint, the attempts, the time spent and the last error. It is
+  not a `StorageError` (not a `CheckpointError`, not a `UserError`): no caller may read an outage
+  as a missing or malformed file, and the CLI exits with the retryable STORAGE_UNAVAILABLE (69).
 
 Nested calls (a read that wraps a request that is itself retried) retry only at the outermost
 level, so attempts do not multiply. Messages never contain credentials: only the operation,
@@ -38,6 +40,7 @@ from botocore.parsers import ResponseParserError
 from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception, stop_after_attempt, stop_after_delay
 
 from harness.checkpoint.errors import CheckpointError
+from harness.errors import Unavailable
 from harness.log import get_logger
 
 log = get_logger(__name__)
@@ -66,6 +69,11 @@ _in_retry = contextvars.ContextVar("harness_storage_in_retry", default=False)
 
 class StorageError(CheckpointError):
     """A storage operation failed for good; the message says what to check or change."""
+
+
+class StorageUnavailable(Unavailable):
+    """A storage operation kept failing transiently (timeouts, refused connections, 5xx) until its
+    retry deadline; the message names the operation, the object and the endpoint."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +119,7 @@ def _client_error(exc: BaseException):
 
 def is_transient(exc: BaseException) -> bool:
     """True if trying the same request again may succeed (see the module docstring)."""
-    if isinstance(exc, StorageError):
+    if isinstance(exc, (StorageError, StorageUnavailable)):  # a verdict already: retrying multiplies it
         return False
     client = _client_error(exc)
     if client is not None:
@@ -189,11 +197,12 @@ async def call_with_retries(fn: Callable[[], Awaitable[T]], *, what: str, policy
         return await retrying(attempt_once)
     except RetryError as e:
         last = e.last_attempt.exception()
-        raise StorageError(
-            f"{what} {target} failed after {e.last_attempt.attempt_number} attempts in "
-            f"{time.monotonic() - start:.1f}s (last error: {type(last).__name__}: {last}): the storage endpoint "
-            f"{endpoint or ''} is failing or unreachable; check that it is up, or give it more time with "
-            f"checkpoint.storage_options.retry (attempts, deadline_s)") from last
+        raise StorageUnavailable(
+            f"storage endpoint {endpoint or '(the default AWS endpoint)'} unavailable: {what} {target} failed "
+            f"after {e.last_attempt.attempt_number} attempts in {time.monotonic() - start:.1f}s (last error: "
+            f"{type(last).__name__}: {last}); the run is consistent on storage and resumes when started again "
+            f"once the endpoint answers (or give it more time with checkpoint.storage_options.retry: attempts, "
+            f"deadline_s)") from last
     except Exception as e:
         fix = permanent_error(e, target, endpoint)
         if fix is None:

@@ -41,8 +41,9 @@ from secrets import token_hex
 from typing import Any, Literal
 
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from harness.errors import Unavailable
 from harness.checkpoint.format import STATE_FILE, Snapshot, capture, dump_state, parse_state
-from harness.checkpoint.lease import Lease
+from harness.checkpoint.lease import DEFAULT_HEARTBEAT_S, Lease
 from harness.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_manifest
 from harness.checkpoint.restore import restore_parts
 from harness.checkpoint.retention import check_policy, steps_to_keep
@@ -84,19 +85,20 @@ class CheckpointStore:
 
     `keep_last` (>= 2) and `keep_every` (0 = off) set retention; `writer_id` names this writer
     in manifests, temporary folders and the lease (default: host-pid-random); `clock` is
-    injectable for the lease's heartbeat arithmetic.
+    injectable for the lease's heartbeat arithmetic; `lease_heartbeat_s` is the lease's
+    heartbeat interval (lease.py: stale after a few missed ones).
     """
 
     def __init__(self, url: str, *, keep_last: int = 3, keep_every: int = 0, storage_options: dict | None = None,
                  writer_id: str | None = None, clock: Callable[[], float] = time.time,
-                 lease_stale_after_s: float = 1800.0) -> None:
+                 lease_heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
         check_policy(keep_last, keep_every)
         self.keep_last, self.keep_every, self.clock = keep_last, keep_every, clock
         self.loc: Location = open_location(url, storage_options)
         self.dir = self.loc.join(CHECKPOINTS_DIR)
         raw_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{token_hex(3)}"
         self.writer_id = re.sub(r"[^A-Za-z0-9_.-]", "_", raw_id)
-        self._lease = Lease(self.loc, self.writer_id, clock=clock, stale_after_s=lease_stale_after_s)
+        self._lease = Lease(self.loc, self.writer_id, clock=clock, heartbeat_s=lease_heartbeat_s)
 
     @property
     def url(self) -> str:
@@ -399,10 +401,11 @@ class CheckpointStore:
     # ---- lease -----------------------------------------------------------------------------
 
     def acquire_lease(self, takeover: bool = False) -> None:
-        """Become the run dir's only writer, or raise `CheckpointError` naming the holder. On an
-        object store, multipart uploads that earlier writers left open (killed mid-upload) are
-        aborted: nothing else writes here now."""
+        """Become the run dir's only writer, or raise `CheckpointError` naming the holder, and
+        heartbeat from a thread until `release_lease`. On an object store, multipart uploads that
+        earlier writers left open (killed mid-upload) are aborted: nothing else writes here now."""
         self._lease.acquire(takeover=takeover)
+        self._lease.start_heartbeat()
         abort_uploads = getattr(self.loc.fs, "abort_uploads", None)
         if abort_uploads is None:
             return
@@ -416,12 +419,20 @@ class CheckpointStore:
         if aborted:
             log.warning("aborted multipart uploads left open by an earlier writer", keys=aborted)
 
-    def heartbeat(self) -> None:
-        """Keep the lease fresh; cheap enough to call every step."""
-        self._lease.heartbeat()
+    def poll_lease(self) -> None:
+        """Raise what stopped the lease's heartbeats (lost lease: `CheckpointError`; storage
+        outage: `StorageUnavailable`); cheap enough to call every step."""
+        self._lease.poll()
 
     def release_lease(self) -> None:
-        self._lease.release()
+        """Give the lease up. When the storage does not answer, the lease is left as it is (it
+        goes stale; a restart on this host sees this process gone) and the outage is logged, so
+        the error that ended the run stays the one reported."""
+        try:
+            self._lease.release()
+        except Unavailable as e:
+            log.warning("could not release the run dir lease: the storage is unavailable; the next start "
+                        "takes it over", error=str(e)[:300])
 
     @contextmanager
     def lease(self, takeover: bool = False) -> Iterator[CheckpointStore]:

@@ -18,6 +18,13 @@ block (all threads), which the load of other processes on the machine does not i
 On CUDA (`--device cuda`) the state lives on the GPU and is staged into pinned buffers on a side
 stream; each step ends with a device synchronize so step times are real.
 
+At world size 2 (`torchrun --standalone --nproc-per-node 2 ops/bench/ckpt_overhead.py`, gloo):
+the model is wrapped in DDP, each rank also has a per-rank `rng` part, the sync save is the group
+commit (`GroupCommit`: every rank waits until rank 0 wrote the replicated state and the
+manifest) and the async save is the group's background persist (each rank stages its own part,
+the commit runs on a side gloo group); the blocking time and the sync save time are reported per
+rank.
+
 Run: `python ops/bench/ckpt_overhead.py` (a few minutes on 2 CPU cores); `--json PATH` also
 writes the raw figures. Results: docs/bench-async.md.
 """
@@ -37,8 +44,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from harness.checkpoint import CheckpointStore  # noqa: E402
+from harness import distributed  # noqa: E402
+from harness.checkpoint import CheckpointStore, capture  # noqa: E402
 from harness.checkpoint.async_save import AsyncSaver  # noqa: E402
+from harness.checkpoint.distributed_commit import GroupCommit  # noqa: E402
 from harness.log import configure  # noqa: E402
 
 
@@ -66,25 +75,32 @@ class Bench:
         self.device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                                    ("cpu" if args.device == "auto" else args.device))
         torch.manual_seed(0)
+        self.rank = distributed.rank()
         self.model = Pooled(args.vocab, args.dim, args.classes).to(self.device)
+        self.forward = torch.nn.parallel.DistributedDataParallel(self.model) if distributed.world() > 1 else self.model
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.batches = make_batches(args, self.device)
         self.i = 0
         self.sync_store = CheckpointStore(str(folder / "sync"), keep_last=2)
         self.async_store = CheckpointStore(str(folder / "async"), keep_last=2)
-        self.saver = AsyncSaver(self.async_store)
+        self.sync_commit = GroupCommit(self.sync_store)
+        side = GroupCommit(self.async_store, group=distributed.new_side_group(600))
+        self.saver = AsyncSaver(self.async_store, commit=side, rank=self.rank, select=side.mine)
         self.save_s: list[float] = []
         self.blocking_s: list[float] = []
         self.persist_s: list[float] = []
         self.saver.on_commit = lambda done: self.persist_s.append(done.persist_s)
 
     def parts(self) -> dict:
-        return {"model": self.model, "optim": self.opt}
+        return {"model": self.model, "optim": self.opt, "rng": {"torch": torch.get_rng_state()}}
+
+    def sync_save(self, step: int) -> None:
+        self.sync_commit(step, capture(self.parts(), rank=self.rank))
 
     def step(self) -> None:
         x, y = self.batches[self.i % len(self.batches)]
         self.i += 1
-        loss = nn.functional.cross_entropy(self.model(x), y)
+        loss = nn.functional.cross_entropy(self.forward(x), y)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -100,7 +116,7 @@ class Bench:
             self.step()
         if mode == "sync":
             s0 = time.perf_counter()
-            self.sync_store.save(step, self.parts())
+            self.sync_save(step)
             self.save_s.append(time.perf_counter() - s0)
         if mode == "async":
             self.saver.finish()
@@ -114,11 +130,11 @@ class Bench:
 def run(args: argparse.Namespace) -> dict:
     configure("warning")  # one "checkpoint committed" line per save would drown the table
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        b = Bench(args, Path(tmp))
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp, distributed.process_group():
+        b = Bench(args, Path(distributed.broadcast_object(tmp)))  # every rank writes into rank 0's folder
         for _ in range(3):  # warm up: allocator, optimizer state, page cache, first-time buffers
             b.step()
-        b.sync_store.save(0, b.parts())
+        b.sync_save(0)
         b.saver.submit(0, b.parts())
         b.saver.finish()
         for figures in (b.save_s, b.blocking_s, b.persist_s):
@@ -130,9 +146,11 @@ def run(args: argparse.Namespace) -> dict:
                 w, c = b.block(mode, (r + 1) * 10)
                 wall[mode].append(w)
                 cpu[mode].append(c)
-            print(f"round {r + 1}/{args.rounds}: " + "  ".join(f"{m} {wall[m][-1]:6.2f} s" for m in wall),
-                  file=sys.stderr, flush=True)
+            if b.rank == 0:
+                print(f"round {r + 1}/{args.rounds}: " + "  ".join(f"{m} {wall[m][-1]:6.2f} s" for m in wall),
+                      file=sys.stderr, flush=True)
         med = statistics.median
+        per_rank = distributed.all_gather_object((med(b.save_s), med(b.blocking_s), med(b.persist_s)))
         overhead = {m: med((x - n) / n for x, n in zip(wall[m], wall["none"])) for m in ("sync", "async")}
         cpu_overhead = {m: med((x - n) / n for x, n in zip(cpu[m], cpu["none"])) for m in ("sync", "async")}
         return {
@@ -142,7 +160,8 @@ def run(args: argparse.Namespace) -> dict:
             "sync_cpu_overhead": cpu_overhead["sync"], "async_cpu_overhead": cpu_overhead["async"],
             "sync_save_s": med(b.save_s), "async_blocking_s": med(b.blocking_s),
             "async_persist_s": med(b.persist_s), "blocking_vs_sync": med(b.blocking_s) / med(b.save_s),
-            "block_wall_s": wall, "block_cpu_s": cpu,
+            "block_wall_s": wall, "block_cpu_s": cpu, "world_size": distributed.world(), "rank": b.rank,
+            "per_rank": [{"sync_save_s": s, "async_blocking_s": bl, "async_persist_s": p} for s, bl, p in per_rank],
         }
 
 
@@ -163,7 +182,20 @@ def report(r: dict, command: str) -> str:
         f"| async save, blocking (snapshot into the staging buffers) | {r['async_blocking_s']:.3f} "
         f"({pct(r['blocking_vs_sync'])} of sync) |",
         f"| async save, background persist | {r['async_persist_s']:.3f} |",
+        *per_rank_table(r),
     ])
+
+
+def per_rank_table(r: dict) -> list[str]:
+    """At world size > 1: what a save blocks each rank for, sync (the group commit) vs async."""
+    if r["world_size"] == 1:
+        return []
+    rows = [f"| {i} | {x['sync_save_s']:.3f} | {x['async_blocking_s']:.3f} | "
+            f"{100 * x['async_blocking_s'] / x['sync_save_s']:.1f}% | {x['async_persist_s']:.3f} |"
+            for i, x in enumerate(r["per_rank"])]
+    return ["", f"world size {r['world_size']} (gloo, DDP):", "",
+            "| rank | sync save, blocking (s) | async save, blocking (s) | async / sync | async persist (s) |",
+            "|-----:|------------------------:|-------------------------:|-------------:|------------------:|", *rows]
 
 
 def main() -> None:
@@ -181,7 +213,10 @@ def main() -> None:
     p.add_argument("--json", default=None, help="also write the raw figures here")
     args = p.parse_args()
     r = run(args)
-    print(report(r, "python ops/bench/ckpt_overhead.py " + " ".join(sys.argv[1:])))
+    if r["rank"] != 0:
+        return
+    launcher = "torchrun --standalone --nproc-per-node 2 " if r["world_size"] > 1 else "python "
+    print(report(r, launcher + "ops/bench/ckpt_overhead.py " + " ".join(sys.argv[1:])))
     if args.json:
         Path(args.json).write_text(json.dumps(r, indent=1))
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from harness.checkpoint import CheckpointError, CheckpointStore, capture
-from harness.checkpoint.async_save import AsyncSaver, BackgroundSaveError, StagingBuffers
+from harness import exit_codes
+from harness.checkpoint.async_save import AsyncSaver, BackgroundSaveError, SaveStalled, StagingBuffers
+from harness.checkpoint.retry import StorageUnavailable
 from harness.config import load_config
 from harness.trainer import CheckpointClock, Trainer
 
@@ -146,7 +148,9 @@ def test_one_save_in_flight_skip_or_wait(run_dir):
 
 
 @pytest.mark.parametrize("error, raised", [(OSError("disk on fire"), BackgroundSaveError),
-                                           (CheckpointError("lost the lease"), CheckpointError)])
+                                           (CheckpointError("lost the lease"), CheckpointError),
+                                           (StorageUnavailable("storage endpoint http://s3 unavailable"),
+                                            StorageUnavailable)])
 def test_a_background_failure_is_raised_at_the_next_call_naming_the_step(run_dir, error, raised):
     parts = torch_state(steps=1)
     store = CheckpointStore(run_dir)
@@ -167,6 +171,35 @@ def test_a_background_failure_is_raised_at_the_next_call_naming_the_step(run_dir
     with pytest.raises(raised, match="step 8"):
         saver.finish()  # at exit and on preemption: waits, then raises
     assert store.list() == []
+
+
+def test_a_stalled_save_is_reported_while_slow_and_given_up_at_the_deadline_naming_the_step(run_dir):
+    store = CheckpointStore(run_dir)
+    gated = Gated(store)  # a persist that never gets an answer from its storage
+    slow = []
+    saver = AsyncSaver(store, save_deadline_s=1.0, slow_floor_s=0.1, on_slow=lambda step, s: slow.append(step))
+    saver.submit(7, torch_state(steps=1))
+    with pytest.raises(SaveStalled, match=r"step 7 has not committed after \d+s \(checkpoint.save_deadline_s = 1\)") as info:
+        saver.submit(8, torch_state(steps=1))  # the wait for the previous save is bounded
+    assert info.value.exit_code == exit_codes.STORAGE_UNAVAILABLE
+    assert slow and set(slow) == {7}
+    with pytest.raises(SaveStalled, match="step 7"):
+        saver.poll()  # the step loop sees it too, between steps
+    gated.gate.set()  # the storage answers after all: the commit is atomic either way
+    saver.wait()
+    saver.poll()
+    assert [r.step for r in store.list()] == [7]
+
+
+def test_a_slow_save_that_commits_is_reported_and_not_an_error(run_dir):
+    store = CheckpointStore(run_dir)
+    gated = Gated(store)
+    slow = []
+    saver = AsyncSaver(store, save_deadline_s=600, slow_floor_s=0.05,
+                       on_slow=lambda step, s: (slow.append(step), gated.gate.set()))
+    saver.submit(3, torch_state(steps=1))
+    saver.finish()
+    assert set(slow) == {3} and [r.step for r in store.list()] == [3]
 
 
 def test_a_failure_is_raised_by_the_next_submit_and_logged_by_close(run_dir):

@@ -1,6 +1,22 @@
-"""The distributed tests import their launcher helpers (launch.py) from this folder."""
+"""The distributed tests import their launcher helpers (launch.py) from this folder; `continuous`
+is the reference run every interrupted world-size-2 run is compared with."""
 
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))
+
+from launch import COMMON, run, tail  # noqa: E402
+from procs import ROOT, TINY  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def continuous(tmp_path_factory):
+    """The reference run at world size 2, through the launcher users run (ops/torchrun/train.sh)."""
+    run_dir = tmp_path_factory.mktemp("continuous")
+    log = run_dir.parent / "continuous.log"
+    launcher = [str(ROOT / "ops/torchrun/train.sh"), str(TINY), *COMMON]
+    assert run(launcher, log, env={"NPROC": "2", "MAX_RESTARTS": "0", "RUN_DIR": str(run_dir)}) == 0, tail(log)
+    return run_dir

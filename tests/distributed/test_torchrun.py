@@ -8,29 +8,18 @@ of them (launch.COMMON), so its orthogonalisation sees the all-reduced gradient 
 import json
 import signal
 
-import pytest
 
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.manifest import MANIFEST_FILE
 from harness.data import TokenDataset
-from launch import COMMON, kill_tree, rank_process, run, start, tail, train_args, wait_step
-from procs import ROOT, TINY, assert_same_run, final_checkpoint, harness
+from launch import kill_tree, rank_process, run, start, tail, train_args, wait_step
+from procs import TINY, assert_same_run, final_checkpoint, harness
 
 STEPS = 12
 
 
 def events(run_dir):
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-
-
-@pytest.fixture(scope="module")
-def continuous(tmp_path_factory):
-    """The reference run, through the launcher users run (ops/torchrun/train.sh)."""
-    run_dir = tmp_path_factory.mktemp("continuous")
-    log = run_dir.parent / "continuous.log"
-    launcher = [str(ROOT / "ops/torchrun/train.sh"), str(TINY), *COMMON]
-    assert run(launcher, log, env={"NPROC": "2", "MAX_RESTARTS": "0", "RUN_DIR": str(run_dir)}) == 0, tail(log)
-    return run_dir
 
 
 def test_checkpoint_has_every_rank_and_one_manifest(continuous):

@@ -16,7 +16,7 @@ from botocore.exceptions import (ClientError, ConnectionClosedError, EndpointCon
 from s3fs.errors import translate_boto_error
 
 from harness.checkpoint.filesystem import open_filesystem
-from harness.checkpoint.retry import RetryPolicy, StorageError, is_transient
+from harness.checkpoint.retry import RetryPolicy, StorageError, StorageUnavailable, is_transient
 from harness.errors import UserError
 from s3proxy import FaultPlan
 
@@ -52,6 +52,7 @@ def client_error(code: str, status: int) -> ClientError:
     (FlexibleChecksumError(error_msg="checksum mismatch"), False),
     (FileNotFoundError("key"), False),
     (StorageError("gave up"), False),
+    (StorageUnavailable("gave up"), False),
     (ValueError("bug"), False),
 ])
 def test_classification(exc, transient):
@@ -100,7 +101,7 @@ def test_stalled_server_fails_within_deadline(proxy, s3_url):
     fs, root = open_filesystem(s3_url, options(proxy.endpoint, deadline_s=deadline, read_timeout=30))
     proxy.plan = FaultPlan(rate=1.0, modes=("stall",))
     start = time.monotonic()
-    with pytest.raises(StorageError, match="failing or unreachable"):
+    with pytest.raises(StorageUnavailable, match=f"storage endpoint {proxy.endpoint} unavailable: S3 put_object"):
         fs.pipe_file(f"{root}/x", b"data")
     assert time.monotonic() - start < deadline + 1.0
 
@@ -128,7 +129,7 @@ def test_missing_bucket_is_one_request_and_says_what_to_fix(proxy):
 def test_failed_multipart_upload_is_aborted(proxy, s3_server, s3_url):
     fs, root = open_filesystem(s3_url, options(proxy.endpoint, attempts=3, default_block_size=5 << 20))
     proxy.script = [None, "error500", "error500", "error500"]  # create the upload, then fail its part
-    with pytest.raises(StorageError, match="upload_part.*after 3 attempts"):
+    with pytest.raises(StorageUnavailable, match="upload_part.*after 3 attempts"):
         with fs.open(f"{root}/big", "wb") as f:
             f.write(os.urandom(5 << 20))  # exactly one part
     assert not fs.exists(f"{root}/big")

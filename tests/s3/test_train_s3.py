@@ -4,24 +4,12 @@ interrupted, and the fake secret appears in no object, log file or process outpu
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import procs
 from procs import TINY, assert_same_run, harness, kill_at_step
 from s3proxy import FaultPlan
-from s3server import FAKE_ENV, FAKE_KEY, FAKE_SECRET
+from s3server import FAKE_ENV, FAKE_KEY, FAKE_SECRET, download_final
 
 STEPS = 12
-
-
-def download_final(s3_server, url: str, log_dir: Path) -> None:
-    """Copy the final checkpoint next to the run's local metrics, the layout `assert_same_run` reads."""
-    prefix = url.split("/", 3)[3] + f"/checkpoints/step-{STEPS:08d}/"
-    dest = log_dir / "checkpoints" / f"step-{STEPS:08d}"
-    dest.mkdir(parents=True)
-    client = s3_server.client()
-    for key in s3_server.keys(prefix):
-        client.download_file(s3_server.bucket, key, str(dest / key.removeprefix(prefix)))
 
 
 def test_sigkill_resume_on_s3_with_faults_is_bitwise(proxy, s3_server, s3_url, tmp_path, monkeypatch):
@@ -39,8 +27,8 @@ def test_sigkill_resume_on_s3_with_faults_is_bitwise(proxy, s3_server, s3_url, t
     resumed = harness(*args, check=True)
     assert sum(proxy.faults.values()) >= 20, proxy.faults
 
-    download_final(s3_server, cont_url, cont_log)
-    download_final(s3_server, intr_url, intr_log)
+    download_final(s3_server.client(), s3_server.bucket, cont_url, STEPS, cont_log)
+    download_final(s3_server.client(), s3_server.bucket, intr_url, STEPS, intr_log)
     assert_same_run(cont_log, intr_log, STEPS)
     assert s3_server.open_multipart_uploads() == []
 

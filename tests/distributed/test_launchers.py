@@ -1,0 +1,176 @@
+"""ops/torchrun/train.sh and ops/slurm/train.sbatch run for real: real torchrun, real trainers,
+with stub `srun` (runs its task, passes signals on, as srun does), `scontrol` (hostnames; records
+requeues) and `sbatch` (records the submission) on PATH.
+
+What must hold: a stop signal to the launcher's shell reaches every trainer, which save and exit
+75, and the launcher exits 75 although torchrun itself reports a failure; the SLURM script
+requeues 75 and the storage-unavailable code (after retrying that one in the job with a backoff),
+and nothing else: not a user error, not a crash that happened after a stop was requested.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from harness import exit_codes
+from harness.checkpoint import CheckpointStore
+from launch import COMMON, TORCHRUN_ENV, kill_tree, tail, wait_step
+from procs import ROOT, TINY, assert_same_run, final_checkpoint
+
+TRAIN_SH = ROOT / "ops/torchrun/train.sh"
+SBATCH = ROOT / "ops/slurm/train.sbatch"
+SLOW_STEPS = ["--set", "debug.step_sleep_s=0.3"]  # a window to signal in; not part of the math
+
+STUBS = {
+    "srun": """#!/usr/bin/env bash
+# srun: run the task given after the options; pass TERM/USR1/INT on to it, as srun does.
+while [ "${1#--}" != "$1" ]; do shift; done
+echo "$*" >> "$STUB_LOG/srun"
+"$@" &
+task=$!
+for s in TERM USR1 INT; do trap "kill -s $s $task" $s; done
+wait $task; rc=$?
+while kill -0 $task 2>/dev/null; do wait $task; rc=$?; done
+exit $rc
+""",
+    "scontrol": """#!/usr/bin/env bash
+case "$1" in
+  show) echo node-a; echo node-b ;;
+  requeue) echo "$2" >> "$STUB_LOG/requeued" ;;
+esac
+""",
+    "sbatch": """#!/usr/bin/env bash
+echo "$*" >> "$STUB_LOG/sbatch"
+""",
+}
+
+
+@pytest.fixture
+def stubs(tmp_path):
+    bin_dir, log = tmp_path / "bin", tmp_path / "stub-log"
+    bin_dir.mkdir()
+    log.mkdir()
+    for name, text in STUBS.items():
+        path = bin_dir / name
+        path.write_text(text)
+        path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return {"PATH": f"{bin_dir}{os.pathsep}{TORCHRUN_ENV['PATH']}", "STUB_LOG": str(log)}, log
+
+
+def launch(cmd: list[str], log: Path, env: dict[str, str], cwd: Path = ROOT) -> subprocess.Popen:
+    with log.open("ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**TORCHRUN_ENV, **env}, cwd=cwd)
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> int:
+    try:
+        return proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            print(tail(log))
+
+
+def preempted_step(run_dir: Path) -> int:
+    [stop] = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["event"] == "exit"]
+    assert stop["reason"] == "preempted"
+    return stop["step"]
+
+
+# --- ops/torchrun/train.sh ----------------------------------------------------------------------
+
+def test_train_sh_passes_term_to_every_trainer_exits_75_and_resumes_bitwise(tmp_path, continuous):
+    """TERM here; USR1 takes the same path from the SLURM script (test_sbatch_preempted_...)."""
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    env = {"NPROC": "2", "MAX_RESTARTS": "1", "RUN_DIR": str(run_dir)}
+    proc = launch([str(TRAIN_SH), str(TINY), *COMMON, *SLOW_STEPS], log, env)
+    wait_step(proc, run_dir, 5, log)
+    proc.send_signal(signal.SIGTERM)  # to the shell only: torchrun and the trainers hear it from the script
+    assert finish(proc, log) == exit_codes.PREEMPTED, tail(log)
+    step = preempted_step(run_dir)
+    assert CheckpointStore(str(run_dir)).latest_good().step == step >= 5
+    assert (final_checkpoint(run_dir, step) / "rank-00001.json").exists()  # rank 1 saved its part too
+    assert finish(launch([str(TRAIN_SH), str(TINY), *COMMON], log, env), log) == 0, tail(log)
+    assert_same_run(continuous, run_dir, 12)
+
+
+# --- ops/slurm/train.sbatch ---------------------------------------------------------------------
+
+def slurm_env(job_id: int, run_dir: Path, config: Path = TINY, **extra: str) -> dict[str, str]:
+    return {"SLURM_JOB_ID": str(job_id), "SLURM_JOB_NAME": "t", "SLURM_JOB_NODELIST": "node-[a-b]",
+            "SLURM_JOB_NUM_NODES": "1", "GPUS_PER_NODE": "1", "MAX_RESTARTS": "0", "CONFIG": str(config),
+            "RUN_DIR": str(run_dir), **extra}
+
+
+def requeued(stub_log: Path) -> list[str]:
+    path = stub_log / "requeued"
+    return path.read_text().split() if path.exists() else []
+
+
+def test_sbatch_preempted_run_exits_75_and_is_requeued(tmp_path, stubs):
+    env, stub_log = stubs
+    run_dir, log = tmp_path / "run", tmp_path / "job.log"
+    config = tmp_path / "slow.toml"
+    config.write_text(f'extends = "{TINY}"\n[debug]\nstep_sleep_s = 0.3\n')
+    proc = launch(["bash", str(SBATCH)], log, {**env, **slurm_env(4242, run_dir, config)})
+    wait_step(proc, run_dir, 3, log)
+    proc.send_signal(signal.SIGUSR1)
+    assert finish(proc, log) == exit_codes.PREEMPTED, tail(log)
+    assert requeued(stub_log) == ["4242"]
+    assert CheckpointStore(str(run_dir)).latest_good().step == preempted_step(run_dir)
+    assert f"RDZV_ENDPOINT=node-a:{20000 + 4242 % 12000}" in (stub_log / "srun").read_text()
+
+
+def test_sbatch_does_not_requeue_a_user_error(tmp_path, stubs):
+    env, stub_log = stubs
+    log = tmp_path / "job.log"
+    proc = launch(["bash", str(SBATCH)], log, {**env, **slurm_env(7, tmp_path / "run", tmp_path / "missing.toml")})
+    assert finish(proc, log) == exit_codes.USER_ERROR, tail(log)
+    assert "config file" in tail(log) and requeued(stub_log) == []
+    assert f"RDZV_ENDPOINT=node-a:{20000 + 7}" in (stub_log / "srun").read_text()
+
+
+def test_sbatch_does_not_requeue_a_crash_after_a_stop_request(tmp_path, stubs):
+    env, stub_log = stubs
+    run_dir, log = tmp_path / "run", tmp_path / "job.log"
+    config = tmp_path / "deaf.toml"  # USR1 is not a stop signal here: the trainer dies of it, a crash
+    config.write_text(f'extends = "{TINY}"\n[checkpoint]\npreempt_signals = ["SIGTERM"]\n[debug]\nstep_sleep_s = 0.3\n')
+    proc = launch(["bash", str(SBATCH)], log, {**env, **slurm_env(8, run_dir, config)})
+    wait_step(proc, run_dir, 2, log)
+    proc.send_signal(signal.SIGUSR1)
+    code = finish(proc, log)
+    assert code not in exit_codes.REQUEUE | exit_codes.RETRY_LATER | {0}, tail(log)
+    assert requeued(stub_log) == [] and "not requeued" in tail(log)
+
+
+def test_storage_unavailable_is_retried_with_backoff_by_train_sh_then_requeued(tmp_path, stubs):
+    env, stub_log = stubs
+    log = tmp_path / "job.log"
+    config = tmp_path / "s3.toml"
+    config.write_text(f'extends = "{TINY}"\n[checkpoint.storage_options]\nendpoint_url = "http://127.0.0.1:9"\n'
+                      f'retry = {{ attempts = 3, initial = 0.05, max_wait = 0.1, deadline_s = 1 }}\n')
+    extra = {"UNAVAILABLE_RETRIES": "1", "UNAVAILABLE_BACKOFF_S": "1", "AWS_ACCESS_KEY_ID": "k",
+             "AWS_SECRET_ACCESS_KEY": "s", "AWS_EC2_METADATA_DISABLED": "true"}
+    proc = launch(["bash", str(SBATCH)], log, {**env, **slurm_env(9, "s3://bucket/run", config, **extra)})
+    assert finish(proc, log) == exit_codes.STORAGE_UNAVAILABLE, tail(log)
+    text = log.read_text()
+    assert "storage endpoint http://127.0.0.1:9 unavailable" in text
+    assert "retry 1 of 1 in 1s" in text
+    assert text.count("storage endpoint http://127.0.0.1:9 unavailable") >= 2  # tried again after the backoff
+    assert requeued(stub_log) == ["9"]
+
+
+def test_sbatch_run_directly_creates_the_log_folder_and_submits_itself(tmp_path, stubs):
+    env, stub_log = stubs
+    proc = subprocess.run(["bash", str(SBATCH), "--nodes=2"], env={**TORCHRUN_ENV, **env}, cwd=tmp_path,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "logs").is_dir()
+    assert (stub_log / "sbatch").read_text().split() == ["--nodes=2", str(SBATCH)]
