@@ -36,6 +36,7 @@ from harness.checkpoint.mirror import LocalFirstStore
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR, Verify, skipped
 from harness.config import RunConfig, config_changes, public_config
+from harness.data.sources import identity_changes, open_data
 from harness.errors import UserError
 from harness.events import EventLog
 from harness.fingerprint import fingerprint_fields
@@ -94,18 +95,19 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
     for the next, since the damaged one was already partly streamed into it. A checkpoint that
     is intact but does not fit (another model width) is an error, never skipped."""
     restore_s = 0.0
+    data = open_data(cfg.data, cfg.train.seed)  # read once: every candidate is checked against it
     for ref in candidates:
         t0 = time.perf_counter()
         trainer = None
         try:
             saved = source.read_state(ref)
-            check_compatible(saved["meta"], cfg, allow_config_change)
+            check_compatible(saved["meta"], cfg, allow_config_change, data.identity)
             if saved["meta"].get("finished") and ref.step >= cfg.train.steps:
                 log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
                 print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
                 return None
             restore_s += time.perf_counter() - t0
-            trainer = Trainer(cfg, rank=distributed.rank(), world_size=distributed.world())
+            trainer = Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data)
             t0 = time.perf_counter()
             load_checkpoint(source, ref, trainer.state.parts(), verify=verify)
             return trainer, ref, restore_s + time.perf_counter() - t0
@@ -119,7 +121,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
                 raise
             skipped(ref, problems)
             restore_s += time.perf_counter() - t0
-    return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world()), None, restore_s
+    return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data), None, restore_s
 
 
 def open_store(cfg: RunConfig) -> CheckpointStore | LocalFirstStore:
@@ -199,8 +201,9 @@ def checkpoint_at(url: str, storage_options: dict[str, Any]) -> tuple[Checkpoint
     return source, ref
 
 
-def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: bool) -> None:
-    changed = config_changes(meta["config"], cfg)
+def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: bool,
+                     data_identity: dict[str, Any] | None) -> None:
+    changed = config_changes(meta["config"], cfg) + identity_changes(meta.get("data_identity"), data_identity)
     if changed and not allow_config_change:
         raise UserError(f"the config changes the math of the run in {cfg.run_dir}: {', '.join(changed)} differ "
                         f"from the checkpoint; restore them, use a new --run-dir, or pass --allow-config-change")
@@ -289,6 +292,7 @@ class Loop:
     def record(self, r) -> None:
         self.metrics.write({"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
                             "tokens_per_s": r.tokens / r.seconds if r.seconds else None, "optim_s": r.optim_seconds,
+                            "data_s": r.data_seconds,
                             "time": time.time(), **fingerprint_fields(r.fingerprint)})
         if r.step % self.cfg.train.log_every == 0 or r.step == self.cfg.train.steps:
             log.info("step", step=r.step, loss=round(r.loss, 4), grad_norm=round(r.grad_norm, 3))
@@ -317,7 +321,8 @@ class Loop:
         unless `must` or it is the final step."""
         step = self.trainer.step
         meta = {"config": public_config(self.cfg), "finished": self.trainer.counters.finished,
-                "environment": environment_fingerprint(self.trainer.device)}
+                "environment": environment_fingerprint(self.trainer.device),
+                "data_identity": self.trainer.data.identity}
         if self.saver is None:
             t0 = time.perf_counter()
             snapshot = capture(self.trainer.state.parts(), rank=distributed.rank())

@@ -89,9 +89,8 @@ def prepare(spec: PrepareSpec, out: str, *, workers: int = 0, storage_options: d
     doc_number, skip = progress.next_document, progress.next_token
     try:
         for tokens in _encoded(spec, tokenizer, dtype, progress.next_document, workers, storage_options):
-            tokens = tokens[skip:]
-            skip = 0
-            used = 0
+            # Resuming inside a document: its first `skip` tokens are in the shards already.
+            used, skip = skip, 0
             while used < len(tokens):
                 take = min(spec.shard_tokens - filled, len(tokens) - used)
                 buffer[filled:filled + take] = tokens[used:used + take]

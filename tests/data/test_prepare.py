@@ -163,3 +163,32 @@ def test_restart_with_other_arguments_is_refused(tmp_path, capsys):
     code, err = _cli(capsys, "data", "prepare", str(tmp_path / "a.txt"), "--out", str(out), "--tokenizer", "bytes",
                      "--shard-tokens", "4", "--workers", "0")
     assert code == 2 and "unfinished prepare with other arguments" in err
+
+
+def test_resume_inside_a_document_spanning_many_shards(tmp_path, monkeypatch):
+    """Crashes every third shard while cutting two long documents: restarts land deep inside a
+    document (past its first shard), and the output still equals an uninterrupted prepare."""
+    import harness.data.prepare as prepare_module
+
+    (tmp_path / "long.txt").write_text("".join(f"line {i} of one long document\n" for i in range(60)))
+    spec = PrepareSpec((str(tmp_path / "long.txt"), str(tmp_path / "long.txt")), "bytes", shard_tokens=97)
+    prepare(spec, str(tmp_path / "reference"))
+    write_shard = prepare_module._write_shard
+    offsets = []
+    for _ in range(6):
+        calls = []
+
+        def crashing(*args, **kwargs):
+            write_shard(*args, **kwargs)
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt("simulated crash")
+
+        monkeypatch.setattr(prepare_module, "_write_shard", crashing)
+        with pytest.raises(KeyboardInterrupt):
+            prepare(spec, str(tmp_path / "resumed"))
+        offsets.append(json.loads((tmp_path / "resumed" / STATE_NAME).read_text())["next"][1])
+    assert max(offsets) > 2 * 97, offsets  # resumed inside a document, beyond its second shard
+    monkeypatch.setattr(prepare_module, "_write_shard", write_shard)
+    prepare(spec, str(tmp_path / "resumed"))
+    assert _files(tmp_path / "resumed") == _files(tmp_path / "reference")

@@ -1,0 +1,105 @@
+"""From the `[data]` config to the train and eval sample sources, their vocabulary and identity.
+
+Three kinds of data:
+- `data.url` (or nothing: the built-in corpus): a text file's bytes, vocabulary 256. The
+  quickstart's path, unchanged.
+- `data.sources = [{url, weight}, ...]`: prepared token-shard datasets (`harness data prepare`),
+  mixed by weight (mixture.py). Start-up reads each `index.json` and nothing else. Every source
+  must come from the same tokenizer (the ids would mean different things otherwise). Each
+  source's last `eval_fraction` of documents is held out (document_split.py); the eval set is
+  the mixture of those, read in one fixed shuffled order (so a short evaluation sees every
+  source).
+- `data.factory`: the user's own map-style sources (factory.py).
+
+`identity` is what a checkpoint records about the data beyond the config's math keys: for
+sources, each index's sha256 and weight in order (the URL may change: a dataset copied to
+another bucket is the same dataset). Resuming on data with another identity is refused, the
+difference named (`identity_changes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.data.dataset import SampleSource, TokenDataset
+from harness.data.document_split import split_by_document
+from harness.data.factory import build_user_data
+from harness.data.mixture import Mixture
+from harness.data.order import epoch_permutation
+from harness.data.prng import derive_seed
+from harness.data.shard_reader import ShardReader
+from harness.errors import UserError
+
+_EVAL_ORDER_SALT = 0x4556414C  # "EVAL"
+
+
+@dataclass(frozen=True)
+class TrainData:
+    train: SampleSource
+    eval: SampleSource
+    vocab_size: int | None  # None: byte text (the model's default 256), or a user dataset that does not say
+    identity: dict[str, Any] | None  # None: the config's keys are the identity (byte text, user factory)
+
+
+def open_data(data_cfg: Any, seed: int) -> TrainData:
+    """The datasets `data_cfg` (a `DataSection`) names. Raises UserError for missing or
+    inconsistent datasets."""
+    if data_cfg.factory is not None:
+        train, held_out = build_user_data(data_cfg.factory, data_cfg.args, data_cfg.seq_len, seed)
+        identity = getattr(train, "identity", None)
+        return TrainData(train, held_out, getattr(train, "vocab_size", None),
+                         {"factory": identity()} if identity is not None else None)
+    if not data_cfg.sources:
+        dataset = TokenDataset.from_url(data_cfg.url, data_cfg.seq_len, data_cfg.storage_options)
+        train, held_out = dataset.split(data_cfg.eval_fraction)
+        return TrainData(train, held_out, None, None)  # the model's default vocabulary is the bytes
+    readers = [ShardReader.open(s.url, s.storage_options or data_cfg.storage_options or None, data_cfg.hash_check)
+               for s in data_cfg.sources]
+    tokenizers = {r.index.tokenizer["sha256"] for r in readers}
+    if len(tokenizers) > 1:
+        raise UserError(f"data.sources come from {len(tokenizers)} different tokenizers "
+                        f"({', '.join(s.url for s in data_cfg.sources)}); prepare every source with the same one")
+    splits = [split_by_document(r, data_cfg.seq_len, data_cfg.eval_fraction) for r in readers]
+    weights = [s.weight for s in data_cfg.sources]
+    train = Mixture([t for t, _ in splits], weights, seed)
+    held_out = Mixture([e for _, e in splits], weights, seed)
+    order = epoch_permutation(derive_seed(seed, _EVAL_ORDER_SALT), 0, held_out.num_samples)
+    identity = {"sources": [{"index_sha256": r.index.sha256, "weight": w} for r, w in zip(readers, weights)]}
+    return TrainData(train, Reordered(held_out, order), readers[0].index.vocab_size, identity)
+
+
+def identity_changes(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[str]:
+    """What differs between a checkpoint's data identity and this run's, one phrase each."""
+    if saved == current:
+        return []
+    before, after = (saved or {}).get("sources", []), (current or {}).get("sources", [])
+    if len(before) != len(after):
+        return [f"{len(before)} data sources in the checkpoint, {len(after)} now"]
+    changes = []
+    for n, (b, a) in enumerate(zip(before, after)):
+        if b["index_sha256"] != a["index_sha256"]:
+            changes.append(f"data.sources[{n}] index sha256 {b['index_sha256'][:12]} -> {a['index_sha256'][:12]}")
+        if b["weight"] != a["weight"]:
+            changes.append(f"data.sources[{n}] weight {b['weight']} -> {a['weight']}")
+    return changes or ["the data identity"]
+
+
+class Reordered:
+    """`dataset` read in the order `order` (a permutation of its slots)."""
+
+    def __init__(self, dataset: Mixture, order: torch.Tensor) -> None:
+        self.dataset = dataset
+        self.order = order
+        self.num_samples = dataset.num_samples
+
+    def sample_id(self, index: int) -> int:
+        return self.dataset.sample_id(int(self.order[index]))
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dataset[int(self.order[index])]
+
+    def windows(self, indices: list[int]) -> torch.Tensor:
+        return self.dataset.windows([int(self.order[i]) for i in indices])
