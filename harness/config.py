@@ -50,6 +50,7 @@ class DataSection(Section):
 
     url: str | None = Field(None, description="fsspec URL or path of a text file (byte tokens); unset = the built-in corpus (no download). Not together with `sources`.")
     sources: list[DataSource] = Field(default_factory=list, description="Token-shard datasets mixed by weight, e.g. [{url = \"data/a\", weight = 0.7}, {url = \"s3://b/c\", weight = 0.3}]; empty = the byte-text `url`. Their index hashes and weights are recorded in every checkpoint, and resuming on other data is refused.")
+    eval_sources: list[DataSource] = Field(default_factory=list, description="Token-shard datasets to evaluate on, read whole (same tokenizer as sources); then training uses every document of the sources. Empty = hold out the last eval_fraction of each source's documents.")
     factory: str | None = Field(None, description="`package.module:function` of your own dataset: called with `args` plus seq_len and seed, it returns (train, eval) map-style sample sources (contract: harness/data/factory.py). Not together with url or sources.")
     args: dict[str, Any] = Field(default_factory=dict, description="Arguments for data.factory.")
     hash_check: Literal["off", "first-open", "always"] = Field("first-open", description="sha256 of a shard against its index: never, the first time it is opened, or every time a process opens it (sizes are always checked).")
@@ -63,6 +64,8 @@ class DataSection(Section):
     def _one_kind(self) -> DataSection:
         kinds = [name for name, set_ in (("url", self.url is not None), ("sources", bool(self.sources)),
                                           ("factory", self.factory is not None)) if set_]
+        if self.eval_sources and not self.sources:
+            raise ValueError("eval_sources needs sources (token shards to train on)")
         if len(kinds) > 1:
             raise ValueError(f"set one of url (a text file), sources (token shards) or factory (your dataset), "
                              f"not {' and '.join(kinds)}")
@@ -157,7 +160,7 @@ def _redact(tree: Any) -> Any:
 # holds URLs, which may move; what the numbers depend on (each index's sha256 and the weights) is
 # recorded and checked as the data identity instead (harness/data/sources.py).
 FREE_FIELDS = ("run_dir", "log_dir", "checkpoint", "debug", "data.num_workers", "data.storage_options",
-               "data.url", "data.sources", "data.hash_check", "train.eval_every", "train.eval_batches",
+               "data.url", "data.sources", "data.eval_sources", "data.hash_check", "train.eval_every", "train.eval_batches",
                "train.log_every", "train.device",
                "train.fingerprint_every", "train.on_divergence", "train.unregistered_state")
 

@@ -8,7 +8,8 @@ Three kinds of data:
   must come from the same tokenizer (the ids would mean different things otherwise). Each
   source's last `eval_fraction` of documents is held out (document_split.py); the eval set is
   the mixture of those, read in one fixed shuffled order (so a short evaluation sees every
-  source).
+  source); or, with `data.eval_sources`, evaluation reads those datasets whole and training
+  every document of the sources.
 - `data.factory`: the user's own map-style sources (factory.py).
 
 `identity` is what a checkpoint records about the data beyond the config's math keys: for
@@ -56,19 +57,30 @@ def open_data(data_cfg: Any, seed: int) -> TrainData:
         dataset = TokenDataset.from_url(data_cfg.url, data_cfg.seq_len, data_cfg.storage_options)
         train, held_out = dataset.split(data_cfg.eval_fraction)
         return TrainData(train, held_out, None, None)  # the model's default vocabulary is the bytes
-    readers = [ShardReader.open(s.url, s.storage_options or data_cfg.storage_options or None, data_cfg.hash_check)
-               for s in data_cfg.sources]
-    tokenizers = {r.index.tokenizer["sha256"] for r in readers}
+    readers = _readers(data_cfg.sources, data_cfg)
+    eval_readers = _readers(data_cfg.eval_sources, data_cfg)
+    tokenizers = {r.index.tokenizer["sha256"] for r in readers + eval_readers}
     if len(tokenizers) > 1:
-        raise UserError(f"data.sources come from {len(tokenizers)} different tokenizers "
-                        f"({', '.join(s.url for s in data_cfg.sources)}); prepare every source with the same one")
-    splits = [split_by_document(r, data_cfg.seq_len, data_cfg.eval_fraction) for r in readers]
+        urls = [s.url for s in data_cfg.sources + data_cfg.eval_sources]
+        raise UserError(f"data.sources / eval_sources come from {len(tokenizers)} different tokenizers "
+                        f"({', '.join(urls)}); prepare every source with the same one")
     weights = [s.weight for s in data_cfg.sources]
-    train = Mixture([t for t, _ in splits], weights, seed)
-    held_out = Mixture([e for _, e in splits], weights, seed)
+    if eval_readers:  # evaluation has its own datasets: train on every document of the sources
+        train = Mixture([TokenDataset(r, data_cfg.seq_len) for r in readers], weights, seed)
+        held_out = Mixture([TokenDataset(r, data_cfg.seq_len) for r in eval_readers],
+                           [s.weight for s in data_cfg.eval_sources], seed)
+    else:
+        splits = [split_by_document(r, data_cfg.seq_len, data_cfg.eval_fraction) for r in readers]
+        train = Mixture([t for t, _ in splits], weights, seed)
+        held_out = Mixture([e for _, e in splits], weights, seed)
     order = epoch_permutation(derive_seed(seed, _EVAL_ORDER_SALT), 0, held_out.num_samples)
     identity = {"sources": [{"index_sha256": r.index.sha256, "weight": w} for r, w in zip(readers, weights)]}
     return TrainData(train, Reordered(held_out, order), readers[0].index.vocab_size, identity)
+
+
+def _readers(specs: list[Any], data_cfg: Any) -> list[ShardReader]:
+    return [ShardReader.open(s.url, s.storage_options or data_cfg.storage_options or None, data_cfg.hash_check)
+            for s in specs]
 
 
 def identity_changes(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> list[str]:

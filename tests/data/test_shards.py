@@ -173,6 +173,21 @@ def test_sources_of_different_tokenizers_are_refused(two_sources, tmp_path):
     cfg = load_config(TINY, [f'data.sources=[{{url = "{two_sources[0]}"}}, {{url = "{bpe}"}}]', "data.seq_len=8"])
     with pytest.raises(UserError, match="2 different tokenizers"):
         open_data(cfg.data, 0)
+    cfg = load_config(TINY, [f'data.sources=[{{url = "{two_sources[0]}"}}]', f'data.eval_sources=[{{url = "{bpe}"}}]'])
+    with pytest.raises(UserError, match="2 different tokenizers"):
+        open_data(cfg.data, 0)
+
+
+def test_eval_sources_are_read_whole_and_training_keeps_every_document(two_sources):
+    a, b = two_sources
+    cfg = load_config(TINY, [f'data.sources=[{{url = "{a}"}}]', f'data.eval_sources=[{{url = "{b}"}}]',
+                             "data.seq_len=8"])
+    data = open_data(cfg.data, 0)
+    assert data.train.num_samples == (len(flat_tokens(a)) - 1) // 8
+    assert data.eval.num_samples == (len(flat_tokens(b)) - 1) // 8
+    assert {data.eval.sample_id(i) for i in range(data.eval.num_samples)} == set(range(data.eval.num_samples))
+    with pytest.raises(UserError, match="eval_sources needs sources"):
+        load_config(TINY, [f'data.eval_sources=[{{url = "{b}"}}]'])
 
 
 @pytest.mark.parametrize("workers", [0, 2])
