@@ -217,3 +217,26 @@ def test_eval_is_held_out_by_document(two_sources):
     assert b"35" not in text  # the last training document
     with pytest.raises(UserError, match="leaves no training or no eval documents"):
         split_by_document(reader, SEQ, 0.999)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_mixture_stream_resumes_across_epochs_in_o1(two_sources, workers):
+    """Cursor saved at every step over two epochs of a 0.8/0.2 mixture; a fresh stream loaded
+    from it delivers exactly the batches the continuous one did (sample ids and tokens)."""
+    a, b = (TokenDataset(ShardReader.open(u), SEQ) for u in two_sources)
+    mix = Mixture([a, b], [0.8, 0.2], seed=9)
+    continuous = BatchStream(mix, 6, seed=9, num_workers=workers)
+    steps = 2 * (mix.num_samples // 6) + 2
+    cursors, batches = [], []
+    for _ in range(steps):
+        cursors.append(continuous.state_dict())
+        batches.append(next(continuous))
+    assert batches[-1].epoch == 2
+    for k in (1, steps // 2 + 1, steps - 3):
+        resumed = BatchStream(Mixture([a, b], [0.8, 0.2], seed=9), 6, seed=9, num_workers=workers)
+        resumed.load_state_dict(cursors[k])
+        for expected in batches[k:k + 3]:
+            got = next(resumed)
+            assert torch.equal(got.sample_ids, expected.sample_ids) and torch.equal(got.x, expected.x)
+        resumed.close()
+    continuous.close()
