@@ -54,6 +54,7 @@ class ShardReader:
         self._checked: set[int] = set()
         self._loc: Location | None = None
         self._files: OrderedDict[int, int] = OrderedDict()  # shard -> open descriptor, least recent first
+        self._pid = os.getpid()  # whose `_loc` and `_files` they are
 
     @classmethod
     def open(cls, url: str, storage_options: dict | None = None, hash_check: HashCheck = "first-open") -> ShardReader:
@@ -65,7 +66,7 @@ class ShardReader:
         return self.offsets[-1]
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__, _loc=None, _files=OrderedDict())
+        state = dict(self.__dict__, _loc=None, _files=OrderedDict(), _pid=None)
         if self.hash_check == "always":
             state["_checked"] = set()
         return state
@@ -108,6 +109,11 @@ class ShardReader:
         return out
 
     def _location(self) -> Location:
+        if self._pid != os.getpid():
+            # A forked DataLoader worker inherits the parent's reader (no pickling under fork):
+            # the S3 filesystem's event loop is not fork-safe, and the descriptors are the parent's.
+            self.close()
+            self._loc, self._pid = None, os.getpid()
         if self._loc is None:
             self._loc = open_location(self.url, self.storage_options)
         return self._loc
@@ -124,6 +130,7 @@ class ShardReader:
 
     def _descriptor(self, shard: int) -> int:
         """An open descriptor of a local shard; at most `OPEN_FILES` stay open (least recent closed)."""
+        self._location()  # a forked process drops the parent's descriptors first
         fd = self._files.pop(shard, None)
         if fd is None:
             fd = os.open(self._location().join(self.index.shards[shard].name), os.O_RDONLY)

@@ -240,3 +240,24 @@ def test_mixture_stream_resumes_across_epochs_in_o1(two_sources, workers):
             assert torch.equal(got.sample_ids, expected.sample_ids) and torch.equal(got.x, expected.x)
         resumed.close()
     continuous.close()
+
+
+def _read_in_child(reader: ShardReader, queue) -> None:
+    queue.put((reader.read_windows([0, 90], 20).tolist(), reader._pid))
+
+
+def test_a_forked_process_reopens_what_the_parent_had_open(two_sources):
+    """DataLoader workers are forked, not handed a pickle: the reader must not use the parent's
+    descriptors or filesystem (s3fs refuses its parent's event loop: tests/s3)."""
+    import multiprocessing
+    import os
+
+    reader = ShardReader.open(two_sources[0])
+    expected = reader.read_windows([0, 90], 20).tolist()
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_read_in_child, args=(reader, queue))
+    child.start()
+    got, child_pid = queue.get(timeout=60)
+    child.join(60)
+    assert got == expected and child_pid not in (None, os.getpid()) and reader._pid == os.getpid()
