@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import os
 import sys
 
 from harness.checkpoint.cli import storage_option_parser, storage_options_of
@@ -66,8 +65,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="text inputs: one document per file, or per non-empty line (default: file)")
     p.add_argument("--eod", default=EOD_TOKEN, help=f"the token that ends each document (default {EOD_TOKEN})")
     p.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard (default 16777216)")
-    p.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
-                   help="tokenizer worker processes (0: tokenize in this process)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="tokenizer worker processes (default 0: in this process, where the tokenizer runs "
+                        "its own threads; processes pay off on many cores with a slow tokenizer)")
     p.set_defaults(func=cmd_prepare)
     p = commands.add_parser("verify", parents=[storage], help="check every shard's size and sha256 against the index")
     p.add_argument("url", metavar="URL")
