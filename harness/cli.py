@@ -21,6 +21,7 @@ from harness.log import configure
 COMMAND_MODULES = (
     "harness.train_cli",
     "harness.checkpoint.cli",
+    "harness.data.cli",
     "harness.supervisor_cli",
     "harness.report_cli",
     "harness.torture",

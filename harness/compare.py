@@ -99,7 +99,9 @@ def summarize(run_dir: str) -> ArmSummary:
     evals = [r for r in records if "eval_loss" in r]
     start = min([float(e["time"]) for e in events[:1]] + [float(r["time"]) for r in train[:1]], default=0.0)
     data, steps_cfg = config.get("data", {}), config.get("train", {})
-    tokens_per_step = data.get("batch_size", 0) * data.get("seq_len", 0) * steps_cfg.get("grad_accum", 1)
+    # With train.global_batch the config's batch_size x grad_accum may not be what ran (one is derived).
+    samples_per_step = steps_cfg.get("global_batch") or data.get("batch_size", 0) * steps_cfg.get("grad_accum", 1)
+    tokens_per_step = samples_per_step * data.get("seq_len", 0)
     rated = [r for r in train if r.get("tokens_per_s")]
     timed = [r for r in rated if r.get("optim_s") is not None]  # runs from before optim_s have none
     step_s = sum(tokens_per_step / r["tokens_per_s"] for r in timed)

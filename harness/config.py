@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from harness.errors import UserError
 from harness.models import DEFAULT_FACTORY
@@ -37,15 +37,40 @@ class ModelSection(Section):
     args: dict[str, Any] = Field(default_factory=dict, description="Arguments for the factory (for the built-in GPT: n_layer, n_head, d_model, dropout, seq_len, vocab_size).")
 
 
-class DataSection(Section):
-    """The token stream: byte-level tokens from a text file at any fsspec URL."""
+class DataSource(Section):
+    """One prepared token-shard dataset (`harness data prepare`) and its share of the mixture."""
 
-    url: str | None = Field(None, description="fsspec URL or path of a text file; unset = the built-in corpus (no download).")
+    url: str = Field(description="Local path or fsspec URL of the dataset folder (the one holding index.json).")
+    weight: float = Field(1.0, gt=0, description="Relative share of this source in every epoch (harness/data/mixture.py).")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options for this source; unset = data.storage_options.")
+
+
+class DataSection(Section):
+    """The token stream: byte-level tokens from a text file at any fsspec URL, or prepared
+    token shards (`sources`)."""
+
+    url: str | None = Field(None, description="fsspec URL or path of a text file (byte tokens); unset = the built-in corpus (no download). Not together with `sources`.")
+    sources: list[DataSource] = Field(default_factory=list, description="Token-shard datasets mixed by weight, e.g. [{url = \"data/a\", weight = 0.7}, {url = \"s3://b/c\", weight = 0.3}]; empty = the byte-text `url`. Their index hashes and weights are recorded in every checkpoint, and resuming on other data is refused.")
+    eval_sources: list[DataSource] = Field(default_factory=list, description="Token-shard datasets to evaluate on, read whole (same tokenizer as sources); then training uses every document of the sources. Empty = hold out the last eval_fraction of each source's documents.")
+    factory: str | None = Field(None, description="`package.module:function` of your own dataset: called with `args` plus seq_len and seed, it returns (train, eval) map-style sample sources (contract: harness/data/factory.py). Not together with url or sources.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Arguments for data.factory.")
+    hash_check: Literal["off", "first-open", "always"] = Field("first-open", description="sha256 of a shard against its index: never, the first time it is opened, or every time a process opens it (sizes are always checked).")
     seq_len: int = Field(64, gt=0, description="Tokens per sample (the model sees seq_len tokens and predicts the next of each).")
     batch_size: int = Field(16, gt=0, description="Samples per micro-batch (per rank).")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes; the data order does not depend on it.")
     eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Fraction of the windows held out for evaluation.")
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options for `url`.")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options for `url` (and every source without its own).")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> DataSection:
+        kinds = [name for name, set_ in (("url", self.url is not None), ("sources", bool(self.sources)),
+                                          ("factory", self.factory is not None)) if set_]
+        if self.eval_sources and not self.sources:
+            raise ValueError("eval_sources needs sources (token shards to train on)")
+        if len(kinds) > 1:
+            raise ValueError(f"set one of url (a text file), sources (token shards) or factory (your dataset), "
+                             f"not {' and '.join(kinds)}")
+        return self
 
 
 class TrainSection(Section):
@@ -54,6 +79,7 @@ class TrainSection(Section):
     steps: int = Field(200, gt=0, description="Optimizer steps of the whole run.")
     seed: int = Field(0, description="Seed of model init, dropout and the data order.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
+    global_batch: int | None = Field(None, gt=0, description="Samples per optimizer step over all ranks: data.batch_size x grad_accum x world size must equal it. The one of batch_size / grad_accum not set in the config is derived from it (grad_accum when neither is), so the batch stays the same for any number of ranks; unset = batch_size x grad_accum x world size.")
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value; unset = no clipping.")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Autocast dtype for forward/backward; fp16 uses a saved grad scaler.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train; auto = cuda when available.")
@@ -134,12 +160,37 @@ def _redact(tree: Any) -> Any:
     return tree
 
 
-# Keys that may change between restarts of one run without changing its numbers.
-# `data.url` is not among them: the data's identity (URL and content fingerprint, harness.data.identity)
-# is part of the math.
+# Keys that may change between restarts of one run without changing its numbers. `data.url` is not
+# among them (a text file's URL is part of its identity); `data.sources` holds URLs of token shards,
+# which may move: what the numbers depend on (each index's sha256 and the weights) is recorded and
+# checked as the data identity instead (harness/data/identity.py, harness/data/sources.py).
 FREE_FIELDS = ("run_dir", "log_dir", "checkpoint", "debug", "data.num_workers", "data.storage_options",
-               "train.eval_every", "train.eval_batches", "train.log_every", "train.device", "train.cpu_threads",
+               "data.sources", "data.eval_sources", "data.hash_check", "train.eval_every", "train.eval_batches",
+               "train.log_every", "train.device", "train.cpu_threads",
                "train.fingerprint_every", "train.on_divergence", "train.unregistered_state")
+
+
+def batch_shape(cfg: RunConfig, world_size: int) -> tuple[int, int]:
+    """(data.batch_size, train.grad_accum) for `world_size` ranks. With `train.global_batch` set,
+    the one of the two the config leaves unset is derived (grad_accum when both are unset);
+    raises UserError when global_batch != batch_size x grad_accum x world_size."""
+    batch_size, accum, target = cfg.data.batch_size, cfg.train.grad_accum, cfg.train.global_batch
+    if target is None:
+        return batch_size, accum
+    accum_set = "grad_accum" in cfg.train.model_fields_set
+    batch_set = "batch_size" in cfg.data.model_fields_set
+    if not accum_set:
+        accum, left = divmod(target, batch_size * world_size)
+    elif not batch_set:
+        batch_size, left = divmod(target, accum * world_size)
+    else:
+        left = target - batch_size * accum * world_size
+    if left or accum < 1 or batch_size < 1 or batch_size * accum * world_size != target:
+        raise UserError(
+            f"train.global_batch = {target} is not data.batch_size ({batch_size}) x train.grad_accum ({accum}) x "
+            f"world size ({world_size}); choose a global_batch divisible by batch_size x world size, or leave "
+            f"one of batch_size / grad_accum unset so it is derived")
+    return batch_size, accum
 
 
 def math_fields(cfg: RunConfig) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from harness.checkpoint.mirror import LocalFirstStore
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR, Verify, folder_name, skipped
 from harness.config import RunConfig, config_changes, public_config
-from harness.data import data_identity
+from harness.data.sources import identity_changes, open_data
 from harness.errors import UserError
 from harness.events import EventLog
 from harness.fingerprint import fingerprint_fields
@@ -105,18 +105,19 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
     for the next, since the damaged one was already partly streamed into it. A checkpoint that
     is intact but does not fit (another model width) is an error, never skipped."""
     restore_s = 0.0
+    data = open_data(cfg.data, cfg.train.seed)  # read once: every candidate is checked against it
     for ref in candidates:
         t0 = time.perf_counter()
         trainer = None
         try:
             saved = source.read_state(ref)
-            changes = check_compatible(saved["meta"], cfg, allow_config_change)
+            changes = check_compatible(saved["meta"], cfg, allow_config_change, data.identity)
             if saved["meta"].get("finished") and ref.step >= cfg.train.steps:
                 log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
                 print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
                 return None
             restore_s += time.perf_counter() - t0
-            trainer = Trainer(cfg, rank=distributed.rank(), world_size=distributed.world())
+            trainer = Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data)
             t0 = time.perf_counter()
             load_checkpoint(source, ref, trainer.state.parts(), verify=verify)
             return trainer, ref, restore_s + time.perf_counter() - t0, changes
@@ -132,7 +133,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             restore_s += time.perf_counter() - t0
     if candidates:
         raise all_damaged(cfg, candidates)
-    return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world()), None, restore_s, {}
+    return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data), None, restore_s, {}
 
 
 def all_damaged(cfg: RunConfig, damaged: list[CheckpointRef]) -> UserError:
@@ -224,15 +225,12 @@ def checkpoint_at(url: str, storage_options: dict[str, Any]) -> tuple[Checkpoint
     return source, ref
 
 
-def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: bool) -> dict[str, tuple[Any, Any]]:
-    """The math keys changed since the checkpoint (`config_changes`); raises UserError when there
-    are any and `allow_config_change` is off."""
+def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: bool,
+                     data_identity: dict[str, Any] | None) -> dict[str, tuple[Any, Any]]:
+    """The math keys changed since the checkpoint (`config_changes`) and what differs in the data's
+    identity (`identity_changes`); raises UserError when there are any and `allow_config_change` is off."""
     changed = config_changes(meta["config"], cfg)
-    saved_data = meta.get("data")  # absent in checkpoints written before the data identity was recorded
-    if saved_data is not None:
-        now = data_identity(cfg.data.url, cfg.data.storage_options)
-        if any(saved_data.get(k) != v for k, v in now.items() if k != "url"):
-            changed["data content"] = (f"{saved_data.get('size')} bytes", f"{now['size']} bytes, or other first/last bytes")
+    changed.update(identity_changes(meta.get("data"), data_identity))
     if changed and not allow_config_change:
         raise UserError(f"the config changes the math of the run in {cfg.run_dir}: {', '.join(changed)} differ "
                         f"from the checkpoint; restore them, use a new --run-dir, or pass --allow-config-change")
@@ -252,7 +250,7 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: 
 
 
 def write_run_json(cfg: RunConfig, trainer: Trainer) -> None:
-    doc = {"config": public_config(cfg), "data": trainer.data_identity,
+    doc = {"config": public_config(cfg), "data": trainer.data.identity,
            "environment": environment_fingerprint(trainer.device)}
     try:
         # Through the store's filesystem: bounded retries that never draw from the global RNG.
@@ -332,6 +330,7 @@ class Loop:
     def record(self, r) -> None:
         self.metrics.write({"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
                             "tokens_per_s": r.tokens / r.seconds if r.seconds else None, "optim_s": r.optim_seconds,
+                            "data_s": r.data_seconds,
                             "time": time.time(), **fingerprint_fields(r.fingerprint)})
         if r.step % self.cfg.train.log_every == 0 or r.step == self.cfg.train.steps:
             log.info("step", step=r.step, loss=round(r.loss, 4), grad_norm=round(r.grad_norm, 3))
@@ -361,7 +360,7 @@ class Loop:
         TrainingDiverged instead (every save goes through here: cadence, final, preemption)."""
         self.trainer.check_finite_state()
         step = self.trainer.step
-        meta = {"config": public_config(self.cfg), "data": self.trainer.data_identity,
+        meta = {"config": public_config(self.cfg), "data": self.trainer.data.identity,
                 "finished": self.trainer.counters.finished, "environment": environment_fingerprint(self.trainer.device)}
         if self.saver is None:
             t0 = time.perf_counter()

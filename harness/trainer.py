@@ -21,8 +21,9 @@ from typing import Any, Literal
 import torch
 
 from harness import distributed, numerics
-from harness.config import RunConfig
-from harness.data import BatchStream, TokenDataset, data_identity, eval_batches
+from harness.config import RunConfig, batch_shape
+from harness.data import BatchStream, eval_batches
+from harness.data.sources import TrainData, open_data
 from harness.data.prng import derive_seed
 from harness.buffer_probe import BufferProbe, non_persistent_buffers
 from harness.completeness import check_buffers, check_registered
@@ -56,6 +57,7 @@ class StepResult:
     tokens: int
     seconds: float
     optim_seconds: float  # unscale, clip, optimizer and scheduler step, zero_grad (part of `seconds`)
+    data_seconds: float = 0.0  # waiting for the next batch from the data stream (part of `seconds`)
     fingerprint: dict[str, Any] | None = None  # harness.fingerprint record of this step
 
 
@@ -70,9 +72,12 @@ def resolve_device(name: str) -> torch.device:
 class Trainer:
     """Builds model, optimizer bundle, data stream, RNG and scaler from a config; runs steps."""
 
-    def __init__(self, cfg: RunConfig, *, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(self, cfg: RunConfig, *, rank: int = 0, world_size: int = 1, data: TrainData | None = None) -> None:
+        """`data`: the datasets, when the caller opened them already (`open_data`)."""
         self.cfg = cfg
         self.world_size = world_size
+        self.batch_size, self.grad_accum = batch_shape(cfg, world_size)
+        self.data = data if data is not None else open_data(cfg.data, cfg.train.seed)
         self.device = resolve_device(cfg.train.device)
         if self.device.type == "cuda" and world_size > 1:
             self.device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, set by the process group
@@ -80,6 +85,12 @@ class Trainer:
         seed_everything(cfg.train.seed)
 
         model_args = {"seq_len": cfg.data.seq_len, **cfg.model.args}
+        if self.data.vocab_size is not None:  # token shards (their tokenizer), or a user dataset that says
+            model_args.setdefault("vocab_size", self.data.vocab_size)
+            if model_args["vocab_size"] < self.data.vocab_size:
+                raise UserError(
+                    f"model.args.vocab_size = {model_args['vocab_size']} does not cover the data's vocabulary "
+                    f"({self.data.vocab_size} ids): raise it to at least {self.data.vocab_size}, or leave it unset")
         self.model = load_factory(cfg.model.factory)(model_args).to(self.device)
         self.optim, self.sched = build_bundle(cfg.optim, self.model, total_steps=cfg.train.steps)
         # Forward and backward go through `self.net`: the DDP wrapper, whose backward all-reduces
@@ -94,10 +105,8 @@ class Trainer:
             seed_everything(derive_seed(cfg.train.seed, rank))
         self.batch_hook: Callable[[int, Any], None] | None = None  # debug.sample_log
 
-        dataset = TokenDataset.from_url(cfg.data.url, cfg.data.seq_len, cfg.data.storage_options)
-        self.data_identity = data_identity(cfg.data.url, cfg.data.storage_options)  # recorded with every checkpoint
-        self.train_set, self.eval_set = dataset.split(cfg.data.eval_fraction)
-        self.stream = BatchStream(self.train_set, cfg.data.batch_size, cfg.train.seed, rank=rank,
+        self.train_set, self.eval_set = self.data.train, self.data.eval
+        self.stream = BatchStream(self.train_set, self.batch_size, cfg.train.seed, rank=rank,
                                   world_size=world_size, num_workers=cfg.data.num_workers)
 
         amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
@@ -128,13 +137,16 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step over `grad_accum` micro-batches. Raises TrainingDiverged on NaN/inf."""
         t0 = time.perf_counter()
-        accum = self.cfg.train.grad_accum
+        accum = self.grad_accum
         self.model.train()
         total = torch.zeros((), device=self.device)
         tokens = 0
         sample_ids = []
+        data_s = 0.0
         for i in range(accum):
+            t_data = time.perf_counter()
             batch = next(self.stream)
+            data_s += time.perf_counter() - t_data
             if self.batch_hook is not None:
                 self.batch_hook(self.step + 1, batch)
             sample_ids.append(batch.sample_ids)
@@ -167,8 +179,19 @@ class Trainer:
         t_end = time.perf_counter()
         self.counters.record(loss_value, tokens)
         lr = self.sched.get_last_lr()
-        fingerprint = self.fingerprints.take(self.step, loss_value, {"sample_ids": torch.cat(sample_ids)}, lr)
-        return StepResult(self.step, loss_value, grad_norm, lr, tokens, t_end - t0, t_end - t_optim, fingerprint)
+        fingerprint = self.fingerprints.take(self.step, loss_value, {"sample_ids": self._global_ids(sample_ids)}, lr)
+        return StepResult(self.step, loss_value, grad_norm, lr, tokens, t_end - t0, t_end - t_optim,
+                          fingerprint=fingerprint, data_seconds=data_s)
+
+    def _global_ids(self, per_micro_batch: list[torch.Tensor]) -> torch.Tensor:
+        """The sample ids of the whole global batch in cursor order, the same for any world size:
+        micro-batch by micro-batch, rank r's row b is global position b * world + r (order.py)."""
+        if self.world_size == 1:
+            return torch.cat(per_micro_batch)
+        ids = torch.stack(per_micro_batch).to(self.device)  # [accum, batch]; NCCL gathers on the GPU
+        gathered = [torch.empty_like(ids) for _ in range(self.world_size)]
+        torch.distributed.all_gather(gathered, ids)
+        return torch.stack(gathered, dim=2).reshape(-1).cpu()  # [accum, batch, world] -> cursor order
 
     def _check_buffers(self) -> None:
         """After the watched first forward, before its backward: apply the completeness policy to
@@ -226,7 +249,7 @@ class Trainer:
         """Mean loss over a fixed set of held-out batches; draws no random numbers."""
         self.model.eval()
         losses = []
-        for batch in eval_batches(self.eval_set, self.cfg.data.batch_size, self.cfg.train.eval_batches):
+        for batch in eval_batches(self.eval_set, self.batch_size, self.cfg.train.eval_batches):
             with self._autocast():
                 _, loss = self.model(batch.x.to(self.device), batch.y.to(self.device))
             losses.append(float(loss))

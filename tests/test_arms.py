@@ -161,3 +161,17 @@ def _png_size(data: bytes) -> tuple[int, int]:
     assert crc == zlib.crc32(kind + body)
     assert data[-12:] == b"\x00\x00\x00\x00IEND\xaeB`\x82"
     return struct.unpack(">II", body[:8])
+
+
+def test_compare_counts_the_global_batch_when_it_is_set(tmp_path):
+    """With train.global_batch the config's batch_size x grad_accum is not what ran (one of them
+    is derived per world size); the optimizer share must use the global batch."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"config": {"data": {"batch_size": 4, "seq_len": 8},
+                                                         "train": {"grad_accum": 1, "global_batch": 16}}}))
+    # 16 samples x 8 tokens = 128 tokens per step at 64 tokens/s: 2 s per step, 0.5 s in the optimizer.
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0, "tokens_per_s": 64.0,
+                                                           "optim_s": 0.5, "time": float(s)}) + "\n"
+                                               for s in (1, 2)))
+    assert summarize(str(run)).optim_share == pytest.approx(0.25)

@@ -31,7 +31,15 @@ def _size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _options(args: argparse.Namespace) -> dict | None:
+def storage_option_parser() -> argparse.ArgumentParser:
+    """A parent parser adding `-o KEY=VALUE` (repeatable); read it back with `storage_options_of`."""
+    storage = argparse.ArgumentParser(add_help=False)
+    storage.add_argument("-o", "--storage-option", dest="storage_option", action="append", default=[],
+                         metavar="KEY=VALUE", help="a storage option, as in checkpoint.storage_options (repeatable)")
+    return storage
+
+
+def storage_options_of(args: argparse.Namespace) -> dict | None:
     """The `-o KEY=VALUE` storage options (dotted keys nest: `retry.deadline_s=30`)."""
     return apply_assignments({}, args.storage_option, "-o", "endpoint_url=http://127.0.0.1:9000") or None
 
@@ -63,7 +71,7 @@ def _checkpoint(url: str, options: dict | None) -> tuple[CheckpointStore, Checkp
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    store, ref = open_target(args.run_dir, _options(args))
+    store, ref = open_target(args.run_dir, storage_options_of(args))
     if ref is not None:
         raise CheckpointError(f"{args.run_dir} is a checkpoint; `harness ckpt ls` takes its run dir")
     refs, incomplete = store.list(), store.incomplete()
@@ -86,7 +94,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    return verify_target(args.target, _options(args))
+    return verify_target(args.target, storage_options_of(args))
 
 
 def verify_target(url: str, options: dict | None = None) -> int:
@@ -111,7 +119,7 @@ def verify_target(url: str, options: dict | None = None) -> int:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    store, ref = _checkpoint(args.checkpoint, _options(args))
+    store, ref = _checkpoint(args.checkpoint, storage_options_of(args))
     manifest, state = store.manifest(ref), store.read_state(ref)
     headers = store.tensor_headers(ref)
     print(f"checkpoint {ref.url}")
@@ -134,7 +142,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    lines, equal = diff_checkpoints(_checkpoint(args.a, _options(args)), _checkpoint(args.b, _options(args)))
+    lines, equal = diff_checkpoints(_checkpoint(args.a, storage_options_of(args)), _checkpoint(args.b, storage_options_of(args)))
     for line in lines:
         print(line)
     print("bitwise equal" if equal else "checkpoints differ")
@@ -142,11 +150,11 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    store, ref = open_target(args.run_dir, _options(args))
+    store, ref = open_target(args.run_dir, storage_options_of(args))
     if ref is not None:
         raise CheckpointError(f"{args.run_dir} is a checkpoint; `harness ckpt gc` takes its run dir")
     store = CheckpointStore(store.url, keep_last=args.keep_last, keep_every=args.keep_every,
-                            storage_options=_options(args))
+                            storage_options=storage_options_of(args))
     with store.lease(takeover=args.takeover):
         removed = store.gc()
     for url in removed:
@@ -158,9 +166,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("ckpt", help="inspect, verify and prune checkpoints", description=__doc__)
     commands = parser.add_subparsers(dest="ckpt_command", required=True, metavar="SUBCOMMAND")
-    storage = argparse.ArgumentParser(add_help=False)
-    storage.add_argument("-o", "--storage-option", dest="storage_option", action="append", default=[],
-                         metavar="KEY=VALUE", help="a storage option, as in checkpoint.storage_options (repeatable)")
+    storage = storage_option_parser()
     p = commands.add_parser("ls", parents=[storage], help="list checkpoints with sizes and whether they verify")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_ls)

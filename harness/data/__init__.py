@@ -3,7 +3,11 @@
 The order of batches is a pure function of (seed, epoch, position[, rank, world_size]) and the
 dataset size; a cursor `{"epoch", "position"}` resumes it in O(1). Modules, in reading order:
 
-- `dataset`: `TokenDataset`, byte tokens from any fsspec URL (or the built-in `corpus`).
+- `dataset`: `TokenDataset`, token windows: a text's bytes from any fsspec URL (or the built-in
+  `corpus`), or a `TokenStore` such as the shard reader.
+- `sources`: the `[data]` config -> train/eval sources: byte text, token shards mixed by weight
+  (`shard_index`, `shard_reader`, `integrity`, `mixture`, `document_split`), or a user `factory`.
+- `prepare`, `documents`, `tokenizers_spec`, `tokenize_worker`, `cli`: `harness data prepare|verify`.
 - `order`: the epoch permutation and how ranks split it.
 - `batch`: `Batch`, what the trainer receives, with the cursor it came from.
 - `stream`: `BatchStream`, the trainer's endless stream with its cursor `state_dict`.

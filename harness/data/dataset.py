@@ -1,11 +1,12 @@
-"""Byte-level token windows over a text read from any fsspec URL.
+"""Token windows: over a text's bytes read from any fsspec URL, or over prepared token shards.
 
-Tokens are the file's bytes (vocabulary `VOCAB_SIZE` = 256), held once as a uint8 tensor.
+Tokens are either the file's bytes (vocabulary `VOCAB_SIZE` = 256), held once as a uint8
+tensor, or a `TokenStore` such as `ShardReader` (shard_reader.py), which reads ranges on demand.
 Sample `i` is window `w = first_window + i`: tokens `[w*T, w*T + T + 1)` for `T = seq_len`,
 returned as int64 `x = window[:-1]`, `y = window[1:]`. Consecutive windows share one token (the
 last target of one is the first input of the next), so every token is predicted exactly once.
-A sample's id is its window index in the whole file, so a train and an eval split never share
-an id.
+A sample's id is its window index in the whole token stream, so a train and an eval split never
+share an id.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from harness.checkpoint.filesystem import open_filesystem
@@ -39,7 +41,9 @@ def data_errors(url: str) -> Iterator[None]:
 
 
 class SampleSource(Protocol):
-    """What `BatchStream` and `eval_batches` need from a dataset."""
+    """What `BatchStream` and `eval_batches` need from a dataset. Optional: `windows(indices)`
+    (a batch in one read, see `fetch_samples`) and `for_epoch(epoch)` (the view of one epoch,
+    for datasets whose slots map to samples per epoch, like `Mixture`)."""
 
     @property
     def num_samples(self) -> int: ...
@@ -49,17 +53,26 @@ class SampleSource(Protocol):
     def sample_id(self, index: int) -> int: ...
 
 
-class TokenDataset:
-    """Windows of `seq_len + 1` byte tokens; see the module docstring for the layout."""
+class TokenStore(Protocol):
+    """Tokens read on demand (`ShardReader`): how many there are, and ranges of them."""
 
-    def __init__(self, tokens: torch.Tensor, seq_len: int, first_window: int = 0, num_windows: int | None = None):
+    def __len__(self) -> int: ...
+
+    def read_windows(self, starts: list[int], length: int) -> np.ndarray: ...
+
+
+class TokenDataset:
+    """Windows of `seq_len + 1` tokens; see the module docstring for the layout."""
+
+    def __init__(self, tokens: torch.Tensor | TokenStore, seq_len: int, first_window: int = 0,
+                 num_windows: int | None = None):
         if seq_len < 1:
             raise UserError(f"seq_len must be >= 1, got {seq_len}")
-        total = (tokens.numel() - 1) // seq_len
+        total = (len(tokens) - 1) // seq_len
         if total < 1:
             raise UserError(
-                f"the text has {tokens.numel()} bytes, too short for one window of seq_len + 1 = {seq_len + 1}: "
-                "use a longer text or a smaller seq_len"
+                f"the data has {len(tokens)} tokens, too short for one window of seq_len + 1 = {seq_len + 1}: "
+                "use more data or a smaller seq_len"
             )
         self.tokens = tokens
         self.seq_len = seq_len
@@ -91,14 +104,22 @@ class TokenDataset:
         return self.num_samples
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(f"sample {index} outside [0, {self.num_samples})")
-        start = self.sample_id(index) * self.seq_len
-        window = self.tokens[start : start + self.seq_len + 1].long()
+        window = self.windows([index])[0]
         return window[:-1], window[1:]
 
     def sample_id(self, index: int) -> int:
         return self.first_window + index
+
+    def windows(self, indices: list[int]) -> torch.Tensor:
+        """The windows of samples `indices`, int64 [len, seq_len + 1]; a token store reads them
+        in one call (concurrent ranged reads when remote)."""
+        for index in indices:
+            if not 0 <= index < self.num_samples:
+                raise IndexError(f"sample {index} outside [0, {self.num_samples})")
+        starts = [self.sample_id(i) * self.seq_len for i in indices]
+        if isinstance(self.tokens, torch.Tensor):
+            return torch.stack([self.tokens[a : a + self.seq_len + 1].long() for a in starts])
+        return torch.from_numpy(self.tokens.read_windows(starts, self.seq_len + 1))
 
     def split(self, eval_fraction: float) -> tuple[TokenDataset, TokenDataset]:
         """(train, eval): the last `ceil(eval_fraction * num_samples)` windows are the eval set."""

@@ -30,7 +30,9 @@ class _EpochRest(Dataset):
     """The rest of one epoch for one rank, one item per batch, so a worker builds whole batches."""
 
     def __init__(self, stream: BatchStream, permutation: torch.Tensor):
-        self.dataset = stream.dataset
+        # A mixture maps its slots to samples per epoch (mixture.py); other datasets are epoch-free.
+        for_epoch = getattr(stream.dataset, "for_epoch", None)
+        self.dataset = for_epoch(stream.epoch) if for_epoch is not None else stream.dataset
         self.permutation = permutation
         self.start = stream.position
         self.batch_size = stream.batch_size
@@ -42,10 +44,15 @@ class _EpochRest(Dataset):
     def __len__(self) -> int:
         return self.num_batches
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | UserError:
         position = self.start + index * self.batch_size * self.world_size
         indices = rank_batch(self.permutation, position, self.batch_size, self.rank, self.world_size)
-        return fetch_samples(self.dataset, indices)
+        try:
+            return fetch_samples(self.dataset, indices)
+        except UserError as e:
+            # Handed back as a value: re-raised by a DataLoader, it would carry the worker's
+            # traceback in its message, and a user error is one line.
+            return e
 
 
 class BatchStream:
@@ -97,7 +104,11 @@ class BatchStream:
     def __next__(self) -> Batch:
         if self._pending is None:
             self._pending = self._open_epoch_rest()
-        x, y, sample_ids = next(self._pending)
+        item = next(self._pending)
+        if isinstance(item, UserError):
+            self.close()
+            raise item
+        x, y, sample_ids = item
         batch = Batch(x=x, y=y, sample_ids=sample_ids, epoch=self.epoch, position=self.position)
         # Without drop_last the final batch may be short; it still ends the epoch.
         self.position = min(self.position + self.global_batch_size, self.dataset.num_samples)

@@ -18,26 +18,26 @@ DEFAULT_FACTORY = "harness.models.gpt:build_gpt"
 __all__ = ["DEFAULT_FACTORY", "GPT", "GPTConfig", "build_gpt", "load_factory"]
 
 
-def load_factory(path: str) -> Callable[..., Any]:
+def load_factory(path: str, kind: str = "model factory", example: str = DEFAULT_FACTORY) -> Callable[..., Any]:
     """Import and return the callable at "package.module:attribute". Raises UserError saying
-    which part of the path is wrong."""
+    which part of the path is wrong; `kind` and `example` name the setting in the message."""
     module_name, sep, attribute = path.partition(":")
     if not sep or not module_name or not attribute:
         raise UserError(
-            f"model factory {path!r} is not of the form 'package.module:function' (e.g. {DEFAULT_FACTORY!r})"
+            f"{kind} {path!r} is not of the form 'package.module:function' (e.g. {example!r})"
         )
     try:
         target: Any = importlib.import_module(module_name)
     except ImportError as e:
         raise UserError(
-            f"model factory {path!r}: cannot import module {module_name!r} ({e}); "
+            f"{kind} {path!r}: cannot import module {module_name!r} ({e}); "
             "check the spelling and that the package is installed or on PYTHONPATH"
         ) from e
     for name in attribute.split("."):
         try:
             target = getattr(target, name)
         except AttributeError as e:
-            raise UserError(f"model factory {path!r}: {module_name!r} has no attribute {attribute!r}") from e
+            raise UserError(f"{kind} {path!r}: {module_name!r} has no attribute {attribute!r}") from e
     if not callable(target):
-        raise UserError(f"model factory {path!r} is a {type(target).__name__}, not a callable")
+        raise UserError(f"{kind} {path!r} is a {type(target).__name__}, not a callable")
     return target

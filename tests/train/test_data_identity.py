@@ -21,7 +21,7 @@ def test_other_data_on_resume_is_refused_unless_allowed(tmp_path):
 
     text.write_bytes(default_corpus()[-48 * 1024:])  # same file name and size, other content
     replaced = harness(*args, "--set", f"data.url='{text}'")
-    assert_one_line_error(replaced, "data content (49152 bytes then, 49152 bytes now, or other first/last bytes) differ")
+    assert_one_line_error(replaced, "data content differ")
 
     allowed = harness(*args, "--set", f"data.url='{text}'", "--allow-config-change", check=True)
     assert "resuming with a changed config" in allowed.stderr and "data content" in allowed.stderr

@@ -1,0 +1,111 @@
+"""The documents of `harness data prepare`'s inputs, in a fixed order.
+
+An input is a local path or fsspec URL; `.gz` and `.zst` are decompressed on the fly. Its format
+comes from the name without that suffix: `.jsonl`, `.ndjson` and `.json` are JSON lines (one
+object per line, the document is its `field`), anything else is UTF-8 text: one document per
+file (`text_split="file"`) or one per non-empty line (`"line"`). `builtin:corpus` is the
+built-in corpus (`corpus.py`), one document per paragraph (line).
+
+The order is the inputs' order, then the order inside each, so the document stream, and the
+token stream made from it, is a pure function of the inputs: what a restarted prepare relies on.
+Anything that is not what it claims (binary data, invalid UTF-8, a JSON line without the field)
+is a UserError naming the file and line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import json
+from collections.abc import Iterator
+from typing import Literal
+
+from harness.checkpoint.filesystem import open_filesystem
+from harness.data.corpus import default_corpus
+from harness.errors import UserError
+
+BUILTIN_CORPUS = "builtin:corpus"
+TextSplit = Literal["file", "line"]
+_JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+
+
+def iter_documents(inputs: list[str], *, field: str = "text", text_split: TextSplit = "file",
+                   storage_options: dict | None = None) -> Iterator[str]:
+    """Every document of every input, in order (see the module docstring)."""
+    for url in inputs:
+        if url == BUILTIN_CORPUS:
+            yield from (line for line in default_corpus().decode("ascii").splitlines() if line)
+            continue
+        with _open_text(url, storage_options) as lines:
+            if _base_name(url).endswith(_JSON_SUFFIXES):
+                yield from _json_documents(url, lines, field)
+            elif text_split == "line":
+                yield from (text for _, text in _checked_lines(url, lines) if text.strip())
+            else:
+                yield "".join(text for _, text in _checked_lines(url, lines))
+
+
+def _base_name(url: str) -> str:
+    for suffix in (".gz", ".zst"):
+        if url.endswith(suffix):
+            return url[: -len(suffix)]
+    return url
+
+
+@contextlib.contextmanager
+def _open_text(url: str, storage_options: dict | None) -> Iterator[io.TextIOBase]:
+    try:
+        fs, path = open_filesystem(url, storage_options)
+        raw = fs.open(path, "rb")
+    except FileNotFoundError:
+        raise UserError(f"input {url} does not exist; check the path or URL") from None
+    except (ValueError, ImportError, IsADirectoryError) as e:
+        raise UserError(f"input {url} cannot be opened ({e}); pass a text or JSON-lines file or an fsspec URL") from None
+    stream = raw
+    if url.endswith(".gz"):
+        stream = gzip.GzipFile(fileobj=raw, mode="rb")
+    elif url.endswith(".zst"):
+        import zstandard
+
+        stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+    try:
+        yield io.TextIOWrapper(io.BufferedReader(stream) if stream is raw else stream, encoding="utf-8",
+                               errors="strict", newline="")
+    finally:
+        stream.close()
+        raw.close()
+
+
+def _checked_lines(url: str, lines: io.TextIOBase) -> Iterator[tuple[int, str]]:
+    """(line number, line) of a UTF-8 text; binary or undecodable input is a UserError."""
+    number = 0
+    try:
+        for number, line in enumerate(lines, start=1):
+            if "\x00" in line:
+                raise UserError(f"input {url} line {number} holds NUL bytes: it is binary, not text; "
+                                f"pass text or JSON lines (.gz/.zst compressed is fine)")
+            yield number, line
+    except UnicodeDecodeError as e:
+        raise UserError(f"input {url} is not UTF-8 text (after line {number}: {e.reason}); pass text or JSON "
+                        f"lines, compressed only as .gz or .zst") from None
+    except (OSError, EOFError) as e:  # a corrupt .gz / .zst stream
+        raise UserError(f"input {url} cannot be decompressed after line {number} ({e}); the file is damaged") from None
+
+
+def _json_documents(url: str, lines: io.TextIOBase, field: str) -> Iterator[str]:
+    for number, line in _checked_lines(url, lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"input {url} line {number} is not JSON ({e.msg}); JSON-lines inputs hold one "
+                            f"object per line") from None
+        if not isinstance(record, dict) or field not in record:
+            raise UserError(f"input {url} line {number} has no field {field!r}; pass --field with the name of "
+                            f"the text field")
+        text = record[field]
+        if not isinstance(text, str):
+            raise UserError(f"input {url} line {number}: field {field!r} is a {type(text).__name__}, not text")
+        yield text

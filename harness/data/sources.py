@@ -1,0 +1,117 @@
+"""From the `[data]` config to the train and eval sample sources, their vocabulary and identity.
+
+Three kinds of data:
+- `data.url` (or nothing: the built-in corpus): a text file's bytes, vocabulary 256. The
+  quickstart's path, unchanged.
+- `data.sources = [{url, weight}, ...]`: prepared token-shard datasets (`harness data prepare`),
+  mixed by weight (mixture.py). Start-up reads each `index.json` and nothing else. Every source
+  must come from the same tokenizer (the ids would mean different things otherwise). Each
+  source's last `eval_fraction` of documents is held out (document_split.py); the eval set is
+  the mixture of those, read in one fixed shuffled order (so a short evaluation sees every
+  source); or, with `data.eval_sources`, evaluation reads those datasets whole and training
+  every document of the sources.
+- `data.factory`: the user's own map-style sources (factory.py).
+
+`identity` is what a checkpoint records about the data beyond the config's math keys: for
+sources, each index's sha256 and weight in order (the URL may change: a dataset copied to
+another bucket is the same dataset). Resuming on data with another identity is refused, the
+difference named (`identity_changes`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.data.identity import data_identity
+from harness.data.dataset import SampleSource, TokenDataset
+from harness.data.document_split import split_by_document
+from harness.data.factory import build_user_data
+from harness.data.mixture import Mixture
+from harness.data.order import epoch_permutation
+from harness.data.prng import derive_seed
+from harness.data.shard_reader import ShardReader
+from harness.errors import UserError
+
+_EVAL_ORDER_SALT = 0x4556414C  # "EVAL"
+
+
+@dataclass(frozen=True)
+class TrainData:
+    train: SampleSource
+    eval: SampleSource
+    vocab_size: int | None  # None: byte text (the model's default 256), or a user dataset that does not say
+    identity: dict[str, Any] | None  # text: data_identity(); shards: index hashes + weights; None: a user factory without one
+
+
+def open_data(data_cfg: Any, seed: int) -> TrainData:
+    """The datasets `data_cfg` (a `DataSection`) names. Raises UserError for missing or
+    inconsistent datasets."""
+    if data_cfg.factory is not None:
+        train, held_out = build_user_data(data_cfg.factory, data_cfg.args, data_cfg.seq_len, seed)
+        identity = getattr(train, "identity", None)
+        return TrainData(train, held_out, getattr(train, "vocab_size", None),
+                         {"factory": identity()} if identity is not None else None)
+    if not data_cfg.sources:
+        dataset = TokenDataset.from_url(data_cfg.url, data_cfg.seq_len, data_cfg.storage_options)
+        train, held_out = dataset.split(data_cfg.eval_fraction)
+        # The model's default vocabulary is the bytes; the identity is the file's size and end blocks.
+        return TrainData(train, held_out, None, data_identity(data_cfg.url, data_cfg.storage_options))
+    readers = _readers(data_cfg.sources, data_cfg)
+    eval_readers = _readers(data_cfg.eval_sources, data_cfg)
+    tokenizers = {r.index.tokenizer["sha256"] for r in readers + eval_readers}
+    if len(tokenizers) > 1:
+        urls = [s.url for s in data_cfg.sources + data_cfg.eval_sources]
+        raise UserError(f"data.sources / eval_sources come from {len(tokenizers)} different tokenizers "
+                        f"({', '.join(urls)}); prepare every source with the same one")
+    weights = [s.weight for s in data_cfg.sources]
+    if eval_readers:  # evaluation has its own datasets: train on every document of the sources
+        train = Mixture([TokenDataset(r, data_cfg.seq_len) for r in readers], weights, seed)
+        held_out = Mixture([TokenDataset(r, data_cfg.seq_len) for r in eval_readers],
+                           [s.weight for s in data_cfg.eval_sources], seed)
+    else:
+        splits = [split_by_document(r, data_cfg.seq_len, data_cfg.eval_fraction) for r in readers]
+        train = Mixture([t for t, _ in splits], weights, seed)
+        held_out = Mixture([e for _, e in splits], weights, seed)
+    order = epoch_permutation(derive_seed(seed, _EVAL_ORDER_SALT), 0, held_out.num_samples)
+    identity = {"sources": [{"index_sha256": r.index.sha256, "weight": w} for r, w in zip(readers, weights)]}
+    return TrainData(train, Reordered(held_out, order), readers[0].index.vocab_size, identity)
+
+
+def _readers(specs: list[Any], data_cfg: Any) -> list[ShardReader]:
+    return [ShardReader.open(s.url, s.storage_options or data_cfg.storage_options or None, data_cfg.hash_check)
+            for s in specs]
+
+
+def identity_changes(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> dict[str, tuple[Any, Any]]:
+    """What differs between a checkpoint's data identity and this run's: name -> (then, now).
+    A checkpoint written before identities were recorded (`saved` None) is only checked for a
+    switch to token shards."""
+    if saved == current or (saved is None and "sources" not in (current or {})):
+        return {}
+    if "sources" not in (saved or {}) or "sources" not in (current or {}):
+        same_kind = saved is not None and current is not None and "url" in saved and "url" in current
+        return {"data content" if same_kind else "data": (_identity_kind(saved), _identity_kind(current))}
+    before, after = saved["sources"], current["sources"]
+    if len(before) != len(after):
+        return {"data.sources": (f"{len(before)} sources", f"{len(after)} sources")}
+    changes: dict[str, tuple[Any, Any]] = {}
+    for n, (b, a) in enumerate(zip(before, after)):
+        if b["index_sha256"] != a["index_sha256"]:
+            changes[f"data.sources[{n}] index sha256"] = (b["index_sha256"][:12], a["index_sha256"][:12])
+        if b["weight"] != a["weight"]:
+            changes[f"data.sources[{n}] weight"] = (b["weight"], a["weight"])
+    return changes or {"data identity": (saved, current)}
+
+
+def _identity_kind(identity: dict[str, Any] | None) -> str:
+    """A short description of an identity for a message: which data and, for text, its content."""
+    if not identity:
+        return "unrecorded"
+    if "sources" in identity:
+        return f"{len(identity['sources'])} token-shard sources"
+    if "factory" in identity:
+        return f"data.factory {identity['factory']}"
+    return f"text {identity.get('url') or 'built-in corpus'} ({identity.get('size')} bytes, sha256 of first/last MiB {str(identity.get('head'))[:8]}/{str(identity.get('tail'))[:8]})"

@@ -1,0 +1,194 @@
+"""`harness data prepare|verify`: formats, tokenizers, exact restarts after SIGKILL, clear errors."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zstandard
+
+from harness.cli import main
+from harness.data.prepare import STATE_NAME, PrepareSpec, prepare
+from harness.data.shard_index import read_index
+from procs import ENV, ROOT
+
+DOCS = ["first document\nwith two lines", "zweites Dokument: äöü €", "third", "x" * 50]
+
+
+def _inputs(tmp_path: Path) -> list[str]:
+    """The four documents spread over every input kind: text, JSON lines, .gz and .zst."""
+    (tmp_path / "a.txt").write_text(DOCS[0])
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": DOCS[1], "id": 1}) + "\n\n")
+    (tmp_path / "c.txt.gz").write_bytes(gzip.compress(DOCS[2].encode()))
+    (tmp_path / "d.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        (json.dumps({"text": DOCS[3]}) + "\n").encode()))
+    return [str(tmp_path / n) for n in ("a.txt", "b.jsonl", "c.txt.gz", "d.jsonl.zst")]
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_bytes_tokenizer_shards_hold_every_document_then_eod(tmp_path):
+    out = tmp_path / "ds"
+    index = prepare(PrepareSpec(tuple(_inputs(tmp_path)), "bytes", shard_tokens=16), str(out))
+    tokens = np.concatenate([np.fromfile(out / s.name, dtype="<u2") for s in index.shards])
+    assert len(tokens) == sum(len(d.encode()) + 1 for d in DOCS) == index.total_tokens
+    eod = np.flatnonzero(tokens == 256)
+    assert list(eod) == list(np.cumsum([len(d.encode()) + 1 for d in DOCS]) - 1)
+    assert bytes(tokens[tokens != 256].astype(np.uint8)) == "".join(DOCS).encode()
+    assert index.dtype == "uint16" and index.vocab_size == 257 and index.tokenizer["eod_id"] == 256
+    assert [s.tokens for s in index.shards][:-1] == [16] * (len(index.shards) - 1)
+    assert index.total_documents == len(DOCS)
+    assert sum(s.documents for s in index.shards) == len(DOCS)
+    assert (out / "index.json").read_bytes() == read_index(str(out))[0].to_json()
+    assert not (out / STATE_NAME).exists()
+
+
+def test_train_bpe_is_deterministic_and_independent_of_worker_count(tmp_path):
+    spec = PrepareSpec(("builtin:corpus",), "train-bpe:400", shard_tokens=20000)
+    one = prepare(spec, str(tmp_path / "w0"), workers=0)
+    two = prepare(spec, str(tmp_path / "w2"), workers=2)
+    assert one.vocab_size <= 400 and one.dtype == "uint16"
+    assert _files(tmp_path / "w0") == _files(tmp_path / "w2")
+    assert one.sha256 == two.sha256
+
+
+def _run_prepare(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "harness.cli", "data", "prepare", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, cwd=ROOT)
+
+
+def _shards_recorded(out: Path) -> int:
+    try:
+        return len(json.loads((out / STATE_NAME).read_text())["shards"])
+    except (FileNotFoundError, json.JSONDecodeError):
+        return -1 if (out / "index.json").exists() else 0
+
+
+def test_prepare_killed_at_random_points_continues_to_byte_identical_output(tmp_path):
+    """Real SIGKILLs at seeded random points (after a random number of recorded shards plus a
+    random delay); each restart continues, and the final folder equals an uninterrupted run."""
+    args = ["builtin:corpus", "--tokenizer", "bytes", "--shard-tokens", "3000", "--workers", "0"]
+    reference = tmp_path / "reference"
+    prepare(PrepareSpec(("builtin:corpus",), "bytes", shard_tokens=3000), str(reference))
+    total = len(read_index(str(reference))[0].shards)
+    out = tmp_path / "killed"
+    rng = random.Random(19)
+    kills = 0
+    for target in sorted(rng.sample(range(0, total - 2), 4)):
+        proc = _run_prepare([*args, "--out", str(out)])
+        while proc.poll() is None and 0 <= _shards_recorded(out) < target:
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0, 0.05))
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            kills += 1
+        proc.communicate()
+        if (out / "index.json").exists() and not (out / STATE_NAME).exists():
+            break
+    assert kills >= 2, "the prepare finished before it could be killed twice"
+    if not (out / "index.json").exists() or (out / STATE_NAME).exists():
+        proc = _run_prepare([*args, "--out", str(out)])
+        _, err = proc.communicate()
+        assert proc.returncode == 0, err.decode()[-2000:]
+    assert _files(out) == _files(reference)
+
+
+def _cli(capsys, *args: str) -> tuple[int, str]:
+    code = main(list(args))
+    return code, capsys.readouterr().err.strip()
+
+
+def test_verify_names_a_corrupt_or_missing_shard_in_one_line(tmp_path, capsys):
+    out = tmp_path / "ds"
+    prepare(PrepareSpec(tuple(_inputs(tmp_path)), "bytes", shard_tokens=16), str(out))
+    assert _cli(capsys, "data", "verify", str(out))[0] == 0
+    shard = out / "shard-000001.bin"
+    data = bytearray(shard.read_bytes())
+    data[3] ^= 1
+    shard.write_bytes(bytes(data))
+    code, err = _cli(capsys, "data", "verify", str(out))
+    assert code == 2 and "shard-000001.bin is corrupt" in err and len(err.splitlines()) == 1
+    shard.unlink()
+    code, err = _cli(capsys, "data", "verify", str(out))
+    assert code == 2 and "shard-000001.bin is missing" in err and len(err.splitlines()) == 1
+    code, err = _cli(capsys, "data", "verify", str(tmp_path / "nothing"))
+    assert code == 2 and "index.json does not exist" in err
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("blob.bin", bytes(range(256)) * 4, "is not UTF-8 text"),
+    ("zeros.txt", b"abc\x00\x00\x00", "holds NUL bytes"),
+    ("rows.jsonl", b'{"body": "no text field"}\n', "has no field 'text'; pass --field"),
+    ("rows2.jsonl", b"not json\n", "is not JSON"),
+    ("broken.txt.gz", b"\x1f\x8b\x08\x00garbage", "cannot be decompressed"),
+])
+def test_bad_inputs_are_one_line_errors(tmp_path, capsys, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    code, err = _cli(capsys, "data", "prepare", str(tmp_path / name), "--out", str(tmp_path / "ds"),
+                     "--tokenizer", "bytes", "--workers", "0")
+    assert code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "ds" / "index.json").exists()
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("hello")
+    base = [str(tmp_path / "a.txt"), "--workers", "0"]
+    for extra, message in [(["--tokenizer", "train-bpe:10"], "VOCAB must be an integer"),
+                           (["--tokenizer", str(tmp_path / "none.json")], "no such file"),
+                           (["--tokenizer", str(tmp_path / "a.txt")], "is not a tokenizers JSON file"),
+                           (["--tokenizer", "bytes", "--shard-tokens", "0"], "--shard-tokens must be >= 1")]:
+        code, err = _cli(capsys, "data", "prepare", *base, "--out", str(tmp_path / "ds"), *extra)
+        assert code == 2 and message in err and len(err.splitlines()) == 1, err
+    assert _cli(capsys, "data", "prepare", *base, "--out", str(tmp_path / "ds"), "--tokenizer", "bytes")[0] == 0
+    code, err = _cli(capsys, "data", "prepare", *base, "--out", str(tmp_path / "ds"), "--tokenizer", "bytes")
+    assert code == 2 and "already holds a prepared dataset" in err
+
+
+def test_restart_with_other_arguments_is_refused(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("hello world")
+    out = tmp_path / "ds"
+    prepare(PrepareSpec((str(tmp_path / "a.txt"),), "bytes", shard_tokens=4), str(out))
+    (out / "index.json").unlink()  # as if killed before the index: the state file is gone too
+    (out / STATE_NAME).write_text(json.dumps({"spec": {"inputs": ["other"]}, "shards": [], "next": [0, 0]}))
+    code, err = _cli(capsys, "data", "prepare", str(tmp_path / "a.txt"), "--out", str(out), "--tokenizer", "bytes",
+                     "--shard-tokens", "4", "--workers", "0")
+    assert code == 2 and "unfinished prepare with other arguments" in err
+
+
+def test_resume_inside_a_document_spanning_many_shards(tmp_path, monkeypatch):
+    """Crashes every third shard while cutting two long documents: restarts land deep inside a
+    document (past its first shard), and the output still equals an uninterrupted prepare."""
+    import harness.data.prepare as prepare_module
+
+    (tmp_path / "long.txt").write_text("".join(f"line {i} of one long document\n" for i in range(60)))
+    spec = PrepareSpec((str(tmp_path / "long.txt"), str(tmp_path / "long.txt")), "bytes", shard_tokens=97)
+    prepare(spec, str(tmp_path / "reference"))
+    write_shard = prepare_module._write_shard
+    offsets = []
+    for _ in range(6):
+        calls = []
+
+        def crashing(*args, **kwargs):
+            write_shard(*args, **kwargs)
+            calls.append(1)
+            if len(calls) == 3:
+                raise KeyboardInterrupt("simulated crash")
+
+        monkeypatch.setattr(prepare_module, "_write_shard", crashing)
+        with pytest.raises(KeyboardInterrupt):
+            prepare(spec, str(tmp_path / "resumed"))
+        offsets.append(json.loads((tmp_path / "resumed" / STATE_NAME).read_text())["next"][1])
+    assert max(offsets) > 2 * 97, offsets  # resumed inside a document, beyond its second shard
+    monkeypatch.setattr(prepare_module, "_write_shard", write_shard)
+    prepare(spec, str(tmp_path / "resumed"))
+    assert _files(tmp_path / "resumed") == _files(tmp_path / "reference")
