@@ -4,11 +4,14 @@ For each case (optimizer arm x precision) it trains the tiny config on `cuda` st
 then again with a SIGKILL at a random step after the first checkpoint and a restart, and
 compares the final checkpoints (`harness ckpt diff`) and the per-step losses. Deterministic
 cuBLAS (CUBLAS_WORKSPACE_CONFIG) and the CUDA RNG of every device are part of what is checked.
+Then it runs the first case a second time from scratch (two fresh runs must agree bit for bit)
+and checks the numerical settings the harness recorded in run.json (harness/numerics.py).
 Prints one line per case and exits non-zero if any differs. Run through ops/gpu_check.sh.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import sys
 import tempfile
@@ -46,7 +49,30 @@ def main() -> int:
             failures += 1
             verdict = f"DIFFERS: {str(e).splitlines()[0]}"
         print(f"{name:16s} {verdict}  ({time.monotonic() - t0:.1f} s)", flush=True)
+    failures += check_repeatable_and_recorded(Path(tempfile.mkdtemp(prefix="gpu-check-repeat-")))
     return 1 if failures else 0
+
+
+def check_repeatable_and_recorded(work: Path) -> int:
+    """Two fresh runs of one config agree, and run.json records the CUDA determinism settings."""
+    args = ["train", str(TINY), "--set", "train.device=cuda", *CASES["muon-bf16"]]
+    for name in ("first", "second"):
+        harness(*args, "--run-dir", str(work / name), check=True)
+    problems = []
+    try:
+        assert_same_run(work / "first", work / "second", STEPS)
+    except AssertionError as e:
+        problems.append(f"two fresh runs differ: {str(e).splitlines()[0]}")
+    numerics = json.loads((work / "first" / "run.json").read_text())["environment"]["numerics"]
+    cuda = numerics.get("cuda", {})
+    expected = {"deterministic_algorithms": numerics.get("deterministic_algorithms"),
+                "cudnn_benchmark off": cuda.get("cudnn_benchmark") is False,
+                "cudnn_deterministic": cuda.get("cudnn_deterministic"),
+                "CUBLAS_WORKSPACE_CONFIG": numerics["env"].get("CUBLAS_WORKSPACE_CONFIG") == ":4096:8"}
+    problems += [f"run.json: {k} not in force" for k, ok in expected.items() if not ok]
+    print(f"{'repeat+settings':16s} {'; '.join(problems) or 'two fresh runs bitwise equal, settings recorded'}"
+          f"  ({json.dumps(cuda)})", flush=True)
+    return len(problems)
 
 
 if __name__ == "__main__":
