@@ -9,13 +9,13 @@
     saver.finish()                                       # waits until the commit is done
 
 What the step loop pays is the *snapshot*: `capture(parts)` (references, no copies), then a copy
-of every tensor into CPU staging buffers. The *persist* (serialize, sha256, write, fsync, atomic
+of every tensor into CPU staging buffers. The *persist* (serialize, hash, write, fsync, atomic
 rename, retention: `store.commit`) runs in a background thread over those buffers while training
 continues. The files are byte-identical to a synchronous `store.save` of the same state: the
 same `commit` writes them from tensors with the same names, shapes, dtypes and bytes.
 
 Trade-offs, stated before the code:
-* A thread, not a process: the persist is file I/O and sha256, both of which release the GIL, and
+* A thread, not a process: the persist is file I/O and hashing, both of which release the GIL, and
   a thread shares the staging buffers without a second copy or any pickling. The cost is that
   the persist competes with the training step for CPU cores (measured in docs/bench-async.md).
 * One save in flight, and one set of staging buffers, allocated at the first save and reused

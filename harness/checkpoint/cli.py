@@ -127,7 +127,7 @@ def cmd_show(args: argparse.Namespace) -> int:
           f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(manifest.created))}, {_size(manifest.nbytes)}")
     print("files:")
     for f in manifest.files:
-        print(f"  {f.name:28} {_size(f.size):>10}  sha256 {f.sha256[:16]}")
+        print(f"  {f.name:28} {_size(f.size):>10}  {f.algorithm} {f.digest[:16]}")
     print("parts:")
     for part, tree in state["parts"].items():
         refs = tensor_refs(tree)
@@ -170,7 +170,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = commands.add_parser("ls", parents=[storage], help="list checkpoints with sizes and whether they verify")
     p.add_argument("run_dir")
     p.set_defaults(func=cmd_ls)
-    p = commands.add_parser("verify", parents=[storage], help="check sizes and sha256 of a checkpoint or of every one in a run dir")
+    p = commands.add_parser("verify", parents=[storage], help="check sizes and digests of a checkpoint or of every one in a run dir")
     p.add_argument("target", metavar="RUN_DIR|CKPT")
     p.set_defaults(func=cmd_verify)
     p = commands.add_parser("show", parents=[storage], help="parts, tensors and metadata of one checkpoint")

@@ -14,7 +14,7 @@ Commit (`GroupCommit`; every rank calls it at the same step, the step loop agree
    (`<part>.safetensors`, `rank-00000.safetensors`, `state.json` with rank 0's per-rank trees);
    rank r > 0 `rank-NNNNN.safetensors` (the tensors of its per-rank parts) and `rank-NNNNN.json`
    (their JSON side, in the layout of state.json).
-3. the ranks gather each rank's outcome: its file records (size, sha256), or its error.
+3. the ranks gather each rank's outcome: its file records (size, digest), or its error.
 4. rank 0 seals (manifest listing every rank's files, fsync, rename; then retention) only if
    every rank succeeded; otherwise it discards the folder. It broadcasts the result, and every
    rank returns the same ref or raises. A killed rank makes the others fail in the next

@@ -8,7 +8,7 @@
 `commit` writes the checkpoint with a local `CheckpointStore` (the usual atomic local commit),
 then a background thread copies it to the remote run dir with the remote store's own split
 commit: `begin`, every data file (`write_file`, streamed from the local copy), then every
-uploaded object is read back and its size and sha256 checked against the local manifest, and
+uploaded object is read back and its size and digest checked against the local manifest, and
 only then `seal` writes the remote manifest listing the same files (the commit point) and
 remote retention runs. A process killed or failing before the manifest leaves no new remote
 checkpoint: the previous one stays the newest good one, and discovery skips the manifest-less
@@ -114,8 +114,8 @@ class LocalFirstStore:
             for rec in files:
                 sent = self.remote.write_file(work, ref, rec.name, self._chunks(local_ref, rec))
                 if sent != rec:
-                    raise CheckpointError(f"{local_ref.url}/{rec.name}: the local copy changed ({sent.size} bytes, sha256 "
-                                          f"{sent.sha256}; its manifest says {rec.size}, {rec.sha256}); not published")
+                    raise CheckpointError(f"{local_ref.url}/{rec.name}: the local copy changed ({sent.describe()}; "
+                                          f"its manifest says {rec.describe()}); not published")
             problems = self.check_uploaded(work, files)
             if problems:
                 raise CheckpointError(f"upload of step {ref.step} to {ref.url} fails verification, not published: "
@@ -130,14 +130,14 @@ class LocalFirstStore:
         return ref
 
     def check_uploaded(self, work: str, files: tuple[FileRecord, ...]) -> list[str]:
-        """Every uploaded object read back from the remote: problems with its size or sha256."""
+        """Every uploaded object read back from the remote: problems with its size or digest."""
         problems = []
         loc = self.remote.loc
         for rec in files:
             path = f"{work}/{rec.name}"
-            size, sha = hash_file(loc, path)
-            if (size, sha) != (rec.size, rec.sha256):
-                problems.append(f"{loc.url_of(path)}: {size} bytes sha256 {sha}, expected {rec.size} bytes sha256 {rec.sha256}")
+            found = FileRecord(rec.name, *hash_file(loc, path, rec.algorithm), rec.algorithm)
+            if found != rec:
+                problems.append(f"{loc.url_of(path)}: {found.describe()}, expected {rec.describe()}")
         return problems
 
     def _chunks(self, local_ref: CheckpointRef, rec: FileRecord) -> Iterator[bytes]:

@@ -66,7 +66,7 @@ def s3_storage_options(user_options: dict[str, Any] | None) -> dict[str, Any]:
     # botocore sha256-signs every body sent over plain http (a local MinIO, moto) on the event
     # loop that sends it: a third of that loop's time in an upload, measured. Over https it
     # already sends uploads unsigned, relying on the CRC32 checksum header the server verifies;
-    # this makes http behave the same. The manifest's sha256 still covers every byte end to end.
+    # this makes http behave the same. The manifest's digest still covers every byte end to end.
     config_kwargs["s3"] = {"payload_signing_enabled": False, **config_kwargs.get("s3", {})}
     # Retries are ours alone: botocore's would multiply attempts and hide a 403 behind several requests.
     config_kwargs["retries"] = {"total_max_attempts": 1, "mode": "standard"}

@@ -10,16 +10,15 @@ kind on purpose:
   commit point is the manifest object, written last (see store.py).
 
 `write_stream` hashes what it writes in a second thread (`BackgroundHash`), behind the writes
-and during the fsync: sha256 runs at about 1.4 GB/s here, a disk at a few hundred MB/s, so the
-hash is free when overlapped and would cost 15-50% of the save when done in line. hashlib and
-file writes both release the GIL. `HashingReader` does the same for loading: the bytes are
-hashed, in order, in a second thread while the next ones are read, so a verified load reads
-every byte once.
+(local disk or S3 parts) and during the fsync, so the save waits for the hash only if the hash
+is slower than the storage: with BLAKE3 (digest.py) it is faster than a disk or a network here.
+The hashers and file writes all release the GIL. `HashingReader` does the same for loading: the
+bytes are hashed, in order, in a second thread while the next ones are read, so a verified load
+reads every byte once and costs about a raw read while the hash keeps up with the reads.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Iterable
 from collections import deque
@@ -27,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from harness.checkpoint.digest import DEFAULT_ALGORITHM, new_hasher
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.filesystem import open_filesystem
 
@@ -86,7 +86,8 @@ def rename(loc: Location, src: str, dst: str) -> None:
 
 
 class BackgroundHash:
-    """sha256 of the chunks given to `update`, in order, computed in a worker thread.
+    """The digest (`algorithm`, digest.py) of the chunks given to `update`, in order, computed in
+    a worker thread.
 
     A chunk is hashed where it lies (no copy), so it must not change until it is hashed; at most
     `_HASH_BACKLOG_BYTES` are waiting at any time (`update` blocks until the backlog is under
@@ -95,9 +96,9 @@ class BackgroundHash:
     context manager, which stops the worker thread.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, algorithm: str = DEFAULT_ALGORITHM) -> None:
         self.size = 0
-        self._digest = hashlib.sha256()
+        self._digest = new_hasher(algorithm)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
         self._backlog: deque[tuple[Future, int]] = deque()
         self._pending = 0
@@ -128,8 +129,9 @@ class BackgroundHash:
 
 
 def write_stream(loc: Location, path: str, chunks: Iterable[memoryview | bytes]) -> tuple[int, str]:
-    """Write `chunks` to `path`, durably on local disk; return (size, sha256 hex). The hash runs
-    behind the writes (`BackgroundHash`) and finishes during the fsync."""
+    """Write `chunks` to `path`, durably on local disk; return (size, digest hex under
+    `DEFAULT_ALGORITHM`). The hash runs behind the writes (`BackgroundHash`) and finishes during
+    the fsync."""
     with BackgroundHash() as digest:
         with loc.fs.open(path, "wb") as f:
             for chunk in chunks:
@@ -160,14 +162,14 @@ class HashingReader:
     """A forward-only reader over the binary file `f` that hashes every byte it passes.
 
     `read`, `readinto` and `seek` (forward only: skipped bytes are read and hashed) behave like
-    the file's own; `finish()` reads the rest of the file and returns (size, sha256 hex) of all
-    of it. The hash runs in a worker thread (`BackgroundHash`) over the very buffers the caller
+    the file's own; `finish()` reads the rest of the file and returns (size, digest hex under
+    `algorithm`) of all of it. The hash runs in a worker thread (`BackgroundHash`) over the very buffers the caller
     read into (live tensors, so no copy): those buffers must not change until `finish` returns.
     """
 
-    def __init__(self, f) -> None:
+    def __init__(self, f, algorithm: str = DEFAULT_ALGORITHM) -> None:
         self._f = f
-        self._hash = BackgroundHash()
+        self._hash = BackgroundHash(algorithm)
 
     def tell(self) -> int:
         return self._hash.size
@@ -214,10 +216,10 @@ class HashingReader:
         self.close()
 
 
-def hash_file(loc: Location, path: str) -> tuple[int, str]:
-    """(size, sha256 hex) of the file's actual bytes; the next chunk is read while the last
-    one is hashed (see `HashingReader`)."""
-    with HashingReader(open_read(loc, path)) as reader:
+def hash_file(loc: Location, path: str, algorithm: str = DEFAULT_ALGORITHM) -> tuple[int, str]:
+    """(size, digest hex under `algorithm`) of the file's actual bytes; the next chunk is read
+    while the last one is hashed (see `HashingReader`)."""
+    with HashingReader(open_read(loc, path), algorithm) as reader:
         return reader.finish()
 
 

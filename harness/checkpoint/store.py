@@ -11,8 +11,8 @@ Commit protocol. A checkpoint exists only when its manifest exists and every fil
   the manifest object (one atomic PUT) is written last.
 Deleting a checkpoint removes its manifest first, so a half-deleted one is never "found".
 
-Discovery (`latest_good`) walks committed steps newest first and verifies sizes and sha256
-against the manifest; a checkpoint that fails is logged (file, expected vs found) and skipped.
+Discovery (`latest_good`) walks committed steps newest first and verifies sizes and digests
+(each file's algorithm as its manifest names it) against the manifest; a checkpoint that fails is logged (file, expected vs found) and skipped.
 `load` always checks sizes and headers; how much it re-hashes is its `verify` argument: "no"
 (the ref came from `latest_good`, which read every byte already), "before" (every file hashed
 first: a corrupt checkpoint changes nothing), or "while" (every byte hashed as it streams into
@@ -29,7 +29,6 @@ this store and not the lease holder) are removed.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import socket
@@ -40,6 +39,7 @@ from dataclasses import dataclass
 from secrets import token_hex
 from typing import Any, Literal
 
+from harness.checkpoint.digest import hexdigest
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.errors import Unavailable
 from harness.checkpoint.format import STATE_FILE, Snapshot, capture, dump_state, parse_state
@@ -148,7 +148,7 @@ class CheckpointStore:
         return manifest
 
     def verify(self, ref: CheckpointRef) -> list[str]:
-        """Every problem with `ref` (empty when it is good): each file's size and sha256 against
+        """Every problem with `ref` (empty when it is good): each file's size and digest against
         the manifest, the safetensors headers and state.json. Reads every byte."""
         try:
             manifest = self.manifest(ref)
@@ -161,11 +161,11 @@ class CheckpointStore:
             if not self.loc.fs.exists(path):
                 problems.append(f"{where}: missing (the manifest lists {rec.size} bytes)")
                 continue
-            size, sha = hash_file(self.loc, path)
+            size, digest = hash_file(self.loc, path, rec.algorithm)
             if size != rec.size:
                 problems.append(f"{where}: {size} bytes, the manifest says {rec.size}")
-            elif sha != rec.sha256:
-                problems.append(f"{where}: sha256 {sha}, the manifest says {rec.sha256}")
+            elif digest != rec.digest:
+                problems.append(f"{where}: {rec.algorithm} {digest}, the manifest says {rec.digest}")
             else:
                 try:
                     self._check_content(path, rec, where)
@@ -251,8 +251,8 @@ class CheckpointStore:
 
     def write_file(self, work: str, ref: CheckpointRef, name: str, chunks) -> FileRecord:
         """Write one file of the checkpoint `ref` into `work` (durably on local disk)."""
-        size, sha = write_stream(self.loc, f"{work}/{name}", chunks)
-        return FileRecord(name, size, sha)
+        size, digest = write_stream(self.loc, f"{work}/{name}", chunks)
+        return FileRecord(name, size, digest)
 
     def seal(self, ref: CheckpointRef, work: str, records: list[FileRecord]) -> Manifest:
         """The commit point: write the manifest listing `records`; on local disk fsync and rename
@@ -316,7 +316,7 @@ class CheckpointStore:
 
     def read_state(self, ref: CheckpointRef, file: str = STATE_FILE) -> dict[str, Any]:
         """`state.json` of `ref` (tensor leaves are `{"$tensor": [file, name]}` references),
-        checked against the manifest's sha256. Keys: format_version, step, rank, parts, meta.
+        checked against the manifest's digest. Keys: format_version, step, rank, parts, meta.
         `file` reads another state file of the same layout (a rank's `rank-NNNNN.json`)."""
         records = {r.name: r for r in self.manifest(ref).files}
         path = f"{ref.path}/{file}"
@@ -327,7 +327,7 @@ class CheckpointStore:
         if not self.loc.fs.exists(path):
             raise CheckpointError(f"{where}: missing; the checkpoint is incomplete")
         data = read_bytes(self.loc, path, MAX_STATE_BYTES)
-        if len(data) != rec.size or hashlib.sha256(data).hexdigest() != rec.sha256:
+        if len(data) != rec.size or hexdigest(rec.algorithm, data) != rec.digest:
             raise CheckpointError(f"{where}: does not match the manifest ({len(data)} bytes, manifest says {rec.size}); the checkpoint is corrupt")
         return parse_state(data, where)
 
@@ -354,7 +354,7 @@ class CheckpointStore:
         if size != rec.size:
             raise CheckpointError(f"{where}: {size} bytes, the manifest says {rec.size}; the file is damaged, resume from an older checkpoint")
         f = open_read(self.loc, path, prefetch=prefetch)
-        f = stack.enter_context(HashingReader(f) if hashing else f)
+        f = stack.enter_context(HashingReader(f, rec.algorithm) if hashing else f)
         return f, read_header(f, size, where), where
 
     def load(self, ref: CheckpointRef, targets: Mapping[str, Any], *, skip: Collection[str] = (),
@@ -383,14 +383,14 @@ class CheckpointStore:
             for rec in records.values():
                 path = f"{ref.path}/{rec.name}"
                 if rec.name in readers:
-                    size, sha = readers[rec.name].finish()
+                    size, digest = readers[rec.name].finish()
                 elif rec.name == STATE_FILE:
                     continue  # `read_state` compared its bytes with the manifest
                 else:
-                    size, sha = hash_file(self.loc, path) if self.loc.fs.exists(path) else (None, None)
-                if (size, sha) != (rec.size, rec.sha256):
-                    problems.append(f"{self.loc.url_of(path)}: {size} bytes with sha256 {sha}, the manifest says "
-                                    f"{rec.size} bytes with sha256 {rec.sha256}")
+                    size, digest = hash_file(self.loc, path, rec.algorithm) if self.loc.fs.exists(path) else (None, None)
+                found = FileRecord(rec.name, size, digest, rec.algorithm)
+                if found != rec:
+                    problems.append(f"{self.loc.url_of(path)}: {found.describe()}, the manifest says {rec.describe()}")
             if problems:
                 raise CheckpointCorrupt(f"{ref.url} is corrupt, found while loading it:\n  " + "\n  ".join(problems))
 

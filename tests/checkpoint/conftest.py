@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import hashlib
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import torch
 from torch import nn
 
 from harness.checkpoint import CheckpointRef
+from harness.checkpoint.digest import hexdigest
 
 
 class Tiny(nn.Module):
@@ -118,7 +118,7 @@ def rewrite_manifest(ref: CheckpointRef) -> None:
     doc = json.loads(path.read_text())
     for f in doc["files"]:
         data = (folder(ref) / f["name"]).read_bytes()
-        f["size"], f["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+        f["size"], f["blake3"] = len(data), hexdigest("blake3", data)
     path.write_text(json.dumps(doc))
 
 

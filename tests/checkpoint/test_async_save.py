@@ -25,7 +25,7 @@ ARMS = ["adamw", "muon", "lion", "olion", "adafactor", "sgdm"]
 
 
 def hashes(store: CheckpointStore, step: int) -> dict[str, tuple[int, str]]:
-    return {r.name: (r.size, r.sha256) for r in store.manifest(store.ref(step)).files}
+    return {r.name: (r.size, r.digest) for r in store.manifest(store.ref(step)).files}
 
 
 @pytest.mark.parametrize("arm", ARMS)

@@ -36,7 +36,7 @@ def test_ls_lists_steps_sizes_and_verification(capsys, run_dir, two):
     lines = out.splitlines()
     assert code == 0 and len(lines) == 3
     assert lines[1].split()[0] == "1" and "verified" in lines[1] and "KiB" in lines[1]
-    assert lines[2].split()[0] == "2" and "BAD" in lines[2] and "model.safetensors: sha256" in lines[2]
+    assert lines[2].split()[0] == "2" and "BAD" in lines[2] and "model.safetensors: blake3" in lines[2]
 
 
 def test_ls_and_verify_of_empty_and_missing_run_dirs(capsys, tmp_path):

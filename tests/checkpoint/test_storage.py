@@ -1,14 +1,24 @@
-"""storage.py: HashingReader hashes exactly the bytes of the file, whatever way they are read."""
+"""storage.py: HashingReader hashes exactly the bytes of the file, whatever way they are read,
+under every algorithm a manifest can name."""
 
 from __future__ import annotations
 
 import hashlib
 import io
 
+import blake3
 import pytest
 
 from harness.checkpoint import storage
-from harness.checkpoint.storage import HashingReader, hash_file, open_location
+from harness.checkpoint.digest import ALGORITHMS, DEFAULT_ALGORITHM
+from harness.checkpoint.storage import HashingReader, hash_file, open_location, write_stream
+
+# Reference digests straight from the libraries, not through digest.py.
+REFERENCE = {"blake3": lambda data: blake3.blake3(data).hexdigest(), "sha256": lambda data: hashlib.sha256(data).hexdigest()}
+
+
+def test_every_algorithm_a_manifest_can_name_has_a_reference():
+    assert set(ALGORITHMS) == set(REFERENCE) and DEFAULT_ALGORITHM == "blake3"
 
 
 class ShortReads(io.BytesIO):
@@ -18,12 +28,13 @@ class ShortReads(io.BytesIO):
         return super().readinto(view[:3])
 
 
+@pytest.mark.parametrize("algorithm", sorted(REFERENCE))
 @pytest.mark.parametrize("backlog", [1 << 30, 5])
-def test_every_byte_is_hashed_once_in_order_however_it_is_read(monkeypatch, backlog):
+def test_every_byte_is_hashed_once_in_order_however_it_is_read(monkeypatch, backlog, algorithm):
     monkeypatch.setattr(storage, "_HASH_BACKLOG_BYTES", backlog)  # 5: wait on the hasher at every read
     data = bytes(range(256)) * 40
     buffers = []
-    with HashingReader(ShortReads(data)) as r:
+    with HashingReader(ShortReads(data), algorithm) as r:
         assert r.read(8) == data[:8]
         r.seek(100)  # forward over bytes nobody reads: still hashed
         view = memoryview(bytearray(50))
@@ -33,7 +44,7 @@ def test_every_byte_is_hashed_once_in_order_however_it_is_read(monkeypatch, back
         assert r.tell() == 100 + got
         size, sha = r.finish()
     assert buffers == [data[100:100 + got]] and got == 3
-    assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())
+    assert (size, sha) == (len(data), REFERENCE[algorithm](data))
 
 
 def test_it_refuses_to_seek_backwards():
@@ -43,8 +54,17 @@ def test_it_refuses_to_seek_backwards():
             r.seek(2)
 
 
-def test_hash_file_matches_hashlib_across_chunk_boundaries(tmp_path, monkeypatch):
+@pytest.mark.parametrize("algorithm", sorted(REFERENCE))
+def test_hash_file_matches_the_library_across_chunk_boundaries(tmp_path, monkeypatch, algorithm):
     monkeypatch.setattr(storage, "_READ_CHUNK", 7)
     data = bytes(range(256)) * 3 + b"tail"
     (tmp_path / "f").write_bytes(data)
-    assert hash_file(open_location(str(tmp_path)), str(tmp_path / "f")) == (len(data), hashlib.sha256(data).hexdigest())
+    assert hash_file(open_location(str(tmp_path)), str(tmp_path / "f"), algorithm) == (len(data), REFERENCE[algorithm](data))
+
+
+def test_write_stream_returns_the_default_algorithms_digest_of_what_it_wrote(tmp_path):
+    chunks = [b"a" * 1000, memoryview(bytes(range(256)) * 5), b"", b"end"]
+    data = b"".join(bytes(c) for c in chunks)
+    loc = open_location(str(tmp_path))
+    assert write_stream(loc, str(tmp_path / "f"), chunks) == (len(data), REFERENCE[DEFAULT_ALGORITHM](data))
+    assert (tmp_path / "f").read_bytes() == data

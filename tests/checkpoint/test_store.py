@@ -104,7 +104,7 @@ def test_commit_is_atomic_and_leaves_only_committed_folders(run_dir):
     ref = store.save(7, torch_state(steps=1))
     assert sorted(os.listdir(Path(run_dir) / "checkpoints")) == ["step-00000007"]
     manifest = json.loads((folder(ref) / "manifest.json").read_text())
-    assert manifest["step"] == 7 and manifest["writer"] == store.writer_id and manifest["format_version"] == 1
+    assert manifest["step"] == 7 and manifest["writer"] == store.writer_id and manifest["format_version"] == 2
     assert {f["name"] for f in manifest["files"]} == set(os.listdir(folder(ref))) - {"manifest.json"}
 
 
@@ -150,7 +150,7 @@ def _damage(kind: str, ref) -> str:
 
 
 def _damage_message(kind: str) -> str:
-    return {"truncated": "bytes, the manifest says", "flipped byte": "sha256", "missing file": "missing",
+    return {"truncated": "bytes, the manifest says", "flipped byte": "blake3", "missing file": "missing",
             "missing manifest": "no manifest.json", "malformed manifest": "malformed manifest",
             "path outside": "not a plain file name", "absurd header": "header length"}[kind]
 
@@ -195,7 +195,7 @@ def test_a_flipped_byte_is_caught_while_loading_before_any_part_takes_its_state(
     _damage("flipped byte", ref)
     live = torch_state(seed=1, steps=0)
     sched = live["sched"].state_dict()
-    with pytest.raises(CheckpointCorrupt, match="model.safetensors.*sha256"):
+    with pytest.raises(CheckpointCorrupt, match="model.safetensors.*blake3"):
         store.load(ref, live, verify="while")
     assert live["sched"].state_dict() == sched
 
