@@ -102,9 +102,10 @@ class MuonConfig(_Shared):
                                          "sqrt(max(1, rows/cols)) (reference); a float such as "
                                          "0.2: by consistent_rms*sqrt(max(rows, cols)) "
                                          "(Moonlight; AdamW lrs transfer).")
-    ns_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Newton-Schulz dtype, "
-                                                     "whatever the parameter dtype (the reference "
-                                                     "runs NS in the parameter dtype).")
+    ns_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Newton-Schulz dtype, whatever the parameter dtype (the reference runs "
+        "NS in the parameter dtype). auto: bfloat16 on CUDA (tensor cores, as the field runs Muon), "
+        "float32 elsewhere (on a CPU the reference math, and faster there: docs/bench-optim.md).")
     muon_weight_decay: float = Field(0.0, ge=0, description="Muon's decoupled weight decay.")
 
 

@@ -8,36 +8,43 @@ Liu et al., "Muon is Scalable for LLM Training" (Moonlight, arXiv:2502.16982) fo
 Update, per 2D parameter p with gradient g (the team's reference rule):
     buf <- momentum * buf + g
     u   <- g + momentum * buf   (nesterov)   or   buf
-    O   <- NewtonSchulz(u)                     (optim.newton_schulz, in `ns_dtype`)
+    O   <- NewtonSchulz(u)                     (optim.newton_schulz, in `ns_dtype`: "auto" =
+                                                bfloat16 on CUDA, float32 elsewhere)
     p   <- p * (1 - lr * weight_decay)         (only when weight_decay > 0)
     p   <- p - lr * scale * O,  scale = sqrt(max(1, rows/cols))           if consistent_rms is None
                                         consistent_rms * sqrt(max(rows, cols))  otherwise
 
-For float32 parameters, with float32 NS, no weight decay and the per-matrix path this is bitwise
-the reference. For bfloat16 parameters it is not: the reference runs NS in the parameter dtype
-(bfloat16), Muon here in `ns_dtype` whatever the parameter dtype (float32 by default: fewer
-roundings), then casts the result to the parameter dtype. With `ns_dtype="bfloat16"` the NS
-result is bitwise the reference's, and so is the update of wide and square matrices; for tall
-ones the result is a transposed view and the final bfloat16 `add_` can round one unit in the
-last place differently (tests/optim/test_muon.py). It equals
-`torch.optim.Muon(adjust_lr_fn="original", weight_decay=0)` up to NS precision: torch keeps an
-EMA buffer (a (1 - momentum) multiple of ours), which the NS normalisation cancels.
+With float32 NS (the default on CPU) and no weight decay this is bitwise the reference on CPU for
+float32 parameters, batched or not (tests/optim/test_muon.py). For bfloat16 parameters it is
+not: the reference runs NS in the parameter dtype (bfloat16), Muon here in `ns_dtype` whatever
+the parameter dtype (float32 on CPU by default: fewer roundings), then casts the result to the
+parameter dtype. With `ns_dtype="bfloat16"` the two sums of each NS iteration are fused into the
+products (`addmm`, as torch.optim.Muon does), so the result agrees with the reference's bfloat16
+NS to bfloat16 precision, not bitwise. It equals `torch.optim.Muon(adjust_lr_fn="original",
+weight_decay=0)` up to NS precision: torch keeps an EMA buffer (a (1 - momentum) multiple of
+ours), which the NS normalisation cancels, and runs NS in bfloat16 on every device.
+
+Speed (docs/bench-optim.md): the elementwise parts are foreach ops over a batch (one kernel
+per op on accelerators; on CPU the same per-tensor ops, hence the same roundings), and
+same-shape matrices, transposed pairs included, share one batched Newton-Schulz where that is
+faster (optim.newton_schulz.ns_batches).
 Only 2D parameters are accepted (the reference's non-2D fallback is AdamW's job in optim.build).
 """
 
 import torch
 
 from optim.closure import run_closure
-from optim.newton_schulz import NS_DTYPES, ns_batches, orthogonalize, require_matrices
+from optim.newton_schulz import NS_DTYPE_CHOICES, ns_batches, ns_dtype, orthogonalize, require_matrices
 
 
 class Muon(torch.optim.Optimizer):
     """Muon over 2D parameters. State per parameter: `mom` (momentum buffer, shape of p).
 
     Args: lr (0.02), momentum (0.95), ns_steps (5), nesterov (True), consistent_rms (None: the
-    reference's shape scaling; 0.2: Moonlight's AdamW-matched RMS), ns_dtype ("float32" or
-    "bfloat16"), weight_decay (0.0, decoupled), ns_batched (None: stack same-shape matrices when
-    faster; True/False force it; results agree within float tolerance).
+    reference's shape scaling; 0.2: Moonlight's AdamW-matched RMS), ns_dtype ("auto": bfloat16
+    on CUDA, float32 elsewhere; or "float32" / "bfloat16" everywhere), weight_decay (0.0,
+    decoupled), ns_batched (None: stack same-shape matrices when faster; True/False force it;
+    results agree within float tolerance, bitwise in float32 on CPU).
     Raises ValueError for a non-2D parameter (named) or an unknown ns_dtype.
     """
 
@@ -49,12 +56,12 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         nesterov: bool = True,
         consistent_rms: float | None = None,
-        ns_dtype: str = "float32",
+        ns_dtype: str = "auto",
         weight_decay: float = 0.0,
         ns_batched: bool | None = None,
     ):
-        if ns_dtype not in NS_DTYPES:
-            raise ValueError(f"ns_dtype must be one of {sorted(NS_DTYPES)}, got {ns_dtype!r}")
+        if ns_dtype not in NS_DTYPE_CHOICES:
+            raise ValueError(f"ns_dtype must be one of {list(NS_DTYPE_CHOICES)}, got {ns_dtype!r}")
         defaults = dict(
             lr=lr,
             momentum=momentum,
@@ -90,21 +97,29 @@ class Muon(torch.optim.Optimizer):
         for group in self.param_groups:
             momentum, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
             params = [p for p in group["params"] if p.grad is not None]
-            for batch in ns_batches(params, group["ns_batched"]):
-                updates = []
-                for p in batch:
-                    g = p.grad
-                    state = self.state[p]
-                    if "mom" not in state:
-                        state["mom"] = torch.zeros_like(g)
-                    buf = state["mom"]
-                    buf.mul_(momentum).add_(g)
-                    updates.append(g.add(buf, alpha=momentum) if group["nesterov"] else buf)
-                ortho = orthogonalize(updates, group["ns_steps"], NS_DTYPES[group["ns_dtype"]])
-                for p, o in zip(batch, ortho):
-                    if wd > 0:
-                        p.mul_(1 - lr * wd)
-                    scale = self.update_scale(p.shape, group["consistent_rms"])
-                    # x * 1.0 == x exactly: skipping it saves a pass over wide and square matrices.
-                    p.add_(o if scale == 1.0 else o * scale, alpha=-lr)
+            if not params:
+                continue
+            dtype = ns_dtype(group["ns_dtype"], params[0].device)
+            for batch in ns_batches(params, group["ns_batched"], dtype):
+                grads = [p.grad for p in batch]
+                bufs = [self._momentum_buffer(p) for p in batch]
+                torch._foreach_mul_(bufs, momentum)
+                torch._foreach_add_(bufs, grads)
+                updates = torch._foreach_add(grads, bufs, alpha=momentum) if group["nesterov"] else bufs
+                ortho = orthogonalize(updates, group["ns_steps"], dtype)
+                del updates  # the transient memory of a step is one batch
+                if wd > 0:
+                    torch._foreach_mul_(batch, 1 - lr * wd)
+                # x * 1.0 == x exactly: skipping it saves a pass over wide and square matrices.
+                scaled = [(o, s) for o, s in zip(ortho, (self.update_scale(p.shape, group["consistent_rms"])
+                                                         for p in batch)) if s != 1.0]
+                if scaled:
+                    torch._foreach_mul_([o for o, _ in scaled], [s for _, s in scaled])
+                torch._foreach_add_(batch, ortho, alpha=-lr)
         return loss
+
+    def _momentum_buffer(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        if "mom" not in state:
+            state["mom"] = torch.zeros_like(p.grad)
+        return state["mom"]

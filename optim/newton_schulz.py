@@ -6,14 +6,21 @@ the slope at zero instead of converging: five steps map every singular value int
 [0.7, 1.2] rather than onto 1, which the post found does not hurt training and saves steps.
 
 Contracts:
-- `newton_schulz(G)` takes one matrix (rows, cols) or a stack (n, rows, cols) and computes the
-  reference's arithmetic (`G / (||G||_F + eps)`, then `A = X X^T; B = bA + cA^2; X = aX + BX` on
-  the wide orientation) with the same roundings. For one float32 matrix the result is bitwise
-  the reference's.
-- `ns_batches(params)` + `orthogonalize(batch)` are what Muon and OLion call: same-shape
-  matrices go through one `bmm` chain where that is faster (see `_BATCH_ON_CPU_MAX_NUMEL`),
-  others one by one. A batched result equals the per-matrix result within floating-point
-  tolerance (bitwise on CPU in our tests), in the input dtype and order.
+- `newton_schulz(G)` takes one matrix (rows, cols) or a stack (n, rows, cols). In float32 it
+  computes the reference's arithmetic (`G / (||G||_F + eps)`, then `A = X X^T; B = bA + cA^2;
+  X = aX + BX` on the wide orientation) with the same roundings: for one float32 matrix the
+  result is bitwise the reference's. In bfloat16 (`NS_DTYPES`) the two sums are fused into the
+  products (`addmm`, as torch.optim.Muon and modded-nanogpt do): one kernel instead of three per
+  sum, and rounding differences far below bfloat16's own precision.
+- `ns_batches(params)` + `orthogonalize(batch)` are what Muon and OLion call. A batch holds
+  matrices of one *wide* shape: a (4d, d) and a (d, 4d) matrix share one, the tall one transposed
+  (the iteration runs on the wide orientation anyway). Each matrix is normalised in its own
+  orientation before the stack, so in float32 on CPU every batched result is bitwise the
+  single-matrix result (tested); elsewhere bmm and mm may sum in other orders (float tolerance).
+  A batch's stack is at most `MAX_STACK_BYTES`, which bounds the transient memory of batching.
+- `ns_dtype("auto", device)`: bfloat16 on CUDA (tensor cores, as the field runs Muon), float32
+  elsewhere: on a CPU float32 is the reference math, and bfloat16 matrix products were slower
+  than float32 on the CPUs measured (docs/bench-optim.md).
 - `require_matrices(optimizer, group)` is the 2D-only contract shared by Muon, OLion and
   Adafactor2D: a non-2D parameter is a `ValueError` that names the parameter.
 """
@@ -25,12 +32,55 @@ import torch
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_EPS = 1e-7
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NS_DTYPE_CHOICES = ("auto", *NS_DTYPES)
 
-# On CPU (one thread) a stacked bmm wins for small matrices and loses for large ones: measured
-# batch/loop time 0.33 at 32x32, 0.88 at 96x96, 1.13 at 128x128, 1.40 at 256x256. On
-# accelerators the batch removes per-matrix kernel launches, which dominate for the matrix sizes
-# of small GPTs.
+# On CPU (one thread) a stacked float32 bmm wins for small matrices and loses for large ones:
+# measured batch/loop time 0.33 at 32x32, 0.88 at 96x96, 1.13 at 128x128, 1.40 at 256x256. In
+# bfloat16 the stack won at every size measured (0.66 at 128x128, 0.96 at 256x256, 0.97 at
+# 512x512). On accelerators the batch removes per-matrix kernel launches, which dominate for
+# the matrix sizes of small GPTs.
 _BATCH_ON_CPU_MAX_NUMEL = 12288
+# The transient memory of one batch is a few times its stack (the stack, X X^T and its square,
+# the next X): 256 MiB of stack keeps it about 1 GiB, and a batch that large is compute-bound.
+MAX_STACK_BYTES = 256 << 20
+
+
+def ns_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The Newton-Schulz dtype `name` (a `NS_DTYPE_CHOICES` entry) means on `device`."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return NS_DTYPES[name]
+
+
+def _normalized(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    G = G.to(dtype)
+    # A 2D norm() and a norm over the last two dims reduce the same elements in the same order;
+    # the 2D form keeps the single-matrix path literally the reference's.
+    norm = G.norm() if G.ndim == 2 else G.norm(dim=(-2, -1), keepdim=True)
+    return G / (norm + NS_EPS)
+
+
+def _iterate(X: torch.Tensor, steps: int) -> torch.Tensor:
+    """The quintic iteration on a normalised, wide X (or stack of them), in X's dtype."""
+    a, b, c = NS_COEFFICIENTS
+    if X.dtype != torch.float32:
+        addmm = torch.addmm if X.ndim == 2 else torch.baddbmm
+        for _ in range(steps):
+            A = X @ X.mT
+            X = addmm(X, addmm(A, A, A, beta=b, alpha=c), X, beta=a)
+        return X
+    for _ in range(steps):
+        # The reference's B = b*A + c*A^2 and X = a*X + B X, with every product and sum rounded
+        # as there (no fused multiply-add), but in place: ~20% faster on CPU, bitwise the same.
+        A = X @ X.mT
+        B = A @ A
+        B.mul_(c).add_(A.mul_(b))
+        X = (B @ X).add_(X.mul_(a))
+    return X
+
+
+def _is_tall(shape: torch.Size) -> bool:
+    return shape[-2] > shape[-1]
 
 
 def newton_schulz(
@@ -41,59 +91,61 @@ def newton_schulz(
     Runs in `dtype` (float32, or bfloat16 for tensor-core speed at ~1e-2 relative precision) and
     returns that dtype; the caller casts back.
     """
-    a, b, c = NS_COEFFICIENTS
-    G = G.to(dtype)
-    # A 2D norm() and a norm over the last two dims reduce the same elements in the same order;
-    # the 2D form keeps the single-matrix path literally the reference's.
-    norm = G.norm() if G.ndim == 2 else G.norm(dim=(-2, -1), keepdim=True)
-    X = G / (norm + NS_EPS)
+    X = _normalized(G, dtype)
     # Iterate on the wide orientation so the Gram matrix X X^T is the small one.
-    transposed = X.size(-2) > X.size(-1)
-    if transposed:
-        X = X.mT
-    for _ in range(steps):
-        # The reference's B = b*A + c*A^2 and X = a*X + B X, with every product and sum rounded
-        # as there (no fused multiply-add), but in place: ~20% faster on CPU, bitwise the same.
-        A = X @ X.mT
-        B = A @ A
-        B.mul_(c).add_(A.mul_(b))
-        X = (B @ X).add_(X.mul_(a))
-    return X.mT if transposed else X
+    if _is_tall(X.shape):
+        return _iterate(X.mT, steps).mT
+    return _iterate(X, steps)
 
 
-def _batch_is_faster(shape: torch.Size, device: torch.device) -> bool:
-    return device.type != "cpu" or shape.numel() <= _BATCH_ON_CPU_MAX_NUMEL
+def _wide(shape: torch.Size) -> tuple[int, int]:
+    return (shape[1], shape[0]) if _is_tall(shape) else (shape[0], shape[1])
 
 
-def ns_batches(params: list[torch.Tensor], batched: bool | None = None) -> list[list[torch.Tensor]]:
+def _batch_is_faster(wide: tuple[int, int], device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type != "cpu" or dtype != torch.float32 or wide[0] * wide[1] <= _BATCH_ON_CPU_MAX_NUMEL
+
+
+def ns_batches(params: list[torch.Tensor], batched: bool | None = None,
+               dtype: torch.dtype = torch.float32) -> list[list[torch.Tensor]]:
     """`params` split into the batches `orthogonalize` should take, in first-appearance order.
 
-    `batched`: True puts every same (shape, device, dtype) group in one batch, False makes one
-    batch per matrix, None (default) batches a group where `_batch_is_faster`. Callers compute a
-    batch's updates just before orthogonalising it, so the transient memory is one batch, not
-    every matrix at once.
+    `batched`: True puts every same (wide shape, device, dtype) group in batches, False makes one
+    batch per matrix, None (default) batches a group where `_batch_is_faster` for Newton-Schulz
+    in `dtype`. A batch's stack (in `dtype`) stays within `MAX_STACK_BYTES` (a group larger than
+    that is split; one matrix larger than that is a batch of its own). Callers compute a batch's
+    updates just before orthogonalising it, so the transient memory is one batch, not every
+    matrix at once.
     """
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
     for p in params:
-        groups[(p.shape, p.device, p.dtype)].append(p)
+        groups[(_wide(p.shape), p.device, p.dtype)].append(p)
     out = []
-    for (shape, device, _), group in groups.items():
-        if batched if batched is not None else _batch_is_faster(shape, device):
-            out.append(group)
-        else:
+    for (wide, device, _), group in groups.items():
+        if not (batched if batched is not None else _batch_is_faster(wide, device, dtype)):
             out.extend([p] for p in group)
+            continue
+        per_batch = max(1, MAX_STACK_BYTES // (wide[0] * wide[1] * dtype.itemsize))
+        out.extend(group[i:i + per_batch] for i in range(0, len(group), per_batch))
     return out
 
 
 def orthogonalize(
     matrices: list[torch.Tensor], steps: int = 5, dtype: torch.dtype = torch.float32
 ) -> list[torch.Tensor]:
-    """`newton_schulz` of each matrix (all of one shape), in order and in its own dtype: one
-    call on the stack when there are several (one bmm chain instead of a loop of mm)."""
+    """`newton_schulz` of each matrix (all of one wide shape, see `ns_batches`), in order and in
+    its own dtype and orientation: one bmm chain on the stack when there are several."""
     if len(matrices) == 1:
         return [newton_schulz(matrices[0], steps, dtype).to(matrices[0].dtype)]
-    stacked = newton_schulz(torch.stack(matrices), steps, dtype)
-    return [q.to(m.dtype) for m, q in zip(matrices, stacked.unbind(0))]
+    tall = [_is_tall(m.shape) for m in matrices]
+    stack = torch.empty((len(matrices), *_wide(matrices[0].shape)), dtype=dtype, device=matrices[0].device)
+    for slot, m, t in zip(stack, matrices, tall):
+        # Normalised in its own orientation, written straight into its slot: the same values
+        # as the single-matrix path, and no second copy of the batch.
+        G = m.to(dtype)
+        torch.div(G, G.norm() + NS_EPS, out=slot.mT if t else slot)
+    out = _iterate(stack, steps).unbind(0)
+    return [(q.mT if t else q).to(m.dtype) for m, t, q in zip(matrices, tall, out)]
 
 
 def require_matrices(optimizer: torch.optim.Optimizer, group: dict) -> None:

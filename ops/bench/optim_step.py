@@ -6,26 +6,30 @@ parameter gets a fixed random gradient; a "step" is one optimizer step on those 
 
 Two comparisons, each timed by alternating its contenders step by step (so drift in a shared
 machine's load hits all of them alike) and reporting medians:
-1. Muon on the block matrices alone: ours (optim.muon, default batching), ours with every
-   same-shape group batched, the reference rule's plain per-matrix Muon (the team's seed, below,
-   verbatim), and `torch.optim.Muon` (which runs Newton-Schulz in bfloat16: on CPUs without
-   bfloat16 matrix units that is many times slower, and it is measured all the same).
-   Target: ours / reference <= 1.0.
+1. Muon on the block matrices alone, at each Newton-Schulz dtype: ours (optim.muon, default
+   batching) against `torch.optim.Muon` (stock, which always runs Newton-Schulz in bfloat16; and
+   at float32, its own NS function with its one cast made a float32 copy, see `torch_ns_in`),
+   plus the reference rule's plain per-matrix Muon (the team's seed, below, verbatim) and ours
+   with every same-shape group batched. Targets: ours / torch.optim.Muon <= 1.0 at the same NS
+   dtype; ours / reference <= 1.0.
 2. Every arm of optim.build: the bundle's `step()` against calling its optimizers' `step()`
    directly. Target: bundle / direct within 1.02. On a shared machine those ratios carry a few
    percent of noise either way, so the bundle's own cost is also measured alone: MultiOpt.step
    against the same loop inline, over optimizers that do no work.
 
     PYTHONPATH=. python ops/bench/optim_step.py                      # d=256, 4 blocks, CPU
-    PYTHONPATH=. python ops/bench/optim_step.py --d 768 --blocks 12 --device cuda  # a GPU
+    PYTHONPATH=. python ops/bench/optim_step.py --d 768 --blocks 12 --device cuda --reps 50  # a GPU
 Prints a markdown table (record it in docs/bench-optim.md).
 """
 
 import argparse
+import inspect
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
+import torch.optim._muon as torch_muon
 
 from optim.build import build_bundle, parse_optim_config
 from optim.bundle import MultiOpt
@@ -138,23 +142,57 @@ def ratio(times: dict, a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(times[a], times[b]))
 
 
-def muon_comparison(args) -> list[tuple[str, float, float]]:
+def torch_ns_in(dtype: torch.dtype):
+    """torch.optim.Muon's own Newton-Schulz function, computing in `dtype`: torch offers no NS
+    dtype, so its source is taken as installed and its one cast (`grad.bfloat16()`, a copy that
+    the function then divides in place) made a copy in `dtype`. Everything else is torch's."""
+    source = inspect.getsource(torch_muon._zeropower_via_newtonschulz)
+    if source.count("grad.bfloat16()") != 1:
+        raise SystemExit("torch.optim.Muon's Newton-Schulz changed; update torch_ns_in")
+    namespace: dict = {}
+    exec(source.replace("grad.bfloat16()", f"grad.to({dtype}, copy=True)"), vars(torch_muon).copy(), namespace)
+    return namespace["_zeropower_via_newtonschulz"]
+
+
+@contextmanager
+def torch_muon_ns(fn):
+    """torch.optim.Muon steps with `fn` as its Newton-Schulz function."""
+    stock = torch_muon._zeropower_via_newtonschulz
+    torch_muon._zeropower_via_newtonschulz = fn
+    try:
+        yield
+    finally:
+        torch_muon._zeropower_via_newtonschulz = stock
+
+
+def muon_comparison(args) -> tuple[list[tuple[str, float, float]], list[tuple[str, float, float, float]]]:
+    """(every contender's ms/step and ratio to the reference; per NS dtype: ours, torch, ours/torch)."""
     def matrices():
         model = model_with_grads(args)
         return [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2]
 
-    contenders = {
-        "ours (optim.muon, auto batching)": Muon(matrices()).step,
-        "ours, every same-shape group batched": Muon(matrices(), ns_batched=True).step,
-        "reference per-matrix Muon": ReferenceMuon(matrices()).step,
-        "torch.optim.Muon (bf16 NS)": torch.optim.Muon(
-            matrices(), lr=0.02, weight_decay=0.0, adjust_lr_fn="original").step,
-    }
-    reps = {name: args.reps for name in contenders}
-    reps["torch.optim.Muon (bf16 NS)"] = args.torch_muon_reps
-    times = alternate(contenders, reps, args.device)
-    base = "reference per-matrix Muon"
-    return [(name, statistics.median(t), ratio(times, name, base)) for name, t in times.items()]
+    def torch_step(dtype: torch.dtype):
+        opt = torch.optim.Muon(matrices(), lr=0.02, weight_decay=0.0, adjust_lr_fn="original")
+        ns = torch_ns_in(dtype)
+
+        def step():
+            with torch_muon_ns(ns):
+                opt.step()
+        return step if dtype != torch.bfloat16 else opt.step
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    contenders = {}
+    for tag, dtype in dtypes.items():
+        contenders[f"ours, {tag} NS"] = Muon(matrices(), ns_dtype=str(dtype)[6:]).step
+        contenders[f"torch.optim.Muon, {tag} NS"] = torch_step(dtype)
+    contenders["ours, fp32 NS, every same-shape group batched"] = Muon(matrices(), ns_dtype="float32", ns_batched=True).step
+    contenders["reference per-matrix Muon (fp32)"] = ReferenceMuon(matrices()).step
+    times = alternate(contenders, {name: args.reps for name in contenders}, args.device)
+    base = "reference per-matrix Muon (fp32)"
+    rows = [(name, statistics.median(t), ratio(times, name, base)) for name, t in times.items()]
+    side = [(tag, statistics.median(times[f"ours, {tag} NS"]), statistics.median(times[f"torch.optim.Muon, {tag} NS"]),
+             ratio(times, f"ours, {tag} NS", f"torch.optim.Muon, {tag} NS")) for tag in dtypes]
+    return rows, side
 
 
 def bundle_comparison(args) -> list[tuple[str, float, float, float]]:
@@ -203,16 +241,19 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="CPU threads (torch.set_num_threads)")
     parser.add_argument("--reps", type=int, default=15, help="timed steps per contender")
-    parser.add_argument("--torch-muon-reps", type=int, default=3,
-                        help="timed steps of torch.optim.Muon (slow on CPU: bf16 NS)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     print(f"d={args.d} blocks={args.blocks} vocab={args.vocab} ctx={args.ctx} "
           f"device={args.device} threads={args.threads} torch={torch.__version__}\n")
+    rows, side = muon_comparison(args)
     print("| Muon on the block matrices | ms/step | / reference |\n|---|---:|---:|")
-    for name, t, ratio in muon_comparison(args):
-        print(f"| {name} | {t * 1e3:.1f} | {ratio:.3f} |")
+    for name, t, vs_reference in rows:
+        print(f"| {name} | {t * 1e3:.1f} | {vs_reference:.3f} |")
+    print("\n| NS dtype | ours ms/step | torch.optim.Muon ms/step | ours / torch (target <= 1.0) |"
+          "\n|---|---:|---:|---:|")
+    for tag, ours, theirs, vs_torch in side:
+        print(f"| {tag} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {vs_torch:.3f} |")
     print("\n| arm | bundle ms/step | bundle / direct | direct / adamw |\n|---|---:|---:|---:|")
     rows = bundle_comparison(args)
     for arm, t, overhead, vs_adamw in rows:

@@ -29,7 +29,7 @@ def test_config_without_type_is_adamw_with_the_reference_defaults():
     assert (cfg.weight_decay, cfg.adam_betas, cfg.lr_min_ratio, cfg.total_steps) == (1e-4, (0.9, 0.999), 0.1, None)
     muon = parse_optim_config({"type": "muon"})
     assert (muon.lr_muon, muon.momentum, muon.nesterov, muon.ns_steps, muon.consistent_rms,
-            muon.ns_dtype, muon.muon_weight_decay) == (0.02, 0.95, True, 5, None, "float32", 0.0)
+            muon.ns_dtype, muon.muon_weight_decay) == (0.02, 0.95, True, 5, None, "auto", 0.0)
     assert parse_optim_config({"type": "olion"}).gamma == 0.2
 
 
