@@ -1,0 +1,161 @@
+"""The harness's own tax: the quickstart's training steps in a bare PyTorch loop against the same
+steps through `harness train` with its defaults.
+
+Both contenders train the quickstart config (configs/quickstart.toml: model, optimizer bundle,
+batches, seed) in one process each:
+* bare: a nanoGPT-style loop written here: next batch, forward, backward, clip the gradient
+  norm, optimizer and scheduler step, zero the gradients. It builds the model, optimizer bundle
+  and batch stream through the same factories as the harness, so both compute the same steps.
+* harness: `harness train` with every default on (determinism, per-step fingerprints and the
+  state hash every `train.fingerprint_every` steps, metrics.jsonl, the lease heartbeat, the
+  progress bar and log lines, the checkpoint clock). Evaluation is off in both (`eval_every=0`:
+  work the user asks for, not a tax) and `checkpoint.every_steps` is past the last step, so the
+  cadence is checked every step but no save falls inside the timed steps (the final save comes
+  after the last one is recorded).
+A step's time is measured between the ends of consecutive steps (in the harness, where the loop
+records a step's metrics), so it covers everything the loop does between two steps, on two
+clocks: the process's CPU time (every thread: the harness's own threads count; the time other
+processes take on a shared machine does not) and wall time. The figure is the mean over the
+steps after `--warmup` (a mean, so periodic costs such as the state hash count). Both run with
+`--threads` torch threads (1: on a shared machine more threads than free cores make OpenMP's
+waits dominate). The contenders alternate, the first place swapping each round, each a fresh
+process; the ratio harness / bare is taken within each round. Target: <= 1.03.
+
+    python ops/bench/harness_overhead.py --steps 110 --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "quickstart.toml"
+
+
+def settings(steps: int) -> list[str]:
+    """`--set` overrides both contenders run with."""
+    return [f"train.steps={steps}", "train.eval_every=0", f"checkpoint.every_steps={steps * 100}"]
+
+
+class StepClock:
+    """(wall, process CPU) seconds at the end of each step."""
+
+    def __init__(self) -> None:
+        self.ends: list[tuple[float, float]] = []
+
+    def tick(self) -> None:
+        self.ends.append((time.perf_counter(), time.process_time()))
+
+
+def bare_loop(steps: int, clock: StepClock) -> None:
+    """The nanoGPT-style loop over the quickstart's model, optimizer bundle and batches."""
+    import torch
+
+    from harness.config import load_config
+    from harness.data import BatchStream, TokenDataset
+    from harness.models import load_factory
+    from optim.build import build_bundle
+
+    cfg = load_config(CONFIG, settings(steps))
+    torch.manual_seed(cfg.train.seed)
+    model = load_factory(cfg.model.factory)({"seq_len": cfg.data.seq_len, **cfg.model.args})
+    opt, sched = build_bundle(cfg.optim, model, total_steps=cfg.train.steps)
+    train_set, _ = TokenDataset.from_url(cfg.data.url, cfg.data.seq_len).split(cfg.data.eval_fraction)
+    stream = BatchStream(train_set, cfg.data.batch_size, cfg.train.seed, num_workers=cfg.data.num_workers)
+    model.train()
+    for _ in range(steps):
+        batch = next(stream)
+        _, loss = model(batch.x, batch.y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        clock.tick()
+    stream.close()
+
+
+def harness_loop(steps: int, clock: StepClock, run_dir: str) -> None:
+    """`harness train` in this process; the clock ticks where the loop records a step."""
+    from harness import run
+    from harness.cli import main
+
+    record = run.Loop.record
+
+    def timed_record(loop, result) -> None:
+        record(loop, result)
+        clock.tick()
+
+    run.Loop.record = timed_record
+    argv = ["--log-level", "warning", "train", str(CONFIG), "--run-dir", run_dir]
+    for s in settings(steps):
+        argv += ["--set", s]
+    if main(argv) != 0:
+        raise SystemExit("harness train failed")
+
+
+def child(mode: str, steps: int, threads: int, work: str) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    clock = StepClock()
+    if mode == "bare":
+        bare_loop(steps, clock)
+    else:
+        harness_loop(steps, clock, tempfile.mkdtemp(prefix="run-", dir=work))
+    print(json.dumps(clock.ends))
+
+
+def run_child(mode: str, args: argparse.Namespace, work: str) -> dict[str, float]:
+    """Mean seconds per step after the warmup of one fresh process: {"wall": ..., "cpu": ...}."""
+    proc = subprocess.run([sys.executable, __file__, "--child", mode, "--steps", str(args.steps),
+                           "--threads", str(args.threads), "--work", work],
+                          cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise SystemExit(f"the {mode} run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    ends = json.loads(proc.stdout.splitlines()[-1])[args.warmup:]
+    if len(ends) != args.steps - args.warmup:
+        raise SystemExit(f"the {mode} run recorded {len(ends) + args.warmup} steps, expected {args.steps}")
+    n = len(ends) - 1
+    return {"wall": (ends[-1][0] - ends[0][0]) / n, "cpu": (ends[-1][1] - ends[0][1]) / n}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=110, help="steps per run (the state hash falls on step 100)")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the mean at the start")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch threads in both contenders")
+    p.add_argument("--child", choices=["bare", "harness"], help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        child(args.child, args.steps, args.threads, args.work)
+        return
+    print(f"quickstart, {args.steps} steps per run (mean over the last {args.steps - args.warmup - 1}), "
+          f"{args.threads} torch thread(s), {args.rounds} rounds")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="harness-overhead-") as work:
+        for r in range(args.rounds):
+            order = ["bare", "harness"] if r % 2 == 0 else ["harness", "bare"]
+            t = {mode: run_child(mode, args, work) for mode in order}
+            rows.append(t)
+            print(f"round {r + 1}: CPU ms/step bare {t['bare']['cpu'] * 1e3:.1f}, harness {t['harness']['cpu'] * 1e3:.1f}, "
+                  f"harness / bare {t['harness']['cpu'] / t['bare']['cpu']:.3f}; wall ms/step bare "
+                  f"{t['bare']['wall'] * 1e3:.1f}, harness {t['harness']['wall'] * 1e3:.1f}, "
+                  f"harness / bare {t['harness']['wall'] / t['bare']['wall']:.3f}", flush=True)
+    for clock in ("cpu", "wall"):
+        ratios = [t["harness"][clock] / t["bare"][clock] for t in rows]
+        print(f"median harness / bare, {clock}: {statistics.median(ratios):.3f} "
+              f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)}; target <= 1.03)")
+
+
+if __name__ == "__main__":
+    main()
