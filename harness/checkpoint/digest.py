@@ -20,8 +20,16 @@ from typing import Any
 import blake3
 
 DEFAULT_ALGORITHM = "blake3"
+
+
+def _blake3() -> Any:
+    # AUTO: a large update is split over every core (same digest). On the 2-core reference
+    # machine a warm verified load took 1.24x a raw read with it, 2.4x on one thread.
+    return blake3.blake3(max_threads=blake3.blake3.AUTO)
+
+
 # Name in the manifest -> constructor of a hasher with update() and hexdigest(); both give 64 hex digits.
-ALGORITHMS: dict[str, Callable[[], Any]] = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
+ALGORITHMS: dict[str, Callable[[], Any]] = {"blake3": _blake3, "sha256": hashlib.sha256}
 HEX_DIGITS = 64
 
 

@@ -1,14 +1,14 @@
 """Checkpoint I/O benchmark: the harness store against raw I/O, torch.save and torch DCP.
 
 For a model + AdamW state of about `--size-mib` (default 1024), in one run:
-* save: `CheckpointStore.save` (serialize, sha256, write, fsync, atomic rename) against a raw
+* save: `CheckpointStore.save` (serialize, hash, write, fsync, atomic rename) against a raw
   write + fsync of the same tensor bytes to the same folder, `torch.save` (+ fsync), and
   `torch.distributed.checkpoint.save` (single process, no process group);
 * load: `CheckpointStore.load` into the live model and optimizer against a raw read of the
   checkpoint's own files (the same bytes plus their headers, on the same disk blocks) into
   preallocated memory and `torch.load(weights_only=True)`; `load store verified` is the load a
-  resume does (`verify="while"`: every byte sha256-hashed as it streams in), and `verify` (the
-  sha256 pass of `harness ckpt verify` and `latest_good`) is timed on its own;
+  resume does (`verify="while"`: every byte hashed (BLAKE3) as it streams in), and `verify` (the
+  hash pass of `harness ckpt verify` and `latest_good`) is timed on its own;
 * memory: peak RSS (VmHWM) of a child process that builds the model and a fresh optimizer
   and loads the checkpoint, against a child that builds the model and optimizer state of a
   fresh start (what training holds after its first step).
@@ -220,7 +220,7 @@ def report(r: dict, command: str) -> str:
             if k in r:
                 label = "store verified" if who == "verified" else who
                 lines.append(f"| {' '.join([op.split()[0], label, *op.split()[1:]])} | {r[k]:.3f} | {rate[k]:.2f} | {r[raw_key] / r[k]:.2f}x |")
-    lines.append(f"| verify (sha256 of every file) | {r['verify_s']:.3f} | {rate['verify_s']:.2f} | |")
+    lines.append(f"| verify (BLAKE3 of every file) | {r['verify_s']:.3f} | {rate['verify_s']:.2f} | |")
     lines += [
         "",
         f"peak RSS, fresh start (model + optimizer state): {r['rss_fresh_bytes'] / 2**20:.0f} MiB",

@@ -6,7 +6,7 @@ hundred ms on one CPU core). In one process, with the same model and state throu
 one checkpoint interval (N steps) run in rounds of three, so that the machine's load drifts alike
 over the modes and each block is compared with the `none` block next to it:
 * none:  N training steps;
-* sync:  N steps, then `CheckpointStore.save` (serialize, sha256, write, fsync, rename);
+* sync:  N steps, then `CheckpointStore.save` (serialize, hash, write, fsync, rename);
 * async: `AsyncSaver.submit` (the snapshot into the reused staging buffers), N steps while the
   background thread persists, then wait for the commit if it is not done yet: one interval of a
   long run with a checkpoint every N steps, persist contention included.
@@ -178,7 +178,7 @@ def report(r: dict, command: str) -> str:
         "",
         "| save | seconds |",
         "|------|--------:|",
-        f"| sync save, full (serialize + sha256 + write + fsync + rename) | {r['sync_save_s']:.3f} |",
+        f"| sync save, full (serialize + hash + write + fsync + rename) | {r['sync_save_s']:.3f} |",
         f"| async save, blocking (snapshot into the staging buffers) | {r['async_blocking_s']:.3f} "
         f"({pct(r['blocking_vs_sync'])} of sync) |",
         f"| async save, background persist | {r['async_persist_s']:.3f} |",

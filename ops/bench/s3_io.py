@@ -2,12 +2,12 @@
 
 For a model of about `--size-mib` (default 256) of float32 weights, in one run against one local
 S3 server (ops/s3/local_server.py, moto, started here in its own process on loopback):
-* save: `CheckpointStore.save` to s3:// (serialize, sha256, multipart upload through the retrying
+* save: `CheckpointStore.save` to s3:// (serialize, hash, multipart upload through the retrying
   s3fs, manifest last, retention listing) against `boto3` `upload_file` of the same files (the
   checkpoint's bytes, staged on local disk beforehand: boto3 does not serialize or hash);
 * load: `CheckpointStore.load` of that checkpoint into a live model (streaming range reads into
   the tensors) against `boto3` `download_file` of the same objects to local disk;
-* verify: the sha256 pass `latest_good` makes before a resume, on its own.
+* verify: the hash pass `latest_good` makes before a resume, on its own.
 
 Figures are MiB/s of checkpoint bytes, best of `--repeat` rounds; the two saves take turns going
 first (boto3 uploads the files of a checkpoint staged before the first round). The server is moto (Python, in memory): it bounds both sides alike, so the ratio is the
