@@ -66,6 +66,10 @@ def apply(threads: int | None = None) -> dict[str, Any]:
     if threads is not None:
         torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
+    # Deterministic mode also fills every uninitialised tensor (`torch.empty`, every op's output
+    # buffer) with NaN by default: a debugging aid that changes no result of a program that never
+    # reads memory before writing it, and 2-3% of a quickstart step on CPU (docs/bench-overhead.md).
+    torch.utils.deterministic.fill_uninitialized_memory = False
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
     mkl = _mkl()
