@@ -44,9 +44,9 @@ def test_commit_is_local_then_published_after_every_object_verifies(proxy, s3_se
     events: list[tuple[str, str]] = []
     real_hash, real_seal = mirror.hash_file, remote.seal
 
-    def hash_file(loc, path):
+    def hash_file(loc, path, algorithm):
         events.append(("verified", path.rsplit("/", 1)[-1]))
-        return real_hash(loc, path)
+        return real_hash(loc, path, algorithm)
 
     def seal(ref, work, records):
         assert manifest_key(s3_url, ref.step) not in s3_server.keys(s3_url.split("/", 3)[3])
@@ -85,8 +85,8 @@ def test_failed_upload_keeps_previous_remote_checkpoint_newest(proxy, s3_server,
 
     # An object that reads back wrong: nothing is published, finish raises, once.
     real_hash = mirror.hash_file
-    monkeypatch.setattr(mirror, "hash_file", lambda loc, path: (
-        (0, "0" * 64) if path.endswith("model.safetensors") else real_hash(loc, path)))
+    monkeypatch.setattr(mirror, "hash_file", lambda loc, path, algorithm: (
+        (0, "0" * 64) if path.endswith("model.safetensors") else real_hash(loc, path, algorithm)))
     store.commit(2, snapshot(2))
     with pytest.raises(CheckpointError, match="step 2.*fails verification.*previous remote checkpoint"):
         store.finish()
