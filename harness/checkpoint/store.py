@@ -12,7 +12,8 @@ Commit protocol. A checkpoint exists only when its manifest exists and every fil
 Deleting a checkpoint removes its manifest first, so a half-deleted one is never "found".
 
 Discovery (`latest_good`) walks committed steps newest first and verifies sizes and digests
-(each file's algorithm as its manifest names it) against the manifest; a checkpoint that fails is logged (file, expected vs found) and skipped.
+(each file's algorithm as its manifest names it) against the manifest; a checkpoint that fails
+is logged (file, expected vs found) and skipped.
 `load` always checks sizes and headers; how much it re-hashes is its `verify` argument: "no"
 (the ref came from `latest_good`, which read every byte already), "before" (every file hashed
 first: a corrupt checkpoint changes nothing), or "while" (every byte hashed as it streams into
