@@ -120,8 +120,9 @@ def test_non_2d_parameter_is_refused_by_name():
 def test_bfloat16_parameters_use_ns_dtype_not_the_parameter_dtype(ref_ns):
     """The module docstring's claims for bfloat16 parameters, one step: the reference runs NS in
     bfloat16; ours by default in float32 (every matrix differs from the reference, and the NS is
-    closer to a float64 evaluation); with ns_dtype="bfloat16" wide and square matrices are bitwise
-    the reference, the tall one within one bfloat16 rounding."""
+    closer to a float64 evaluation); with ns_dtype="bfloat16" (whose NS fuses its sums into the
+    products, as torch.optim.Muon does) every matrix's update agrees with the reference's to
+    bfloat16 precision."""
     start = [p.detach().bfloat16() for p in make_params()]
     grads = [g.bfloat16() for g in grads_for(0)]
 
@@ -139,10 +140,8 @@ def test_bfloat16_parameters_use_ns_dtype_not_the_parameter_dtype(ref_ns):
         reference.append(p.clone().add_(u * max(1.0, u.size(0) / u.size(1)) ** 0.5, alpha=-0.02))
     assert not any(torch.equal(x, y) for x, y in zip(ours(), reference))
     for shape, x, y in zip(SHAPES, ours(ns_dtype="bfloat16"), reference):
-        if shape[0] <= shape[1]:
-            assert torch.equal(x, y), shape
-        else:
-            assert ((x.float() - y.float()).abs() <= y.float().abs() * 2 ** -7).all(), shape
+        # one bfloat16 rounding of the parameter, or 5% of the update (0.02 x an NS entry <= 1)
+        assert ((x.float() - y.float()).abs() <= y.float().abs() * 2 ** -7 + 1e-3).all(), shape
     for g in grads:
         exact = ref_ns(g.double())
         err32 = (newton_schulz(g, 5, torch.float32).double() - exact).norm()
