@@ -89,7 +89,7 @@ def identity_changes(saved: dict[str, Any] | None, current: dict[str, Any] | Non
     """What differs between a checkpoint's data identity and this run's: name -> (then, now).
     A checkpoint written before identities were recorded (`saved` None) is only checked for a
     switch to token shards."""
-    if saved == current or (saved is None and "sources" not in (current or {})):
+    if _content(saved) == _content(current) or (saved is None and "sources" not in (current or {})):
         return {}
     if "sources" not in (saved or {}) or "sources" not in (current or {}):
         same_kind = saved is not None and current is not None and "url" in saved and "url" in current
@@ -106,6 +106,11 @@ def identity_changes(saved: dict[str, Any] | None, current: dict[str, Any] | Non
     return changes or {"data identity": (saved, current)}
 
 
+def _content(identity: dict[str, Any] | None) -> dict[str, Any] | None:
+    """An identity without a text file's URL: the config's `data.url` is compared on its own."""
+    return {k: v for k, v in identity.items() if k != "url"} if identity and "sources" not in identity else identity
+
+
 def _identity_kind(identity: dict[str, Any] | None) -> str:
     """A short description of an identity for a message: which data and, for text, its content."""
     if not identity:
@@ -115,3 +120,21 @@ def _identity_kind(identity: dict[str, Any] | None) -> str:
     if "factory" in identity:
         return f"data.factory {identity['factory']}"
     return f"text {identity.get('url') or 'built-in corpus'} ({identity.get('size')} bytes, sha256 of first/last MiB {str(identity.get('head'))[:8]}/{str(identity.get('tail'))[:8]})"
+
+
+class Reordered:
+    """`dataset` read in the order `order` (a permutation of its slots)."""
+
+    def __init__(self, dataset: Mixture, order: torch.Tensor) -> None:
+        self.dataset = dataset
+        self.order = order
+        self.num_samples = dataset.num_samples
+
+    def sample_id(self, index: int) -> int:
+        return self.dataset.sample_id(int(self.order[index]))
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dataset[int(self.order[index])]
+
+    def windows(self, indices: list[int]) -> torch.Tensor:
+        return self.dataset.windows([int(self.order[i]) for i in indices])
