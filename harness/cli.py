@@ -4,13 +4,19 @@ Every command module exposes `register(subparsers)`, which adds its parser and s
 `func(args) -> int` (the exit code). A `UserError` anywhere becomes one line on stderr and exit
 code 2, an `Unavailable` (storage outage past its retry deadline) one line and exit code 69;
 anything else is a bug and keeps its traceback. The exit code is recorded for launchers that
-cannot see it (`exit_codes.record`).
+cannot see it (`exit_codes.record`). `--log-level` is accepted before the command and after it
+(`harness train C --log-level debug`).
+
+Output piped into a reader that stops early (`harness report RUN | head -2`) ends the command
+quietly with exit code 141 (128 + SIGPIPE, what a shell reports for a program killed by it),
+for every command, instead of a BrokenPipeError traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from harness import exit_codes, numerics
@@ -30,14 +36,29 @@ COMMAND_MODULES = (
     "harness.verify",
 )
 
+LOG_LEVELS = ["debug", "info", "warning", "error"]
+BROKEN_PIPE_EXIT_CODE = 141
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="harness", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(commands)
+    _accept_log_level_after_commands(commands)
     return parser
+
+
+def _accept_log_level_after_commands(commands: argparse._SubParsersAction) -> None:
+    """Every (sub)command parser takes `--log-level` too. SUPPRESS as its default: a subcommand
+    that was not given the flag must not overwrite the value given before the command."""
+    for sub in commands.choices.values():
+        sub.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
+                         help="console log level (also accepted before the command)")
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _accept_log_level_after_commands(action)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,13 +73,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def run_command(args: argparse.Namespace) -> int:
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
     except (UserError, Unavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader is gone: point stdout at /dev/null so the interpreter's final flush of the
+        # buffered rest does not raise again (the recipe of Python's signal module docs).
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return BROKEN_PIPE_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from harness.errors import UserError
 from harness.models import DEFAULT_FACTORY
-from optim.build import OptimConfig
+from optim.build import ARMS, OptimConfig, arms_taking
 
 
 class Section(BaseModel):
@@ -33,8 +33,8 @@ class Section(BaseModel):
 class ModelSection(Section):
     """The model: a factory import path and the keyword arguments it is called with."""
 
-    factory: str = Field(DEFAULT_FACTORY, description="`package.module:function` called with one dict (`args`, plus `seq_len` from data.seq_len unless `args` sets it) that returns the nn.Module; its forward(x, y) returns (logits, loss).")
-    args: dict[str, Any] = Field(default_factory=dict, description="Arguments for the factory (for the built-in GPT: n_layer, n_head, d_model, dropout, seq_len, vocab_size).")
+    factory: str = Field(DEFAULT_FACTORY, description="`package.module:function` called with one dict (`args`, plus `seq_len` from data.seq_len unless `args` sets it) that returns the nn.Module; its forward(x, y) returns (logits, loss). The full contract: docs/models.md.")
+    args: dict[str, Any] = Field(default_factory=dict, description="Arguments for the factory (for the built-in GPT: n_layer, n_head, d_model, dropout, vocab_size; seq_len follows data.seq_len, set it here only to make the model longer than the samples).")
 
 
 class DataSource(Section):
@@ -58,7 +58,7 @@ class DataSection(Section):
     seq_len: int = Field(64, gt=0, description="Tokens per sample (the model sees seq_len tokens and predicts the next of each).")
     batch_size: int = Field(16, gt=0, description="Samples per micro-batch (per rank).")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes; the data order does not depend on it.")
-    eval_fraction: float = Field(0.05, ge=0.0, lt=1.0, description="Fraction of the windows held out for evaluation.")
+    eval_fraction: float = Field(0.05, gt=0.0, lt=1.0, description="Fraction of the windows held out for evaluation (> 0: every run ends with an evaluation).")
     storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options for `url` (and every source without its own).")
 
     @model_validator(mode="after")
@@ -135,6 +135,21 @@ class RunConfig(Section):
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     debug: DebugSection = Field(default_factory=DebugSection)
 
+    @model_validator(mode="after")
+    def _model_fits_the_samples(self) -> RunConfig:
+        longest = self.model.args.get("seq_len")
+        if isinstance(longest, int) and longest < self.data.seq_len:
+            raise ValueError(f"model.args.seq_len = {longest} is shorter than data.seq_len = {self.data.seq_len}: "
+                             "remove model.args.seq_len (the model then follows data.seq_len) or raise it")
+        return self
+
+
+def model_args(cfg: RunConfig) -> dict[str, Any]:
+    """The dict the model factory is called with: `model.args`, plus `seq_len` = data.seq_len
+    unless `model.args` sets it. The math check compares these, so a config that spells out the
+    default seq_len and one that leaves it to data.seq_len are the same run."""
+    return {"seq_len": cfg.data.seq_len, **cfg.model.args}
+
 
 def _default_optim() -> OptimConfig:
     from optim.build import parse_optim_config
@@ -195,7 +210,9 @@ def batch_shape(cfg: RunConfig, world_size: int) -> tuple[int, int]:
 
 def math_fields(cfg: RunConfig) -> dict[str, Any]:
     """Flatten the config to dotted keys, leaving out FREE_FIELDS: what a resume must keep."""
-    flat = _flatten(cfg.model_dump(mode="json"))
+    tree = cfg.model_dump(mode="json")
+    tree["model"]["args"] = model_args(cfg)
+    flat = _flatten(tree)
     return {k: v for k, v in flat.items() if not any(k == f or k.startswith(f + ".") for f in FREE_FIELDS)}
 
 
@@ -243,6 +260,9 @@ def _read_toml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     base = raw.pop("extends", None)
     if base is None:
         return raw
+    if not isinstance(base, str):
+        raise UserError(f"{path}: extends = {base!r}: expected the path of another TOML file as a string, "
+                        'e.g. extends = "base.toml"')
     merged = _read_toml((path.parent / base), seen + (path.resolve(),))
     _merge(merged, raw)
     return merged
@@ -307,6 +327,8 @@ def _describe(e: ValidationError) -> str:
         loc = ".".join(str(x) for x in err["loc"] if not (isinstance(x, str) and x in _UNION_TAGS))
         template = _MESSAGES.get(err["type"])
         msg = template.format(**err.get("ctx", {}), input=err.get("input")) if template else err["msg"]
+        if err["type"] == "extra_forbidden" and len(err["loc"]) == 3 and err["loc"][0] == "optim":
+            msg = _optim_key_elsewhere(str(err["loc"][1]), str(err["loc"][2])) or msg
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
 
@@ -316,5 +338,15 @@ _MESSAGES = {
     "union_tag_invalid": "unknown type {tag!r}; expected one of {expected_tags}",
 }
 
+
+def _optim_key_elsewhere(arm: str, key: str) -> str | None:
+    """For an unknown key that another optimizer type has: which types take it (else None)."""
+    takers = arms_taking(key)
+    if not takers:
+        return None
+    return (f"unknown key for optim.type = {arm!r}; it belongs to optim.type = "
+            f"{' or '.join(repr(t) for t in takers)}: remove it or change optim.type")
+
+
 # Discriminated-union members appear in pydantic's error locations; users never write them.
-_UNION_TAGS = {"adamw", "muon", "lion", "olion", "adafactor", "sgdm"}
+_UNION_TAGS = set(ARMS)

@@ -6,61 +6,75 @@ to the same log without coordinating: each line is one write to a file opened fo
 a local filesystem never interleaves. The schema of each kind is documented where it is read,
 in `harness.goodput`.
 
-Where the log lives (`events_url(run_dir, log_dir)`): in `log_dir` when given, else in the run
-dir itself when that is a local folder. Object stores cannot append, and rewriting the whole
-object per event would be quadratic and racy, so for a remote run dir the log is kept locally in
-`runs/<last part of the URL>/`, the same folder the trainer writes its metrics to.
+Where the logs live (`log_dir_for(run_dir, log_dir)`, also the trainer's metrics folder): in
+`log_dir` when given, else in the run dir itself when that is a local folder. Object stores
+cannot append, and rewriting the whole object per event would be quadratic and racy, so for a
+remote run dir the logs are kept locally in `runs/<protocol-host-path>-<hash>/`: the readable
+part is the URL with every run of characters other than letters, digits, `.`, `_` and `-`
+turned into one `-` (cut to 80 characters), the hash the first 8 hex digits of the sha256 of
+the whole URL, so two run dirs never share a log folder (s3://a/quickstart and a local
+runs/quickstart did, when the folder was named after the last path component alone).
+
+With a `run_id` every record carries it and the log refuses to be appended to when its records
+carry another run's (`harness.run_id`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import posixpath
+import re
 import time
-from collections.abc import Iterator
 
 import fsspec
 from fsspec.utils import get_protocol
 
+from harness.jsonlines import records
+from harness.run_id import RUN_ID_KEY, claim_log
+
 EVENTS_FILE = "events.jsonl"
+LOGS_ROOT = "runs"
+
+
+def log_dir_for(run_dir: str, log_dir: str | None = None) -> str:
+    """The local folder of the logs of the run at `run_dir` (see the module docstring)."""
+    if log_dir:
+        return log_dir
+    if get_protocol(run_dir) in ("file", "local"):
+        return fsspec.core.strip_protocol(run_dir)
+    url = run_dir.rstrip("/")
+    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", url).strip("-")[:80]
+    return os.path.join(LOGS_ROOT, f"{readable}-{hashlib.sha256(url.encode()).hexdigest()[:8]}")
 
 
 def events_url(run_dir: str, log_dir: str | None = None) -> str:
-    """The events file of the run at `run_dir` (see the module docstring for remote runs)."""
-    if log_dir:
-        folder = log_dir
-    elif get_protocol(run_dir) in ("file", "local"):
-        folder = fsspec.core.strip_protocol(run_dir)
-    else:
-        folder = os.path.join("runs", run_dir.rstrip("/").rsplit("/", 1)[-1])
-    return os.path.join(folder, EVENTS_FILE)
+    """The events file of the run at `run_dir`."""
+    return os.path.join(log_dir_for(run_dir, log_dir), EVENTS_FILE)
 
 
 class EventLog:
-    """Append-only JSON-lines log at a path or an fsspec URL that supports append (local, memory)."""
+    """Append-only JSON-lines log at a path or an fsspec URL that supports append (local, memory).
+    With `run_id` (and `run_dir`, named in the refusal) the log must not belong to another run."""
 
-    def __init__(self, url: str | os.PathLike) -> None:
+    def __init__(self, url: str | os.PathLike, run_id: str | None = None, run_dir: str = "") -> None:
         self.url = os.fspath(url)
+        self.run_id = run_id
         fs, path = fsspec.core.url_to_fs(self.url)
         fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        if run_id is not None and get_protocol(self.url) in ("file", "local"):
+            claim_log(path, run_id, run_dir)
 
     def emit(self, kind: str, **fields: object) -> None:
         record = {"time": time.time(), "event": kind, "pid": os.getpid(), **fields}
+        if self.run_id is not None:
+            record[RUN_ID_KEY] = self.run_id
         line = (json.dumps(record) + "\n").encode()
         with fsspec.open(self.url, "ab") as f:
             f.write(line)
 
     def read(self) -> list[dict]:
-        """Every event so far, in file order; a line that is not JSON is skipped (a log must
-        stay readable whatever happened to one writer)."""
-        return list(_parse(self.url))
-
-
-def _parse(url: str) -> Iterator[dict]:
-    with fsspec.open(url, "rb") as f:
-        for raw in f:
-            try:
-                yield json.loads(raw)
-            except json.JSONDecodeError:
-                continue
+        """Every event so far, in file order; a line that is not a JSON object is skipped (a log
+        must stay readable whatever happened to one writer: `harness.jsonlines`)."""
+        return list(records(self.url))

@@ -5,11 +5,11 @@ the trainer (rank 0 only) unless marked supervisor:
 
 | event      | fields                                   | when |
 |------------|------------------------------------------|------|
-| start      | resumed_from: int or null, startup_s, restore_s | once per process, after the state is restored and checked, just before the first step; startup_s = seconds since the process started (imports, config, restore); restore_s = the part spent finding, verifying, loading and checking the checkpoint |
+| start      | resumed_from: int or null, previous_reached: int or null, startup_s, restore_s | once per process, after the state is restored and checked, just before the first step; previous_reached = the last step the interrupted process logged to metrics.jsonl (every step is logged there), null when it logged none past resumed_from; startup_s = seconds since the process started (imports, config, restore); restore_s = the part spent finding, verifying, loading and checking the checkpoint |
 | progress   | step, train_s                            | every few steps (e.g. each console log line) and after each checkpoint; step = steps completed so far; train_s = seconds this process has spent inside training steps so far (cumulative, blocking saves excluded) |
 | checkpoint | step, blocking_s                         | after each commit; blocking_s = seconds the step loop was blocked by this save |
 | save_slow  | step, seconds                            | while a background save has been persisting longer than expected (checkpoint.save_deadline_s), repeated each slow interval |
-| exit       | reason ("finished", "preempted"), step, train_s | on a clean exit; train_s as in progress |
+| exit       | reason, step, train_s, exit_code, error | when the process ends by itself: "finished" (0), "preempted" (75), "save_deadline_missed" (76, from the deadline watchdog), "user_error" (2) or "crashed" (an exception; error = its type and message); train_s as in progress. A process that is killed writes none |
 | restart    | cause, exit_code, step, restart, backoff_s | supervisor, before each restart; step = newest committed checkpoint |
 | gave_up    | cause, step, restarts, streak, stderr_tail | supervisor, when it stops retrying |
 
@@ -20,9 +20,9 @@ Accounting (`account(events)`), with one "process" = the events from one "start"
 - restarting: the backoff_s of every restart plus the startup_s of every process but the first.
 - recomputing: steps run twice. When process P is followed by Q, the steps from Q's
   resumed_from (0 if null) up to the last step P is known to have reached (progress,
-  checkpoint or exit) were lost and re-run; they are costed at the run's mean step time
-  (training time / steps it covered). Steps P ran after its last progress event are invisible
-  here and fall into "other": emit progress often enough for the resolution you want.
+  checkpoint or exit events, and Q's previous_reached, read from every step P logged) were
+  lost and re-run; they are costed at the run's mean step time (training time / steps it
+  covered).
 - other: wall clock minus the above (evaluation, logging, data stalls, time between a crash and
   the next start that no supervisor accounted for, queueing of a requeued job).
 - wall clock: from the first process's start (its start time minus startup_s) to the last event.
@@ -84,6 +84,8 @@ def account(events: Iterable[dict]) -> Goodput:
         kind, t = e.get("event"), float(e.get("time", 0.0))
         last_time = t
         if kind == "start":
+            if procs and isinstance(e.get("previous_reached"), int):
+                procs[-1].reached(e["previous_reached"])
             procs.append(_Process(e.get("resumed_from"), float(e.get("startup_s", 0.0))))
             g.exit_reason = None
             if first_time is None:

@@ -13,11 +13,20 @@ import os
 from pathlib import Path
 from typing import Any
 
+from harness.jsonlines import parse_line, records
+from harness.run_id import RUN_ID_KEY, claim_log
+
 
 class MetricsLog:
-    def __init__(self, path: str | Path) -> None:
+    """With `run_id` (and `run_dir`, named in the refusal) every record carries the id and the
+    file must not belong to another run (`harness.run_id`)."""
+
+    def __init__(self, path: str | Path, run_id: str | None = None, run_dir: str = "") -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.run_id = run_id
+        if run_id is not None:
+            claim_log(self.path, run_id, run_dir)
         self._file = None
 
     def truncate_after(self, step: int) -> list[dict[str, Any]]:
@@ -26,17 +35,20 @@ class MetricsLog:
         self.close()
         if not self.path.exists():
             return []
-        lines = self.path.read_text().splitlines(keepends=True)
+        # Lines that are not JSON objects (a power loss's NUL tail, stray bytes) are dropped here.
+        lines = self.path.read_bytes().splitlines(keepends=True)
         kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
-        dropped = [json.loads(line) for line in lines if _step_of(line) is not None and _step_of(line) > step]
+        dropped = [parse_line(line) for line in lines if _step_of(line) is not None and _step_of(line) > step]
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept))
+        tmp.write_bytes(b"".join(line if line.endswith(b"\n") else line + b"\n" for line in kept))
         os.replace(tmp, self.path)
         return dropped
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is None:
             self._file = self.path.open("a")
+        if self.run_id is not None:
+            record = {**record, RUN_ID_KEY: self.run_id}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
@@ -47,12 +59,14 @@ class MetricsLog:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a metrics file (for reports and tests)."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """All records of a metrics file (for reports and tests); lines that are not JSON objects
+    are skipped (`harness.jsonlines`)."""
+    return list(records(path))
 
 
-def _step_of(line: str) -> int | None:
+def _step_of(line: bytes) -> int | None:
+    record = parse_line(line)
     try:
-        return int(json.loads(line)["step"])
+        return None if record is None else int(record["step"])
     except (ValueError, KeyError, TypeError):
         return None

@@ -20,6 +20,7 @@ Contract of `train(cfg, ...)` (what `harness train` does):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import fsspec
+import fsspec.utils
 import psutil
 from tqdm import tqdm
 
@@ -38,12 +39,14 @@ from harness.checkpoint.async_save import AsyncSaver, Committed
 from harness.checkpoint.distributed_commit import GroupCommit, load_checkpoint
 from harness.checkpoint.filesystem import open_filesystem
 from harness.checkpoint.mirror import LocalFirstStore
-from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError, failed_save
 from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR, Verify, folder_name, skipped
 from harness.config import RunConfig, config_changes, public_config
 from harness.data.sources import identity_changes, open_data
-from harness.errors import UserError
-from harness.events import EventLog
+from harness.errors import Unavailable, UserError
+from harness.events import EVENTS_FILE, EventLog, log_dir_for
+from harness.jsonlines import parse_line
+from harness.run_id import RUN_ID_KEY, RUN_JSON, new_run_id
 from harness.fingerprint import fingerprint_fields
 from harness.log import get_logger
 from harness.metrics import MetricsLog
@@ -57,6 +60,9 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
           takeover: bool = False) -> int:
     numerics.apply(cfg.train.cpu_threads)  # before any torch math: MKL's mode is fixed at its first use
     log_dir = Path(resolve_log_dir(cfg))
+    if fsspec.utils.get_protocol(cfg.run_dir) == "memory":
+        log.warning("run_dir is memory://: checkpoints and run.json live in this process only and are gone when it "
+                    "exits; nothing can resume from them. Use a local path or s3:// for a real run", run_dir=cfg.run_dir)
     store = open_store(cfg)
     try:
         distributed.on_rank0(store.acquire_lease, takeover=takeover)  # rank 0 is the run dir's one writer
@@ -69,28 +75,53 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             return exit_codes.FINISHED
         trainer, ref, restore_s, changes = started
         try:
-            distributed.on_rank0(write_run_json, cfg, trainer)
+            run_id = distributed.on_rank0(write_run_json, cfg, trainer)
+            log.debug("run", run_id=run_id, run_dir=cfg.run_dir, log_dir=str(log_dir), device=str(trainer.device),
+                      resumed_from=ref.step if ref else None, parameters=sum(p.numel() for p in trainer.model.parameters()))
             lead = distributed.rank() == 0  # rank 0 keeps the logs: every rank logs the same all-reduced loss
-            events = EventLog(log_dir / "events.jsonl") if lead else distributed.Silent()
-            metrics = MetricsLog(log_dir / "metrics.jsonl") if lead else distributed.Silent()
+            events = EventLog(log_dir / EVENTS_FILE, run_id, cfg.run_dir) if lead else distributed.Silent()
+            metrics = MetricsLog(log_dir / "metrics.jsonl", run_id, cfg.run_dir) if lead else distributed.Silent()
             if cfg.debug.sample_log:
                 trainer.batch_hook = distributed.SampleLog(log_dir).write
             t_check = time.perf_counter()
-            ran_past = metrics.truncate_after(trainer.step)
+            ran_past = metrics.truncate_after(trainer.step) or []  # ranks > 0 keep no metrics (Silent: None)
+            # Where the interrupted process got to: every step it logged, not only its last progress event.
+            reached = max((int(r["step"]) for r in ran_past if "loss" in r), default=None)
             if ref is not None and lead:  # check the restored state, then each re-run step, against the run's own history
                 trainer.fingerprints.watch(events, [] if allow_config_change else ran_past)
             restore_s += time.perf_counter() - t_check
-            events.emit("start", step=trainer.step, resumed_from=ref.step if ref else None, pid=os.getpid(),
+            events.emit("start", step=trainer.step, resumed_from=ref.step if ref else None, previous_reached=reached,
+                        run_dir=cfg.run_dir,
                         host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time(),
                         restore_s=restore_s)
             if changes:
                 events.emit("config_changed", step=trainer.step, changes={k: {"old": a, "new": b} for k, (a, b) in changes.items()},
                             schedule=trainer.sched.replanned)
-            return Loop(cfg, trainer, store, metrics, events, log_dir).run()
+            resumed_here = ref is not None and source is store
+            loop = Loop(cfg, trainer, store, metrics, events, log_dir, last_committed=ref.step if resumed_here else None)
+            try:
+                return loop.run()
+            except BaseException as e:
+                reason, code = exit_reason(e)
+                with contextlib.suppress(OSError):  # a full log disk must not replace the error being raised
+                    events.emit("exit", reason=reason, exit_code=code, step=trainer.step, train_s=loop.train_s,
+                                save_s=loop.save_s, error=f"{type(e).__name__}: {e}"[:500])
+                raise
         finally:
             trainer.close()
     finally:
         store.release_lease()
+
+
+def exit_reason(error: BaseException) -> tuple[str, int]:
+    """The `exit` event's reason and the exit code the CLI gives for an exception leaving the loop."""
+    if isinstance(error, UserError):
+        return "user_error", error.exit_code
+    if isinstance(error, Unavailable):
+        return "storage_unavailable", error.exit_code
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted", 130
+    return "crashed", 1
 
 
 def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[CheckpointRef], verify: Verify,
@@ -161,13 +192,8 @@ def open_store(cfg: RunConfig) -> CheckpointStore | LocalFirstStore:
 
 
 def resolve_log_dir(cfg: RunConfig) -> str:
-    """Local folder for metrics and events: the run dir itself when it is local."""
-    if cfg.log_dir:
-        return cfg.log_dir
-    protocol = fsspec.core.split_protocol(cfg.run_dir)[0]
-    if protocol in (None, "file", "local"):
-        return fsspec.core.strip_protocol(cfg.run_dir)
-    return os.path.join("runs", cfg.run_dir.rstrip("/").rsplit("/", 1)[-1])
+    """Local folder for metrics and events (`harness.events.log_dir_for`)."""
+    return log_dir_for(cfg.run_dir, cfg.log_dir)
 
 
 def agree_on_checkpoint(store: CheckpointStore, cfg: RunConfig,
@@ -219,6 +245,9 @@ def checkpoint_at(url: str, storage_options: dict[str, Any]) -> tuple[Checkpoint
                         f"or auto / never")
     source = CheckpointStore(run_url or ".", storage_options=storage_options or None)
     ref = source.ref(int(match[1]))
+    if not source.loc.fs.isdir(ref.path):
+        raise UserError(f"--resume {url}: no such checkpoint folder; `harness ckpt ls {run_url or '.'}` lists the "
+                        f"run's checkpoints (or use --resume auto for the newest good one)")
     problems = source.verify(ref)
     if problems:
         raise UserError(f"--resume {url}: the checkpoint fails verification: {problems[0]}")
@@ -249,25 +278,32 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: 
     return changed
 
 
-def write_run_json(cfg: RunConfig, trainer: Trainer) -> None:
-    doc = {"config": public_config(cfg), "data": trainer.data.identity,
-           "environment": environment_fingerprint(trainer.device)}
+def write_run_json(cfg: RunConfig, trainer: Trainer) -> str:
+    """Write the run dir's run.json (resolved config, environment, run id) and return the run id:
+    the one already in run.json, else a new one (`harness.run_id`)."""
     try:
         # Through the store's filesystem: bounded retries that never draw from the global RNG.
         fs, path = open_filesystem(cfg.run_dir, cfg.checkpoint.storage_options)
+        url = f"{path.rstrip('/')}/{RUN_JSON}"
+        previous = parse_line(fs.cat_file(url)) if fs.exists(url) else None
+        run_id = (previous or {}).get(RUN_ID_KEY) or new_run_id()
+        doc = {RUN_ID_KEY: run_id, "config": public_config(cfg), "data": trainer.data.identity,
+               "environment": environment_fingerprint(trainer.device)}
         fs.makedirs(path, exist_ok=True)
-        fs.pipe_file(f"{path.rstrip('/')}/run.json", json.dumps(doc, indent=2).encode())
+        fs.pipe_file(url, json.dumps(doc, indent=2).encode())
     except OSError as e:
         raise UserError(f"cannot write to run dir {cfg.run_dir}: {e}; choose a writable --run-dir") from None
+    return run_id
 
 
 class Loop:
     """The outer loop: steps, metrics, evaluation, checkpoint cadence, preemption, fault hooks."""
 
     def __init__(self, cfg: RunConfig, trainer: Trainer, store: CheckpointStore, metrics: MetricsLog,
-                 events: EventLog, log_dir: Path) -> None:
+                 events: EventLog, log_dir: Path, last_committed: int | None = None) -> None:
         self.cfg, self.trainer, self.store, self.metrics, self.events = cfg, trainer, store, metrics, events
         self.log_dir = log_dir
+        self.last_committed = last_committed  # the newest checkpoint of the run dir known to be committed
         c = cfg.checkpoint
         self.clock = CheckpointClock(c.every_steps, c.every_minutes, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
                                      report=self.interval_chosen)
@@ -279,7 +315,8 @@ class Loop:
         self.saver = AsyncSaver(store, when_busy=c.when_busy, on_commit=self.committed,
                                 persist_delay_s=cfg.debug.persist_delay_s, save_deadline_s=c.save_deadline_s,
                                 on_slow=self.slow_save, commit=self.commit, rank=distributed.rank(),
-                                select=self.commit.mine, agree=distributed.all_reduce_flag) if c.async_save else None
+                                select=self.commit.mine, agree=distributed.all_reduce_flag,
+                                last_committed=last_committed) if c.async_save else None
         # Local-first: a checkpoint counts as saved once its upload is published (finish waits for it).
         self.uploads = store if isinstance(store, LocalFirstStore) else None
         self.last_saved = trainer.step
@@ -365,7 +402,10 @@ class Loop:
         if self.saver is None:
             t0 = time.perf_counter()
             snapshot = capture(self.trainer.state.parts(), rank=distributed.rank())
-            ref = self.commit(step, snapshot, meta=meta)
+            try:
+                ref = self.commit(step, snapshot, meta=meta)
+            except OSError as e:
+                raise failed_save(step, e, self.last_committed, self.cfg.run_dir) or e
             blocking = time.perf_counter() - t0
             self.committed(Committed(ref, blocking, snapshot.nbytes))
         else:
@@ -385,6 +425,7 @@ class Loop:
     def committed(self, done: Committed) -> None:
         """A checkpoint is committed; called from the persist thread when saving in the background."""
         self.clock.committed(done.persist_s)
+        self.last_committed = done.ref.step
         self.events.emit("committed", step=done.ref.step, persist_s=done.persist_s, bytes=done.nbytes)
 
     def slow_save(self, step: int, seconds: float) -> None:
@@ -398,7 +439,15 @@ class Loop:
     def preempt(self, watch: PreemptionWatch) -> int:
         step = self.trainer.step
         log.warning("preemption requested; saving", signal=watch.signal_name, step=step)
-        with SaveDeadline(self.cfg.checkpoint.preempt_deadline_s, since=watch.requested_at):
+
+        def missed(code: int) -> None:
+            try:
+                self.events.emit("exit", reason="save_deadline_missed", exit_code=code, step=step,
+                                 signal=watch.signal_name, train_s=self.train_s, save_s=self.save_s)
+            finally:  # the exit is the promise (signals.SaveDeadline)
+                os._exit(code)
+
+        with SaveDeadline(self.cfg.checkpoint.preempt_deadline_s, since=watch.requested_at, exit=missed):
             if self.last_saved != step:
                 self.save(must=True)
             self.finish_saves()  # PREEMPTED promises the newest checkpoint is committed

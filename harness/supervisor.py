@@ -194,16 +194,18 @@ class Supervisor:
                 pass  # it exited in between; its exit code is what counts
 
     def _give_up(self, cause: str, step: int | None, streak: int, restarts: int) -> int:
-        where = f"step {step}" if step is not None else "no committed checkpoint"
+        if step is None:
+            where, newer, resume = "no committed checkpoint", "any checkpoint", "starts from step 0"
+        else:
+            where, newer, resume = f"step {step}", f"a checkpoint newer than step {step}", f"resumes from step {step}"
         if streak >= self.crash_loop_limit:
-            why = (f"the child crashed {streak} times in a row without committing a checkpoint "
-                   f"newer than {where} (crash-loop limit {self.crash_loop_limit})")
+            why = (f"the child crashed {streak} times in a row without committing {newer} "
+                   f"(crash-loop limit {self.crash_loop_limit})")
         else:
             why = f"the child crashed again after {restarts} restarts (--max-restarts {self.max_restarts})"
         tail = "\n".join(f"  | {line}" for line in self._tail) or "  | (no stderr output)"
         message = (f"gave up at {where}: {why}; last exit: {cause}. Last stderr lines of the "
-                   f"child:\n{tail}\nFix the cause and run the same command again: it resumes "
-                   f"from {where}.")
+                   f"child:\n{tail}\nFix the cause and run the same command again: it {resume}.")
         if self._events is not None:
             self._events.emit("gave_up", cause=cause, step=step, restarts=restarts,
                               streak=streak, stderr_tail=list(self._tail))

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -48,6 +47,7 @@ from typing import Any
 import torch
 
 from harness.checkpoint import CheckpointStore
+from harness.checkpoint.cli import storage_option_parser, storage_options_of
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.faults import FaultPlan, SimulatedCrash
 from harness.checkpoint.lease import LEASE_FILE, MISSED_HEARTBEATS
@@ -350,7 +350,7 @@ def cmd_torture(args: argparse.Namespace) -> int:
     if unknown:
         raise CheckpointError(f"--modes: unknown mode(s) {unknown}; use some of {', '.join(ALL_MODES)} or 'all'")
     points = None if args.points == "all" else int(args.points)
-    torture = Torture(args.run_dir, json.loads(args.storage_options) if args.storage_options else None)
+    torture = Torture(args.run_dir, storage_options_of(args))
     tallies = torture.sweep(modes, points)
     print(format_table(torture.kind, tallies))
     failures = [p for t in tallies.values() for p in t.failures]
@@ -375,11 +375,10 @@ def _points(value: str) -> str:
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("torture", help="crash-consistency torture of the checkpoint store",
-                              description=__doc__.split("\n\n")[0])
+                              description=__doc__.split("\n\n")[0], parents=[storage_option_parser()])
     p.add_argument("run_dir", metavar="RUN_DIR_URL", help="a scratch folder or URL (points use sub-folders of it)")
     p.add_argument("--points", type=_points, default="all", help="'all' operations of a save, or N evenly spaced ones")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated, from {', '.join(ALL_MODES)}; or 'all' (default: {','.join(DEFAULT_MODES)})")
     p.add_argument("--corruption", action="store_true", help="also damage a committed checkpoint file by file")
-    p.add_argument("--storage-options", help="fsspec storage options as JSON (e.g. an S3 endpoint_url)")
     p.set_defaults(func=cmd_torture)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from harness.checkpoint.errors import USER_FIXABLE_ERRNOS, storage_errno
 from harness.config import load_config
 from harness.distributed import process_group, topology_from_env
 from harness.errors import UserError
@@ -68,8 +69,13 @@ def run(args: argparse.Namespace) -> int:
         with process_group():  # under torchrun with WORLD_SIZE > 1; otherwise nothing
             return train(cfg, resume=args.resume, allow_config_change=args.allow_config_change,
                          takeover=args.takeover)
-    except PermissionError as e:
-        raise UserError(f"permission denied: {e.filename or e}; choose a writable --run-dir") from None
+    except OSError as e:
+        # What a person fixes (space, quota, permissions, a read-only mount) wherever it struck
+        # outside a save (logs, run.json); saves say more (harness.checkpoint.errors.failed_save).
+        if storage_errno(e) not in USER_FIXABLE_ERRNOS:
+            raise
+        raise UserError(f"{e.strerror or e}: {e.filename or e}; free space there or make it writable, or choose "
+                        "another --run-dir (and log_dir)") from None
 
 
 def _toml_string(text: str) -> str:

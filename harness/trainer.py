@@ -21,7 +21,7 @@ from typing import Any, Literal
 import torch
 
 from harness import distributed, numerics
-from harness.config import RunConfig, batch_shape
+from harness.config import RunConfig, batch_shape, model_args
 from harness.data import BatchStream, eval_batches
 from harness.data.sources import TrainData, open_data
 from harness.data.prng import derive_seed
@@ -30,7 +30,7 @@ from harness.completeness import check_buffers, check_registered
 from harness.errors import UserError
 from harness.fingerprint import FingerprintLog
 from harness.log import get_logger
-from harness.models import load_factory
+from harness.models.contract import build_model, split_output
 from harness.rng import RNGState, seed_everything
 from harness.state import TrainerCounters, TrainState
 from optim.build import build_bundle
@@ -84,14 +84,14 @@ class Trainer:
         numerics.apply(cfg.train.cpu_threads)
         seed_everything(cfg.train.seed)
 
-        model_args = {"seq_len": cfg.data.seq_len, **cfg.model.args}
+        factory_args = model_args(cfg)
         if self.data.vocab_size is not None:  # token shards (their tokenizer), or a user dataset that says
-            model_args.setdefault("vocab_size", self.data.vocab_size)
-            if model_args["vocab_size"] < self.data.vocab_size:
+            factory_args.setdefault("vocab_size", self.data.vocab_size)
+            if factory_args["vocab_size"] < self.data.vocab_size:
                 raise UserError(
-                    f"model.args.vocab_size = {model_args['vocab_size']} does not cover the data's vocabulary "
+                    f"model.args.vocab_size = {factory_args['vocab_size']} does not cover the data's vocabulary "
                     f"({self.data.vocab_size} ids): raise it to at least {self.data.vocab_size}, or leave it unset")
-        self.model = load_factory(cfg.model.factory)(model_args).to(self.device)
+        self.model = build_model(cfg.model.factory, factory_args).to(self.device)
         self.optim, self.sched = build_bundle(cfg.optim, self.model, total_steps=cfg.train.steps)
         # Forward and backward go through `self.net`: the DDP wrapper, whose backward all-reduces
         # the gradients before any optimizer (Muon's orthogonalisation included) sees them.
@@ -154,7 +154,7 @@ class Trainer:
             # DDP all-reduces in the last micro-batch's backward only: the sum is the same.
             with self.net.no_sync() if self.world_size > 1 and i < accum - 1 else nullcontext():
                 with self._autocast():
-                    _, loss = self.net(x, y)
+                    _, loss = split_output(self.net(x, y))
                 if self._buffer_probe is not None and self._buffer_probe.done:
                     self._check_buffers()
                 self.scaler.scale(loss / accum).backward()
@@ -251,7 +251,7 @@ class Trainer:
         losses = []
         for batch in eval_batches(self.eval_set, self.batch_size, self.cfg.train.eval_batches):
             with self._autocast():
-                _, loss = self.model(batch.x.to(self.device), batch.y.to(self.device))
+                _, loss = split_output(self.model(batch.x.to(self.device), batch.y.to(self.device)))
             losses.append(float(loss))
         self.model.train()
         return sum(losses) / max(len(losses), 1)

@@ -51,7 +51,8 @@ class Verdict:
 
     identical: bool
     steps: int
-    interrupt_at: list[int]
+    interrupt_at: list[int]  # the steps the interrupted run had reached when each interruption landed
+    planned: list[int] | None = None  # the steps asked for, when they differ from where the kills landed
     step: int | None = None
     when: str = "step"
     fields: list[str] = field(default_factory=list)
@@ -66,8 +67,10 @@ class Verdict:
 
     def headline(self) -> str:
         if self.identical:
-            return (f"identical: {self.steps} steps, interrupted at {', '.join(map(str, self.interrupt_at)) or '-'}; "
-                    f"loss, batch and state fingerprints match at every step and the final checkpoints are equal")
+            planned = f" (planned {', '.join(map(str, self.planned))})" if self.planned else ""
+            return (f"identical: {self.steps} steps, interrupted at {', '.join(map(str, self.interrupt_at)) or '-'}"
+                    f"{planned}; loss, batch and state fingerprints match at every step and the final checkpoints "
+                    f"are equal")
         where = {"restore": f"step {self.step} (right after restoring)", "final": "the final checkpoint"}.get(
             self.when, f"step {self.step}")
         text = f"diverged at {where}: part {self.part}"
@@ -166,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         if not 0 < k < steps:
             raise UserError(f"--random {k}: choose between 1 and {steps - 1} interruptions for {steps} steps")
         points = sorted(random.Random(seed).sample(range(1, steps), k))
-        print(f"interrupting at steps {','.join(map(str, points))} (--random {k} --seed {seed})", flush=True)
+        print(f"interrupting once steps {','.join(map(str, points))} are logged (--random {k} --seed {seed})", flush=True)
     if points[0] < 1 or points[-1] >= steps:
         raise UserError(f"--interrupt-at {','.join(map(str, points))}: steps must lie in 1..{steps - 1}")
 
@@ -181,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"A: continuous in {runs['A']}; B: interrupted ({args.signal}) in {runs['B']}", flush=True)
     proc_a = _start(args.config, runs["A"], sets, work / "continuous.log")
     try:
-        story = _interrupted(args.config, runs["B"], sets, work / "interrupted.log", points, sig)
+        story, landed = _interrupted(args.config, runs["B"], sets, work / "interrupted.log", points, sig)
     except BaseException:
         proc_a.kill()
         raise
@@ -189,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"the continuous run failed (exit {proc_a.returncode}); see {work / 'continuous.log'}:\n"
                         + _tail(work / "continuous.log"))
     print("B: " + "; ".join(story), flush=True)
-    verdict = compare_runs(runs["A"], runs["B"], steps, points)
+    verdict = compare_runs(runs["A"], runs["B"], steps, landed)
+    if landed != points:
+        verdict.planned = points
     print(verdict, flush=True)
     if verdict and not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
@@ -206,9 +211,11 @@ def _start(config: str, run_dir: Path, sets: list[str], log_path: Path) -> subpr
 
 
 def _interrupted(config: str, run_dir: Path, sets: list[str], log_path: Path, points: list[int],
-                 sig: signal.Signals) -> list[str]:
-    """Run B: start, signal at each point, restart; finally run to the end. Returns what happened."""
-    story = []
+                 sig: signal.Signals) -> tuple[list[str], list[int]]:
+    """Run B: start, signal at each point, restart; finally run to the end. Returns what happened
+    and the step each interruption landed at (the last step the process logged: it keeps
+    training between the point being logged and the signal arriving)."""
+    story, landed = [], []
     for point in points:
         starts = len(_events(run_dir, "start"))
         proc = _start(config, run_dir, sets, log_path)
@@ -216,7 +223,8 @@ def _interrupted(config: str, run_dir: Path, sets: list[str], log_path: Path, po
         if proc.poll() is None:
             proc.send_signal(sig)
         code = proc.wait()
-        story.append(f"{resumed} -> {sig.name} at step {_last_step(run_dir)} (exit {code})")
+        landed.append(_last_step(run_dir))
+        story.append(f"{resumed} -> {sig.name} landed at step {landed[-1]} (planned {point}, exit {code})")
     starts = len(_events(run_dir, "start"))
     proc = _start(config, run_dir, sets, log_path)
     code = proc.wait()
@@ -225,7 +233,7 @@ def _interrupted(config: str, run_dir: Path, sets: list[str], log_path: Path, po
     if code != 0:
         raise UserError(f"the interrupted run failed after its last restart (exit {code}); see {log_path}:\n"
                         + _tail(log_path))
-    return story
+    return story, landed
 
 
 def _wait(proc: subprocess.Popen, run_dir: Path, starts: int, point: int, log_path: Path) -> str:

@@ -145,6 +145,16 @@ class SGDMConfig(_Shared):
     nesterov: bool = Field(True, description="Nesterov momentum.")
 
 
+# Each arm's config class by its `type`.
+ARMS: dict[str, type[_Shared]] = {"adamw": AdamWConfig, "muon": MuonConfig, "lion": LionConfig,
+                                  "olion": OLionConfig, "adafactor": AdafactorConfig, "sgdm": SGDMConfig}
+
+
+def arms_taking(key: str) -> list[str]:
+    """The arm types whose config has `key` (for an error that says where a key belongs)."""
+    return [name for name, cls in ARMS.items() if key in cls.model_fields]
+
+
 def _arm(value: Any) -> str:
     # A config without `type` is the canonical AdamW arm.
     if isinstance(value, dict):

@@ -9,3 +9,30 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 torch.use_deterministic_algorithms(True)
+
+
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """`tmpfs(size_kib)` -> a fresh size-limited tmpfs folder (a real full disk; remount it
+    read-only with `subprocess.run(["mount", "-o", "remount,ro", path])`). Skips the test where
+    this machine does not let us mount (tests run as root here)."""
+    mounted = []
+
+    def mount(size_kib: int):
+        mnt = tmp_path / f"tmpfs-{len(mounted)}"
+        mnt.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_kib}k", "tmpfs", str(mnt)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a size-limited tmpfs here ({proc.stderr.strip()})")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in mounted:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -29,6 +29,15 @@ def harness(*args: str, timeout: float = 300, check: bool = False, env: dict | N
     return proc
 
 
+def assert_one_line_error(proc, needle: str) -> None:
+    """Exit 2, no traceback, and an `error: ` line naming the problem (details may follow it)."""
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    _, sep, message = proc.stderr.partition("\nerror: ")
+    message = message or proc.stderr.removeprefix("error: ")
+    assert (sep or proc.stderr.startswith("error: ")) and needle in message, proc.stderr
+
+
 def start(*args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "harness.cli", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env or ENV, cwd=ROOT)

@@ -90,7 +90,7 @@ def test_report_without_events_says_what_to_check(tmp_path):
 
 
 def test_events_of_a_remote_run_stay_local():
-    assert events_url("s3://bucket/runs/a") == "runs/a/events.jsonl"
+    assert events_url("s3://bucket/runs/a") == "runs/s3-bucket-runs-a-de961c69/events.jsonl"
     assert events_url("s3://bucket/runs/a", log_dir="/logs/a") == "/logs/a/events.jsonl"
     assert events_url("/data/run") == "/data/run/events.jsonl"
 
@@ -112,3 +112,17 @@ def test_processes_appending_at_once_never_tear_a_line(tmp_path):
     events = EventLog(url).read()
     assert len(events) == 900
     assert {e["writer"] for e in events} == {"0", "1", "2"}
+
+
+def test_recomputed_counts_every_step_the_interrupted_process_logged():
+    """Progress events come every log_every steps; the resumed process's start event says where
+    the previous one really got to (its last metrics line)."""
+    events = [
+        {"event": "start", "time": 0.0, "resumed_from": None, "startup_s": 0.0},
+        {"event": "progress", "time": 10.0, "step": 10, "train_s": 10.0},
+        {"event": "checkpoint", "time": 10.0, "step": 10, "blocking_s": 0.0},
+        {"event": "start", "time": 20.0, "resumed_from": 10, "previous_reached": 17, "startup_s": 1.0},
+        {"event": "exit", "time": 30.0, "reason": "finished", "step": 20, "train_s": 10.0},
+    ]
+    g = account(events)
+    assert g.recompute_steps == 7 and g.last_step == 20

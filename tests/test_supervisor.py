@@ -214,6 +214,16 @@ def test_crash_at_the_same_step_every_time_gives_up_naming_step_and_stderr(run, 
     assert "  | boom at step 7" in message and "exit code 13" in message
 
 
+def test_a_crash_loop_before_any_checkpoint_says_so_in_plain_words(run, capsys):
+    code = run.supervisor(crash="always:1", crash_loop_limit=2).run()
+    assert code == GAVE_UP
+    err = capsys.readouterr().err
+    message = err[err.index("error: gave up"):]
+    assert "gave up at no committed checkpoint: the child crashed 2 times in a row without committing any checkpoint" in message
+    assert "newer than no committed checkpoint" not in message
+    assert message.rstrip().endswith("it starts from step 0.")
+
+
 def test_crashes_that_commit_progress_are_restarted_beyond_the_loop_limit(run):
     code = run.supervisor(crash="after_each_checkpoint", crash_loop_limit=2).run()
     assert code == FINISHED

@@ -51,7 +51,7 @@ from typing import Any, Literal
 
 import torch
 
-from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.errors import CheckpointError, failed_save, still_committed
 from harness.checkpoint.format import Snapshot, capture
 from harness.checkpoint.store import CheckpointRef, CheckpointStore
 from harness.errors import Unavailable, UserError
@@ -176,7 +176,7 @@ class AsyncSaver:
                  save_deadline_s: float | None = None, on_slow: Callable[[int, float], None] | None = None,
                  slow_floor_s: float = SLOW_FLOOR_S, commit: Callable[..., CheckpointRef] | None = None,
                  rank: int = 0, select: Callable[[Snapshot], Snapshot] | None = None,
-                 agree: Callable[[bool], bool] = bool) -> None:
+                 agree: Callable[[bool], bool] = bool, last_committed: int | None = None) -> None:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         self.store, self.when_busy, self.on_commit = store, when_busy, on_commit
@@ -190,6 +190,8 @@ class AsyncSaver:
         self._started = 0.0
         self._last_persist_s = 0.0
         self._next_warning = 0.0
+        # The newest step committed in the store, as far as this saver knows (what a failure leaves).
+        self.last_committed = last_committed
 
     @property
     def busy(self) -> bool:
@@ -235,6 +237,7 @@ class AsyncSaver:
                 time.sleep(self.persist_delay_s)
             ref = (self._commit or self.store.commit)(step, snapshot, meta=meta)
             self._last_persist_s = time.perf_counter() - t0
+            self.last_committed = step
             if self.on_commit is not None:
                 self.on_commit(Committed(ref, self._last_persist_s, snapshot.nbytes))
         except BaseException as e:  # kept for the step loop; a thread's exception is otherwise only printed
@@ -252,13 +255,16 @@ class AsyncSaver:
             return
         step, e = self._failure
         self._failure = None
+        fixable = failed_save(step, e, self.last_committed, self.store.url)
+        if fixable is not None:
+            raise fixable from e
+        still = still_committed(self.last_committed)
         message = f"the background save of the checkpoint at step {step} failed: {e}"
         if isinstance(e, Unavailable):
-            raise type(e)(f"{message}; the previous checkpoint is still the newest good one") from e
+            raise type(e)(f"{message}; {still}") from e
         if isinstance(e, UserError):
-            raise CheckpointError(f"{message}; the previous checkpoint is still the newest good one") from e
-        raise BackgroundSaveError(f"{message} ({type(e).__name__}); the previous checkpoint is still "
-                                  f"the newest good one") from e
+            raise CheckpointError(f"{message}; {still}") from e
+        raise BackgroundSaveError(f"{message} ({type(e).__name__}); {still}") from e
 
     def _check_progress(self) -> None:
         """A slow persist: warn (each slow interval); one past the save deadline: `SaveStalled`."""
@@ -268,7 +274,7 @@ class AsyncSaver:
             raise SaveStalled(
                 f"the background save of the checkpoint at step {self._persisting} has not committed after "
                 f"{elapsed:.0f}s (checkpoint.save_deadline_s = {self.save_deadline_s:g}): the storage at "
-                f"{self.store.url} is not answering; the previous checkpoint is still the newest good one")
+                f"{self.store.url} is not answering; {still_committed(self.last_committed)}")
         if now >= self._next_warning:
             log.warning("the background save is slow: still persisting", step=self._persisting,
                         seconds=round(elapsed, 1), url=self.store.url)

@@ -4,8 +4,12 @@ Every command takes local paths or fsspec URLs, and `-o KEY=VALUE` (repeatable) 
 storage options a run's `checkpoint.storage_options` holds, e.g. `-o endpoint_url=http://minio:9000`
 or `-o retry.deadline_s=30`. A checkpoint is named by its folder
 (`RUN_DIR/checkpoints/step-00001200`); `verify` also takes a run dir and checks every
-checkpoint in it. Exit codes: 0 good/equal, 1 a verification failure or a difference,
-2 a user error (missing run dir, unknown protocol, not a checkpoint).
+checkpoint in it. `gc` applies the run's own retention policy (`checkpoint.keep_last` /
+`keep_every` from its run.json; `--keep-last` / `--keep-every` override), never removes the
+newest checkpoint that verifies, removes no committed checkpoint while none verifies, and with
+`--dry-run` only lists what it would remove. Exit codes: 0 good/equal, 1 a verification failure
+or a difference, 2 a user error (missing run dir, unknown protocol, not a checkpoint, a run dir
+gc cannot write to).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from harness.checkpoint.manifest import MANIFEST_FILE, parse_manifest
 from harness.checkpoint.storage import open_location, read_bytes
 from harness.checkpoint.store import STEP_DIR, CHECKPOINTS_DIR, CheckpointRef, CheckpointStore, folder_name
 from harness.config import apply_assignments
+from harness.run_id import RUN_JSON
 
 
 def _size(n: int) -> str:
@@ -35,7 +40,8 @@ def storage_option_parser() -> argparse.ArgumentParser:
     """A parent parser adding `-o KEY=VALUE` (repeatable); read it back with `storage_options_of`."""
     storage = argparse.ArgumentParser(add_help=False)
     storage.add_argument("-o", "--storage-option", dest="storage_option", action="append", default=[],
-                         metavar="KEY=VALUE", help="a storage option, as in checkpoint.storage_options (repeatable)")
+                         metavar="KEY=VALUE", help="a storage option, as in checkpoint.storage_options "
+                         "(repeatable; dotted keys nest: -o retry.deadline_s=30)")
     return storage
 
 
@@ -150,17 +156,56 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    store, ref = open_target(args.run_dir, storage_options_of(args))
+    """Retention by the run's own policy (run.json), never removing the newest good checkpoint,
+    nor any committed one while none verifies (they are the evidence of what went wrong)."""
+    options = storage_options_of(args)
+    store, ref = open_target(args.run_dir, options)
     if ref is not None:
         raise CheckpointError(f"{args.run_dir} is a checkpoint; `harness ckpt gc` takes its run dir")
-    store = CheckpointStore(store.url, keep_last=args.keep_last, keep_every=args.keep_every,
-                            storage_options=storage_options_of(args))
-    with store.lease(takeover=args.takeover):
-        removed = store.gc()
+    keep_last, keep_every = retention_policy(store, args.keep_last, args.keep_every)
+    store = CheckpointStore(store.url, keep_last=keep_last, keep_every=keep_every, storage_options=options)
+    committed = store.list()
+    good = store.latest_good()
+    newest_good = None if good is None else good.step
+    if good is None and committed:
+        print(f"no checkpoint in {store.url} verifies: keeping all {len(committed)} (see `harness ckpt verify`)")
+    verb = "would remove" if args.dry_run else "removed"
+    try:
+        if args.dry_run:
+            removed = store.gc(newest_good, dry_run=True)
+        else:
+            with store.lease(takeover=args.takeover):
+                removed = store.gc(newest_good)
+    except OSError as e:
+        raise CheckpointError(f"cannot remove checkpoints in {store.url}: {e}; gc needs a writable run dir "
+                              "(--dry-run lists what it would remove without writing)") from None
     for url in removed:
-        print(f"removed {url}")
-    print(f"{len(removed)} removed, {len(store.list())} checkpoint(s) kept")
+        print(f"{verb} {url}")
+    policy = f"keep_last={keep_last}, keep_every={keep_every}" + (f", newest good step {good.step}" if good else "")
+    kept = len({r.url for r in committed} - set(removed))
+    print(f"{len(removed)} {verb}, {kept} checkpoint(s) kept ({policy})")
     return 0
+
+
+def retention_policy(store: CheckpointStore, keep_last: int | None, keep_every: int | None) -> tuple[int, int]:
+    """(keep_last, keep_every): the flags where given, else the run's own `checkpoint` settings
+    from its run.json; a run dir without run.json needs --keep-last (--keep-every is then 0
+    unless given)."""
+    if keep_last is not None and keep_every is not None:
+        return keep_last, keep_every
+    run_json = f"{store.loc.root}/{RUN_JSON}"
+    if not store.loc.fs.exists(run_json):
+        if keep_last is not None:
+            return keep_last, 0
+        raise CheckpointError(f"no {RUN_JSON} in {store.url} to read the run's retention policy from: "
+                              "give it, e.g. `harness ckpt gc RUN_DIR --keep-last 3 --keep-every 0`")
+    try:
+        policy = json.loads(read_bytes(store.loc, run_json, 1 << 24))["config"]["checkpoint"]
+        saved_last, saved_every = int(policy["keep_last"]), int(policy["keep_every"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{store.loc.url_of(run_json)} has no readable checkpoint.keep_last/keep_every "
+                              f"({type(e).__name__}: {e}); give --keep-last and --keep-every") from None
+    return (saved_last if keep_last is None else keep_last), (saved_every if keep_every is None else keep_every)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -168,21 +213,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     commands = parser.add_subparsers(dest="ckpt_command", required=True, metavar="SUBCOMMAND")
     storage = storage_option_parser()
     p = commands.add_parser("ls", parents=[storage], help="list checkpoints with sizes and whether they verify")
-    p.add_argument("run_dir")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run dir (path or URL) given to `harness train`")
     p.set_defaults(func=cmd_ls)
     p = commands.add_parser("verify", parents=[storage], help="check sizes and digests of a checkpoint or of every one in a run dir")
-    p.add_argument("target", metavar="RUN_DIR|CKPT")
+    p.add_argument("target", metavar="RUN_DIR|CKPT", help="a run dir (every checkpoint in it) or one checkpoint folder "
+                   "RUN_DIR/checkpoints/step-NNNNNNNN")
     p.set_defaults(func=cmd_verify)
     p = commands.add_parser("show", parents=[storage], help="parts, tensors and metadata of one checkpoint")
-    p.add_argument("checkpoint", metavar="CKPT")
+    p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder, RUN_DIR/checkpoints/step-NNNNNNNN")
     p.set_defaults(func=cmd_show)
     p = commands.add_parser("diff", parents=[storage], help="compare two checkpoints; exit 0 only when bitwise equal")
-    p.add_argument("a", metavar="CKPT_A")
-    p.add_argument("b", metavar="CKPT_B")
+    p.add_argument("a", metavar="CKPT_A", help="a checkpoint folder, RUN_DIR/checkpoints/step-NNNNNNNN")
+    p.add_argument("b", metavar="CKPT_B", help="the checkpoint folder to compare it with")
     p.set_defaults(func=cmd_diff)
-    p = commands.add_parser("gc", parents=[storage], help="apply retention and remove leftovers of dead writers")
-    p.add_argument("run_dir")
-    p.add_argument("--keep-last", type=int, default=3, help="keep the newest K checkpoints (K >= 2; default 3)")
-    p.add_argument("--keep-every", type=int, default=0, help="also keep steps divisible by M (default 0: off)")
+    p = commands.add_parser("gc", parents=[storage], help="apply the run's retention policy and remove leftovers of dead writers; "
+                            "never removes the newest good checkpoint")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run dir (path or URL) given to `harness train`")
+    p.add_argument("--keep-last", type=int, help="keep the newest K checkpoints (K >= 2; default: the run's "
+                   "checkpoint.keep_last from its run.json)")
+    p.add_argument("--keep-every", type=int, help="also keep steps divisible by M (0: off; default: the run's "
+                   "checkpoint.keep_every from its run.json)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
     p.add_argument("--takeover", action="store_true", help="take the run dir lease even if a writer holds it")
     p.set_defaults(func=cmd_gc)

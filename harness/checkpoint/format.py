@@ -11,6 +11,10 @@ File layout (one folder per checkpoint):
   `state/0/exp_avg`), so a model file can be read by any safetensors reader.
 * `rank-NNNNN.safetensors` for the per-rank parts (`RANK_PARTS`: RNG streams, data cursor); here
   names carry the part as their first component (`rng/torch_cpu`).
+* Tied tensors (one tensor at several key paths of a file's parts, e.g. an embedding shared
+  with the output head) are stored once, under the first path's name; every path's reference
+  in `state.json` names that entry, and loading reads it once and restores the tie (restore.py).
+  Checkpoints written before this stored each path separately; they load the same.
 * `state.json`: `{"format_version", "step", "parts": {part: tree}, "meta"}`. A tree is the
   part's state dict with each tensor replaced by `{"$tensor": [file, name]}`. A dict whose keys
   are not all plain strings (torch optimizers key `state` by int) or that has a key starting
@@ -104,14 +108,27 @@ class _Sink:
     named: dict[str, torch.Tensor]
     file: str
     prefix: Path
+    stored: dict[tuple, str] = field(default_factory=dict)  # view identity -> its name (tied tensors)
 
     def add(self, path: Path, t: torch.Tensor) -> dict:
+        view = tensor_view(t)
+        if view in self.stored:
+            return {TENSOR_KEY: [self.file, self.stored[view]]}
         base = "/".join(map(str, self.prefix + path)) or "_"
         name, n = base, 1
         while name in self.named:  # a key containing "/" can collide with a nested path
             name, n = f"{base}~{n}", n + 1
         self.named[name] = t
+        self.stored[view] = name
         return {TENSOR_KEY: [self.file, name]}
+
+
+def tensor_view(t: torch.Tensor) -> tuple:
+    """What makes two tensor objects the same tensor: storage, offset, shape, strides, dtype,
+    device. Empty tensors are never the same (they have no storage to share)."""
+    if t.numel() == 0:
+        return (id(t),)
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
 def _encode(value: Any, part: str, path: Path, sink: _Sink) -> Any:

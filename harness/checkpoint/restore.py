@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from harness.checkpoint.errors import CheckpointError
-from harness.checkpoint.format import DROP, Path, decode, path_str, tensor_refs
+from harness.checkpoint.format import DROP, Path, decode, path_str, tensor_refs, tensor_view
 from harness.checkpoint.tensorfile import TensorEntry, describe, read_tensor
 
 # (file handle, header entries, name for messages) of one tensor file of the checkpoint.
@@ -77,7 +77,8 @@ def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], 
             f"{where}: " + "; ".join(
                 ([f"has no part(s) {missing} that the live state has"] if missing else [])
                 + ([f"has part(s) {unexpected} that the live state does not"] if unexpected else []))
-            + ". Load a checkpoint of the same setup, or skip these parts by name to keep their live values"
+            + ". Load a checkpoint of the same setup, or train this setup in a new run dir (from Python, "
+            "CheckpointStore.load(..., skip=[part names]) keeps the live values of the named parts)"
         )
     parts = [p for p in targets if p not in skip]
     with ExitStack() as stack:
@@ -93,16 +94,33 @@ def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], 
             raise CheckpointError(
                 f"{where} does not fit the live state ({len(problems)} problem(s)); nothing was loaded:\n  "
                 + "\n  ".join(listed)
-                + "\nFix the model/optimizer setup to match the checkpoint, or skip these tensors by name"
+                + "\nFix the model/optimizer setup to match the checkpoint (`harness ckpt show CKPT` prints its config "
+                "and tensors), or train this setup in a new run dir (from Python, CheckpointStore.load(..., "
+                "skip=[tensor paths]) keeps the live values of the named tensors)"
             )
         for file, (f, _, fwhere) in files.items():
             todo = sorted((s for ps in slots.values() for s in ps.values() if s.file == file), key=lambda s: s.entry.start)
+            read: dict[str, torch.Tensor] = {}  # entry name -> its value: a tied tensor is read once
             for slot in todo:
-                slot.value = read_tensor(f, slot.entry, fwhere, out=slot.live)
+                if slot.entry.name in read:
+                    slot.value = _tie(slot.live, read[slot.entry.name])
+                else:
+                    slot.value = read[slot.entry.name] = read_tensor(f, slot.entry, fwhere, out=slot.live)
         if check_streamed is not None:
             check_streamed()
     for part in parts:
         _load_part(part, stored[part], targets[part], slots[part], kept[part], where)
+
+
+def _tie(live: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    """A second key path of a tensor stored once: the live tensor when it already shares the
+    storage (a tied model), else a copy of the bytes read for the first path."""
+    if live is None:
+        return value
+    if tensor_view(live) != tensor_view(value):
+        with torch.no_grad():
+            live.copy_(value)
+    return live
 
 
 def _plan(part: str, tree: Any, target: Any, skip: Collection[str], files: dict, open_file: Callable,

@@ -137,11 +137,14 @@ def is_transient(exc: BaseException) -> bool:
 
 def permanent_error(exc: BaseException, target: str, endpoint: str | None) -> StorageError | None:
     """A `StorageError` saying what to fix for access/credential/bucket errors, else None."""
+    where = f" at {endpoint}" if endpoint else ""
+    if any(isinstance(e, (bx.NoCredentialsError, bx.PartialCredentialsError)) for e in _chain(exc)):
+        return StorageError(f"no credentials for {target}{where}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                            "or AWS_PROFILE with ~/.aws/credentials (or run where an instance role provides them)")
     client = _client_error(exc)
     if client is None:
         return None
     code, status = client
-    where = f" at {endpoint}" if endpoint else ""
     bucket = target.removeprefix("s3://").split("/", 1)[0]
     if code == "NoSuchBucket":
         return StorageError(f"bucket {bucket!r} does not exist{where}: create it, or fix run_dir / the "

@@ -156,6 +156,7 @@ class CheckpointStore:
         except CheckpointError as e:
             return [str(e)]
         problems = []
+        started = time.perf_counter()
         for rec in manifest.files:
             path = f"{ref.path}/{rec.name}"
             where = self.loc.url_of(path)
@@ -172,6 +173,8 @@ class CheckpointStore:
                     self._check_content(path, rec, where)
                 except CheckpointError as e:
                     problems.append(str(e))
+        log.debug("checkpoint verified", url=ref.url, files=len(manifest.files), bytes=manifest.nbytes,
+                  problems=len(problems), seconds=round(time.perf_counter() - started, 3))
         return problems
 
     def _check_content(self, path: str, rec: FileRecord, where: str) -> None:
@@ -189,6 +192,7 @@ class CheckpointStore:
         for path in self.incomplete():
             if path not in paths and STEP_DIR.fullmatch(folder_name(path)):
                 log.warning("ignoring a checkpoint folder without manifest (an interrupted save?)", path=self.loc.url_of(path))
+        log.debug("checkpoint candidates, newest first", url=self.url, steps=[r.step for r in committed[::-1]])
         return committed[::-1]
 
     def latest_good(self) -> CheckpointRef | None:
@@ -285,11 +289,12 @@ class CheckpointStore:
         elif self.loc.fs.exists(ref.path):
             self.loc.fs.rm(ref.path, recursive=True)
 
-    def gc(self, newest_good: int | None = None) -> list[str]:
-        """Apply retention and remove leftovers of dead writers; returns the URLs removed.
-        `newest_good`: the step of a checkpoint known to be good (one just committed); unset, the
-        newest that verifies is looked for (reading checkpoints newest first). Retention keeps it
-        and deletes nothing while there is none (retention.py)."""
+    def gc(self, newest_good: int | None = None, *, dry_run: bool = False) -> list[str]:
+        """Apply retention and remove leftovers of dead writers; returns the URLs removed (with
+        `dry_run`, the URLs it would remove, removing nothing). `newest_good`: the step of a
+        checkpoint known to be good (one just committed); unset, the newest that verifies is
+        looked for (reading checkpoints newest first). Retention keeps it and deletes nothing
+        while there is none (retention.py)."""
         removed = []
         committed = self.list()
         if newest_good is None:
@@ -297,7 +302,8 @@ class CheckpointStore:
         keep = steps_to_keep([r.step for r in committed], self.keep_last, self.keep_every, newest_good)
         for ref in committed:
             if ref.step not in keep:
-                self.delete(ref)
+                if not dry_run:
+                    self.delete(ref)
                 removed.append(ref.url)
         alive = {self.writer_id}
         holder = self._lease.read()
@@ -307,9 +313,10 @@ class CheckpointStore:
             tmp = TMP_DIR.fullmatch(folder_name(path))
             if tmp is not None and tmp[2] in alive:
                 continue
-            self.loc.fs.rm(path, recursive=True)
+            if not dry_run:
+                self.loc.fs.rm(path, recursive=True)
             removed.append(self.loc.url_of(path))
-        if removed:
+        if removed and not dry_run:
             log.info("checkpoint retention removed", paths=removed)
         return removed
 

@@ -2,8 +2,9 @@
 
     python ops/s3/local_server.py [--port 5555] [--bucket harness-runs]
 
-Starts moto (`pip install 'moto[server]'`, part of the test extra) on 127.0.0.1:PORT, creates
-BUCKET, prints the environment and the `harness train` command to use, and serves until Ctrl-C.
+Starts moto on 127.0.0.1:PORT, creates BUCKET, prints the environment and the `harness train`
+command to use, and serves until Ctrl-C. Needs the `s3-local` extra, which the README's plain
+install leaves out: `pip install -e '.[s3-local]'` (the `test` extra has it too).
 Everything lives in this process's memory: stopping the server deletes every object. The
 credentials printed are moto's placeholders; moto accepts any.
 """
@@ -12,10 +13,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
-import boto3
-from moto.server import ThreadedMotoServer
+try:
+    import boto3
+    from moto.server import ThreadedMotoServer
+except ImportError as e:
+    print(f"error: {e.name} is not installed; the local S3 server needs the s3-local extra: "
+          "pip install -e '.[s3-local]' (from the repository root)", file=sys.stderr)
+    sys.exit(2)
 
 PLACEHOLDER_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",

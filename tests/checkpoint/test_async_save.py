@@ -272,3 +272,26 @@ def test_gpu_state_is_staged_in_pinned_buffers_on_a_side_stream(tmp_path):
     saver.finish()
     assert saver.buffers.buffer("model.safetensors", "weight").is_pinned()
     assert hashes(background, 1) == hashes(sync, 1)
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_full_disk_in_the_background_is_a_user_error_naming_what_is_still_committed(tmp_path, where):
+    """Injected ENOSPC at every write of a background save (the real full disk: tests/train/test_full_disk_train.py)."""
+    url = str(tmp_path / "run") if where == "local" else f"memory://async-enospc-{tmp_path.name}"
+    parts = torch_state(steps=1)
+    count = CheckpointStore(url + "-count", storage_options={"faults": "count"})
+    count.save(1, parts)
+    writes = [n for n, op, _ in count.loc.fs.injector.trace if op in ("write", "put")]
+    for at in writes[:: max(1, len(writes) // 4)]:
+        for previous in (None, 3):
+            run = f"{url}-{at}-{previous}"
+            if previous is not None:
+                CheckpointStore(run).save(previous, parts)
+            saver = AsyncSaver(CheckpointStore(run, storage_options={"faults": f"enospc@{at}"}), last_committed=previous)
+            saver.submit(5, parts)
+            with pytest.raises(CheckpointError, match="step 5 could not be written to .*ENOSPC") as info:
+                saver.finish()
+            if previous is None:
+                assert "no earlier checkpoint of this run exists" in str(info.value)
+            else:
+                assert "the checkpoint at step 3 is still the newest good one" in str(info.value)

@@ -44,5 +44,7 @@ def test_incompatible_checkpoint_other_model_width(tmp_path):
     forced = harness("train", str(TINY), "--run-dir", str(run), *wider, "--set", "train.steps=8",
                      "--allow-config-change")
     assert_one_line_error(forced, "model/tok_emb.weight: checkpoint float32[256, 32], live float32[256, 48]")
+    assert "train this setup in a new run dir" in forced.stderr  # no `harness train` option to skip tensors
+    assert "or skip these tensors by name" not in forced.stderr
     assert harness("ckpt", "verify", str(run)).returncode == 0
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000004"]
