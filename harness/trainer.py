@@ -213,7 +213,8 @@ class Trainer:
         gradient norm is NaN/inf on any rank. With fp16 the grad scaler owns non-finite gradients:
         it skips such a step and lowers its scale, as dynamic loss scaling intends."""
         bad_grads = not math.isfinite(grad_norm) and not self.scaler.is_enabled()
-        if not distributed.all_reduce_flag(not math.isfinite(loss) or bad_grads):
+        diverged = not math.isfinite(loss) or bad_grads
+        if not (distributed.all_reduce_flag(diverged) if self.world_size > 1 else diverged):
             return
         self.optim.zero_grad(set_to_none=True)
         what = (f"loss is {loss}" if not math.isfinite(loss) else
@@ -238,7 +239,8 @@ class Trainer:
         suspect = bool(named) and not bool(
             torch.stack([t.sum(dtype=torch.float32).to(self.device) for _, t in named]).isfinite().all())
         bad = next((n for n, t in named if not bool(t.isfinite().all())), None) if suspect else None
-        if distributed.all_ok(bad is None):
+        # Agreed across this trainer's ranks only: a one-process trainer may live in a rank of a group.
+        if distributed.all_ok(bad is None) if self.world_size > 1 else bad is None:
             return
         raise TrainingDiverged(f"{bad or 'a tensor on another rank'} holds NaN/inf after step {self.step}; no "
                                f"checkpoint of this state was written (the newest checkpoint is of an earlier "
