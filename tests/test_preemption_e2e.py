@@ -83,15 +83,18 @@ def test_sigkill_of_the_child_five_times_under_the_supervisor(tmp_path, referenc
     import psutil
 
     run = tmp_path / "run"
+    # 1 s steps: a child resumed from step 8 needs its startup plus 4 s to finish, so a kill drawn
+    # from 1-4 s after it appears always finds it alive (with 0.3 s steps a quiet machine finished
+    # the run between two kills).
     sup = start("train", str(TINY), "--run-dir", str(run), "--max-restarts", "10",
-                "--crash-loop-limit", "10", "--set", "debug.step_sleep_s=0.3")
+                "--crash-loop-limit", "10", "--set", "debug.step_sleep_s=1.0")
     rng, killed = random.Random(3), set()
     while len(killed) < 5:
         children = psutil.Process(sup.pid).children()
         if not children or children[0].pid in killed:
             time.sleep(0.05)
             continue
-        time.sleep(rng.uniform(2.0, 6.0))  # startup takes seconds: land anywhere in it or after
+        time.sleep(rng.uniform(1.0, 4.0))  # startup takes seconds: land anywhere in it or after
         children[0].kill()
         killed.add(children[0].pid)
     _, err = sup.communicate(timeout=300)
