@@ -99,12 +99,3 @@ def assert_same_run(a: Path, b: Path, steps: int) -> None:
     la, lb = losses(a), losses(b)
     assert sorted(la) == list(range(1, steps + 1)), f"steps logged: {sorted(la)}"
     assert la == lb
-
-
-def assert_one_line_error(proc, needle: str) -> None:
-    """Exit 2, no traceback, and an `error: ` line naming the problem (details may follow it)."""
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
-    _, sep, message = proc.stderr.partition("\nerror: ")
-    message = message or proc.stderr.removeprefix("error: ")
-    assert (sep or proc.stderr.startswith("error: ")) and needle in message, proc.stderr
