@@ -213,13 +213,12 @@ class Trainer:
         gradient norm is NaN/inf on any rank. With fp16 the grad scaler owns non-finite gradients:
         it skips such a step and lowers its scale, as dynamic loss scaling intends."""
         bad_grads = not math.isfinite(grad_norm) and not self.scaler.is_enabled()
-        diverged = not math.isfinite(loss) or bad_grads
-        if not (distributed.all_reduce_flag(diverged) if self.world_size > 1 else diverged):
+        # Already agreed across ranks without a collective of its own: `loss` is the all-reduced
+        # mean and DDP all-reduced the gradients, so a NaN/inf on one rank is on every rank here.
+        if math.isfinite(loss) and not bad_grads:
             return
         self.optim.zero_grad(set_to_none=True)
-        what = (f"loss is {loss}" if not math.isfinite(loss) else
-                f"gradient norm is {grad_norm} (loss {loss:.6g})" if bad_grads else
-                "the loss or gradient norm is not finite on another rank")
+        what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm} (loss {loss:.6g})"
         raise TrainingDiverged(f"{what} at step {self.step + 1}; the step was not applied and no checkpoint of it "
                                f"was written. {DIVERGED_ADVICE}")
 
