@@ -23,11 +23,9 @@ steps it kept (see `harness.metrics`), so its curve has a gap in time but none i
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,28 +56,6 @@ class ArmSummary:
     wall_s: float
     train: list[tuple[int, float, float]] = field(repr=False)  # (step, seconds since start, loss)
     evals: list[tuple[int, float, float]] = field(repr=False)  # (step, seconds since start, eval loss)
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("compare", help="table and plot of several runs (arms)", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs given to `harness train`/`sweep`")
-    p.add_argument("--plot", metavar="OUT.png", help="also write a PNG: loss vs step and vs wall time")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    arms = [summarize(run_dir) for run_dir in args.run_dirs]
-    print(format_table(arms), flush=True)
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UserError(f"matplotlib is not installed, so no plot was written to {args.plot}; "
-                            "install it with `pip install 'harness[plot]'` (the table is above)") from None
-        write_plot(arms, args.plot)
-        print(f"plot: {args.plot}", file=sys.stderr)
-    return 0
 
 
 def summarize(run_dir: str) -> ArmSummary:
