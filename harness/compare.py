@@ -23,18 +23,15 @@ steps it kept (see `harness.metrics`), so its curve has a gap in time but none i
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import fsspec
-
 from harness.errors import UserError
-from harness.events import EVENTS_FILE, EventLog, events_url
+from harness.events import EventLog
 from harness.goodput import account
 from harness.metrics import read_metrics
+from harness.run.files import events_url, metrics_url, read_run_json
 
 PLOT_SIZE_IN = (12.0, 4.5)
 PLOT_DPI = 100  # with PLOT_SIZE_IN: a 1200 x 450 pixel PNG
@@ -60,14 +57,13 @@ class ArmSummary:
 
 def summarize(run_dir: str) -> ArmSummary:
     """Read one run's run.json, metrics and events into a table row; UserError if missing."""
-    config = _read_run_json(run_dir)
-    log_dir = os.path.dirname(events_url(run_dir, config.get("log_dir")))
-    metrics_path = Path(log_dir) / "metrics.jsonl"
+    config = read_run_json(run_dir)
+    metrics_path = Path(metrics_url(run_dir, config.get("log_dir")))
     if not metrics_path.is_file():
         raise UserError(f"no metrics file at {metrics_path} for run {run_dir}: has it trained a step on "
                         "this machine? (metrics stay in the local log dir)")
     records = read_metrics(metrics_path)
-    events_path = Path(log_dir) / EVENTS_FILE
+    events_path = Path(events_url(run_dir, config.get("log_dir")))
     events = EventLog(events_path).read() if events_path.is_file() else []
     goodput = account(events)
 
@@ -98,17 +94,6 @@ def summarize(run_dir: str) -> ArmSummary:
         train=[(r["step"], float(r["time"]) - start, r["loss"]) for r in train],
         evals=[(r["step"], time_at.get(r["step"], 0.0), r["eval_loss"]) for r in evals],
     )
-
-
-def _read_run_json(run_dir: str) -> dict:
-    url = f"{run_dir.rstrip('/')}/run.json"
-    try:
-        with fsspec.open(url, "r") as f:
-            return json.load(f)["config"]
-    except FileNotFoundError:
-        raise UserError(f"no run.json in {run_dir}: pass the run dir of a `harness train` run") from None
-    except (json.JSONDecodeError, KeyError) as e:
-        raise UserError(f"{url} is not a run.json written by `harness train` ({e})") from None
 
 
 COLUMNS = ("arm", "optimizer", "steps", "final eval", "best eval", "tokens/s", "optim %",

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 from harness.config import RunConfig, load_config
 from harness.errors import UserError
-from harness.events import EventLog, events_url
+from harness.events import EventLog
+from harness.run.files import events_url
 from harness.exit_codes import FINISHED, NAMES, REQUEUE
 from harness.supervisor import Supervisor, checkpoint_progress, describe_exit
 

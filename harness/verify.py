@@ -31,7 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import UserError
+from harness.events import EVENTS_FILE
 from harness.fingerprint import FIELDS, ordered_parts, diagnose, differing_fields
+from harness.jsonlines import records
+from harness.run.files import METRICS_FILE
 
 START_TIMEOUT_S = 600.0
 
@@ -198,40 +201,21 @@ def _wait(proc: subprocess.Popen, run_dir: Path, starts: int, point: int, log_pa
     return "started fresh" if start is None else f"resumed from {start}"
 
 
+def _read(path: Path) -> list[dict[str, Any]]:
+    """The JSON-object lines of a log so far ([] before it exists); a line being written is skipped."""
+    return list(records(path)) if path.exists() else []
+
+
 def _events(run_dir: Path, kind: str) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if event.get("event") == kind:
-            out.append(event)
-    return out
+    return [e for e in _read(run_dir / EVENTS_FILE) if e.get("event") == kind]
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [{k: r[k] for k in FIELDS if k in r} for r in lines if "batch_hash" in r]
+    return [{k: r[k] for k in FIELDS if k in r} for r in _read(run_dir / METRICS_FILE) if "batch_hash" in r]
 
 
 def _last_step(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    steps = []
-    for line in path.read_text().splitlines():
-        try:
-            steps.append(int(json.loads(line).get("step", 0)))
-        except (ValueError, AttributeError):
-            continue
-    return max(steps, default=0)
+    return max((int(r.get("step", 0)) for r in _read(run_dir / METRICS_FILE)), default=0)
 
 
 def _tail(path: Path, n: int = 3000) -> str:

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from harness.errors import UserError
-from harness.events import EventLog, events_url
+from harness.events import EventLog
+from harness.run.files import events_url
 from harness.goodput import account
 from harness.cli.report import run as report
 

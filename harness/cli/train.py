@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
         return supervise_self(sys.argv[1:], args.max_restarts, args.crash_loop_limit, cfg.run_dir,
                               cfg.checkpoint.storage_options, log_dir=cfg.log_dir)
-    from harness.run import train
+    from harness.run.process import train
 
     try:
         with process_group():  # under torchrun with WORLD_SIZE > 1; otherwise nothing

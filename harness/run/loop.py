@@ -1,299 +1,33 @@
-"""One training process from start to exit: resume decision, the loop around the trainer, saving.
-
-Contract of `train(cfg, ...)` (what `harness train` does):
-- Takes the run dir's single-writer lease, finds the newest *good* checkpoint and resumes from it
-  (`resume="auto"`; when every checkpoint is damaged it refuses, naming them, rather than start
-  over), or starts fresh (`"never"`, refused when the run dir has good checkpoints), or loads the
-  checkpoint at a given URL.
-- Refuses to resume when a key that changes the math differs from the checkpoint's config, or
-  the data's content fingerprint (`harness.data.identity`) differs from the one it recorded (the
-  list of keys is in the message), unless `allow_config_change`; then the new values take effect
-  from the first resumed step (optimizer hyperparameters and the schedule come from the config,
-  optim/bundle.py) and a `config_changed` event records old -> new per key and any re-planned
-  schedule. Warns when the torch version, device type or numerical settings (harness.numerics)
-  differ from the checkpoint's (bitwise equality is not promised there).
-- A finished run started again says so and returns FINISHED without training.
-- Checkpoints at the configured cadence and always at the last step; on a preemption signal,
-  finishes the current step, saves within the deadline and returns PREEMPTED.
-- Returns an exit code from `harness.exit_codes`.
-"""
+"""The step loop around the trainer (`Loop`): metrics, evaluation, checkpoints at the cadence
+`CheckpointClock` decides (synchronously, in the background, local-first), preemption within its
+deadline, and the fault hooks of `[debug]` (crash_at_step, sample_log, step_sleep_s)."""
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-import fsspec.utils
-import psutil
 from tqdm import tqdm
 
-from harness import distributed, exit_codes, numerics
-from harness.checkpoint import CheckpointRef, CheckpointStore, capture
+from harness import distributed, exit_codes
+from harness.checkpoint import CheckpointStore, capture
 from harness.checkpoint.async_save import AsyncSaver, Committed
-from harness.checkpoint.distributed_commit import GroupCommit, load_checkpoint
-from harness.checkpoint.filesystem import open_filesystem
+from harness.checkpoint.distributed_commit import GroupCommit
+from harness.checkpoint.errors import failed_save
 from harness.checkpoint.mirror import LocalFirstStore
-from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError, failed_save
-from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR, Verify, folder_name, skipped
-from harness.config import RunConfig, config_changes, public_config
-from harness.data.sources import identity_changes, open_data
-from harness.errors import Unavailable, UserError
-from harness.events import EVENTS_FILE, EventLog, log_dir_for
-from harness.jsonlines import parse_line
-from harness.run_id import RUN_ID_KEY, RUN_JSON, new_run_id
+from harness.config import RunConfig, public_config
+from harness.events import EventLog
 from harness.fingerprint import fingerprint_fields
 from harness.log import get_logger
 from harness.metrics import MetricsLog
+from harness.run.cadence import CheckpointClock
+from harness.run.environment import environment_fingerprint
 from harness.signals import PreemptionWatch, SaveDeadline
-from harness.trainer import CRASH_EXIT_CODE, CheckpointClock, Trainer, environment_fingerprint, resolve_device
+from harness.trainer import Trainer
 
 log = get_logger(__name__)
-
-
-def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = False,
-          takeover: bool = False) -> int:
-    numerics.apply(cfg.train.cpu_threads)  # before any torch math: MKL's mode is fixed at its first use
-    log_dir = Path(resolve_log_dir(cfg))
-    if fsspec.utils.get_protocol(cfg.run_dir) == "memory":
-        log.warning("run_dir is memory://: checkpoints and run.json live in this process only and are gone when it "
-                    "exits; nothing can resume from them. Use a local path or s3:// for a real run", run_dir=cfg.run_dir)
-    store = open_store(cfg)
-    try:
-        distributed.on_rank0(store.acquire_lease, takeover=takeover)  # rank 0 is the run dir's one writer
-    except OSError as e:
-        raise UserError(f"cannot write to run dir {cfg.run_dir}: {e}; choose a writable --run-dir") from None
-    try:
-        source, candidates, verify = agree_on_checkpoint(store, cfg, resume)
-        started = resume_newest(cfg, source, candidates, verify, allow_config_change)
-        if started is None:
-            return exit_codes.FINISHED
-        trainer, ref, restore_s, changes = started
-        try:
-            run_id = distributed.on_rank0(write_run_json, cfg, trainer)
-            log.debug("run", run_id=run_id, run_dir=cfg.run_dir, log_dir=str(log_dir), device=str(trainer.device),
-                      resumed_from=ref.step if ref else None, parameters=sum(p.numel() for p in trainer.model.parameters()))
-            lead = distributed.rank() == 0  # rank 0 keeps the logs: every rank logs the same all-reduced loss
-            events = EventLog(log_dir / EVENTS_FILE, run_id, cfg.run_dir) if lead else distributed.Silent()
-            metrics = MetricsLog(log_dir / "metrics.jsonl", run_id, cfg.run_dir) if lead else distributed.Silent()
-            if cfg.debug.sample_log:
-                trainer.batch_hook = distributed.SampleLog(log_dir).write
-            t_check = time.perf_counter()
-            ran_past = metrics.truncate_after(trainer.step) or []  # ranks > 0 keep no metrics (Silent: None)
-            # Where the interrupted process got to: every step it logged, not only its last progress event.
-            reached = max((int(r["step"]) for r in ran_past if "loss" in r), default=None)
-            if ref is not None and lead:  # check the restored state, then each re-run step, against the run's own history
-                trainer.fingerprints.watch(events, [] if allow_config_change else ran_past)
-            restore_s += time.perf_counter() - t_check
-            events.emit("start", step=trainer.step, resumed_from=ref.step if ref else None, previous_reached=reached,
-                        run_dir=cfg.run_dir,
-                        host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time(),
-                        restore_s=restore_s)
-            if changes:
-                events.emit("config_changed", step=trainer.step, changes={k: {"old": a, "new": b} for k, (a, b) in changes.items()},
-                            schedule=trainer.sched.replanned)
-            resumed_here = ref is not None and source is store
-            loop = Loop(cfg, trainer, store, metrics, events, log_dir, last_committed=ref.step if resumed_here else None)
-            try:
-                return loop.run()
-            except BaseException as e:
-                reason, code = exit_reason(e)
-                with contextlib.suppress(OSError):  # a full log disk must not replace the error being raised
-                    events.emit("exit", reason=reason, exit_code=code, step=trainer.step, train_s=loop.train_s,
-                                save_s=loop.save_s, error=f"{type(e).__name__}: {e}"[:500])
-                raise
-        finally:
-            trainer.close()
-    finally:
-        store.release_lease()
-
-
-def exit_reason(error: BaseException) -> tuple[str, int]:
-    """The `exit` event's reason and the exit code the CLI gives for an exception leaving the loop."""
-    if isinstance(error, UserError):
-        return "user_error", error.exit_code
-    if isinstance(error, Unavailable):
-        return "storage_unavailable", error.exit_code
-    if isinstance(error, KeyboardInterrupt):
-        return "interrupted", 130
-    return "crashed", 1
-
-
-def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[CheckpointRef], verify: Verify,
-                  allow_config_change: bool) -> tuple[Trainer, CheckpointRef | None, float, dict] | None:
-    """(trainer, the checkpoint it was restored from or None for a fresh start, seconds spent
-    reading, loading and verifying checkpoints, the config changes since that checkpoint as
-    `config_changes` gives them), or None when the newest checkpoint is of a finished run (it
-    says so on stderr).
-
-    `candidates` are tried newest first. With `verify="while"` each is hashed as it loads (one
-    read of every byte); one found damaged is logged and skipped, and the trainer is built anew
-    for the next, since the damaged one was already partly streamed into it. A checkpoint that
-    is intact but does not fit (another model width) is an error, never skipped."""
-    restore_s = 0.0
-    data = open_data(cfg.data, cfg.train.seed)  # read once: every candidate is checked against it
-    for ref in candidates:
-        t0 = time.perf_counter()
-        trainer = None
-        try:
-            saved = source.read_state(ref)
-            changes = check_compatible(saved["meta"], cfg, allow_config_change, data.identity)
-            if saved["meta"].get("finished") and ref.step >= cfg.train.steps:
-                log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
-                print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
-                return None
-            restore_s += time.perf_counter() - t0
-            trainer = Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data)
-            t0 = time.perf_counter()
-            load_checkpoint(source, ref, trainer.state.parts(), verify=verify)
-            return trainer, ref, restore_s + time.perf_counter() - t0, changes
-        except BaseException as e:
-            if trainer is not None:
-                trainer.close()
-            if verify != "while" or not isinstance(e, CheckpointError):
-                raise
-            problems = [str(e)] if isinstance(e, CheckpointCorrupt) else source.verify(ref)
-            if not problems:  # intact: the error is about the setup, not the checkpoint
-                raise
-            skipped(ref, problems)
-            restore_s += time.perf_counter() - t0
-    if candidates:
-        raise all_damaged(cfg, candidates)
-    return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data), None, restore_s, {}
-
-
-def all_damaged(cfg: RunConfig, damaged: list[CheckpointRef]) -> UserError:
-    """The refusal to start over in a run dir whose every checkpoint fails verification: that
-    would cut its metrics back to step 0 and let retention replace the evidence."""
-    names = ", ".join(folder_name(ref.path) for ref in damaged)
-    return UserError(f"every checkpoint in {cfg.run_dir} fails verification ({names}; the problems are logged "
-                     f"above, `harness ckpt verify {cfg.run_dir}` lists them); nothing was changed. Restore a good "
-                     f"copy, or pass --resume never to start over from step 0 (the damaged ones are kept until "
-                     f"good checkpoints replace them)")
-
-
-def open_store(cfg: RunConfig) -> CheckpointStore | LocalFirstStore:
-    """The run dir's store; with `checkpoint.local_dir`, committing there first and uploading
-    to the run dir in the background (checkpoint/mirror.py)."""
-    c = cfg.checkpoint
-    store = CheckpointStore(cfg.run_dir, keep_last=c.keep_last, keep_every=c.keep_every,
-                            storage_options=c.storage_options or None, lease_heartbeat_s=c.lease_heartbeat_s)
-    if c.local_dir is None:
-        return store
-    if distributed.is_distributed():
-        raise UserError("checkpoint.local_dir works with one process only; with several ranks unset it "
-                        "(every rank then writes its part straight to the run dir)")
-    return LocalFirstStore(store, c.local_dir)
-
-
-def resolve_log_dir(cfg: RunConfig) -> str:
-    """Local folder for metrics and events (`harness.events.log_dir_for`)."""
-    return log_dir_for(cfg.run_dir, cfg.log_dir)
-
-
-def agree_on_checkpoint(store: CheckpointStore, cfg: RunConfig,
-                        resume: str) -> tuple[CheckpointStore, list[CheckpointRef], Verify]:
-    """`choose_checkpoint`; with several ranks, rank 0 picks and verifies one checkpoint (every
-    byte read once) and every rank loads that one, so ranks never load different checkpoints."""
-    if not distributed.is_distributed():
-        return choose_checkpoint(store, cfg, resume)
-
-    def decide() -> tuple[str | None, int] | None:
-        source, candidates, verify = choose_checkpoint(store, cfg, resume)
-        ref = source.first_good(candidates) if verify == "while" else next(iter(candidates), None)
-        if ref is None and candidates:
-            raise all_damaged(cfg, candidates)
-        return None if ref is None else (None if source is store else source.url, ref.step)
-
-    choice = distributed.on_rank0(decide)
-    if choice is None:
-        return store, [], "no"
-    url, step = choice
-    source = store if url is None else CheckpointStore(url, storage_options=cfg.checkpoint.storage_options or None)
-    return source, [source.ref(step)], "no"
-
-
-def choose_checkpoint(store: CheckpointStore, cfg: RunConfig,
-                      resume: str) -> tuple[CheckpointStore, list[CheckpointRef], Verify]:
-    """(the store to load from, the checkpoints to try newest first, how to verify them while
-    loading) for `--resume auto|never|CKPT_URL`. `auto` verifies while loading (see
-    `resume_newest`); a checkpoint given by URL was verified here already."""
-    if resume == "auto":
-        return store, store.candidates(), "while"
-    if resume == "never":
-        existing = store.latest_good()
-        if existing is not None:
-            raise UserError(f"--resume never, but {cfg.run_dir} already has checkpoints (newest: step "
-                            f"{existing.step}); use another --run-dir, or --resume auto to continue it")
-        return store, [], "no"
-    source, ref = checkpoint_at(resume, cfg.checkpoint.storage_options)
-    return source, [ref], "no"
-
-
-def checkpoint_at(url: str, storage_options: dict[str, Any]) -> tuple[CheckpointStore, CheckpointRef]:
-    """The checkpoint folder `RUN_DIR/checkpoints/step-N` at `url`, verified."""
-    head, _, name = url.rstrip("/").rpartition("/")
-    run_url, _, parent = head.rpartition("/")
-    match = STEP_DIR.fullmatch(name)
-    if not match or parent != CHECKPOINTS_DIR:
-        raise UserError(f"--resume {url}: expected a checkpoint folder RUN_DIR/{CHECKPOINTS_DIR}/step-NNNNNNNN, "
-                        f"or auto / never")
-    source = CheckpointStore(run_url or ".", storage_options=storage_options or None)
-    ref = source.ref(int(match[1]))
-    if not source.loc.fs.isdir(ref.path):
-        raise UserError(f"--resume {url}: no such checkpoint folder; `harness ckpt ls {run_url or '.'}` lists the "
-                        f"run's checkpoints (or use --resume auto for the newest good one)")
-    problems = source.verify(ref)
-    if problems:
-        raise UserError(f"--resume {url}: the checkpoint fails verification: {problems[0]}")
-    return source, ref
-
-
-def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: bool,
-                     data_identity: dict[str, Any] | None) -> dict[str, tuple[Any, Any]]:
-    """The math keys changed since the checkpoint (`config_changes`) and what differs in the data's
-    identity (`identity_changes`); raises UserError when there are any and `allow_config_change` is off."""
-    changed = config_changes(meta["config"], cfg)
-    changed.update(identity_changes(meta.get("data"), data_identity))
-    if changed and not allow_config_change:
-        raise UserError(f"the config changes the math of the run in {cfg.run_dir}: {', '.join(changed)} differ "
-                        f"from the checkpoint; restore them, use a new --run-dir, or pass --allow-config-change")
-    if changed:
-        log.warning("resuming with a changed config; the new values apply from the first resumed step, bitwise "
-                    "equality is not promised", changes={k: f"{a!r} -> {b!r}" for k, (a, b) in changed.items()})
-    before = meta.get("environment", {})
-    now = environment_fingerprint(resolve_device(cfg.train.device))
-    differ = [(key, before[key], now[key]) for key in ("torch", "device_type") if key in before and before[key] != now[key]]
-    saved_numerics = before.get("numerics", {})
-    differ += [(f"numerics.{key}", saved_numerics[key], now["numerics"][key])
-               for key in numerics.RESUME_SENSITIVE if key in saved_numerics and saved_numerics[key] != now["numerics"][key]]
-    for key, then, current in differ:
-        log.warning("resuming on a different environment; bitwise equality is not promised there",
-                    key=key, checkpoint=then, now=current)
-    return changed
-
-
-def write_run_json(cfg: RunConfig, trainer: Trainer) -> str:
-    """Write the run dir's run.json (resolved config, environment, run id) and return the run id:
-    the one already in run.json, else a new one (`harness.run_id`)."""
-    try:
-        # Through the store's filesystem: bounded retries that never draw from the global RNG.
-        fs, path = open_filesystem(cfg.run_dir, cfg.checkpoint.storage_options)
-        url = f"{path.rstrip('/')}/{RUN_JSON}"
-        previous = parse_line(fs.cat_file(url)) if fs.exists(url) else None
-        run_id = (previous or {}).get(RUN_ID_KEY) or new_run_id()
-        doc = {RUN_ID_KEY: run_id, "config": public_config(cfg), "data": trainer.data.identity,
-               "environment": environment_fingerprint(trainer.device)}
-        fs.makedirs(path, exist_ok=True)
-        fs.pipe_file(url, json.dumps(doc, indent=2).encode())
-    except OSError as e:
-        raise UserError(f"cannot write to run dir {cfg.run_dir}: {e}; choose a writable --run-dir") from None
-    return run_id
 
 
 class Loop:
@@ -398,7 +132,7 @@ class Loop:
         self.trainer.check_finite_state()
         step = self.trainer.step
         meta = {"config": public_config(self.cfg), "data": self.trainer.data.identity,
-                "finished": self.trainer.counters.finished, "environment": environment_fingerprint(self.trainer.device)}
+                "environment": environment_fingerprint(self.trainer.device)}
         if self.saver is None:
             t0 = time.perf_counter()
             snapshot = capture(self.trainer.state.parts(), rank=distributed.rank())
@@ -466,4 +200,4 @@ class Loop:
         marker.touch()
         if d.crash_mode == "raise":
             raise RuntimeError(f"debug.crash_at_step: planned crash after step {d.crash_at_step}")
-        os._exit(CRASH_EXIT_CODE)
+        os._exit(exit_codes.CRASH_EXIT_CODE)

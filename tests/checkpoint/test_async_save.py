@@ -16,7 +16,8 @@ from harness import exit_codes
 from harness.checkpoint.async_save import AsyncSaver, BackgroundSaveError, SaveStalled, StagingBuffers
 from harness.checkpoint.retry import StorageUnavailable
 from harness.config import load_config
-from harness.trainer import CheckpointClock, Trainer
+from harness.run.cadence import CheckpointClock
+from harness.trainer import Trainer
 
 from .conftest import torch_state
 
