@@ -1,4 +1,4 @@
-"""`harness sweep CONFIG...`: train several experiment arms one after another (how: harness/sweep.py)."""
+"""`harness sweep CONFIG...`: train several experiment arms one after another (how: harness/arms.py)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import argparse
 
 from harness.cli.args import add_overrides, add_restart_args
 from harness.errors import UserError
-from harness.sweep import __doc__ as sweep_doc
-from harness.sweep import exit_code, format_summary, sweep
+from harness.arms import __doc__ as arms_doc
+from harness.arms import exit_code, format_summary, sweep
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("sweep", help="train several arms one after another (resumable)",
-                              description=sweep_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=arms_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("configs", nargs="+", metavar="CONFIG", help="TOML run configs, one per arm")
     add_overrides(p, "a key in every arm")
     add_restart_args(p)

@@ -1,5 +1,5 @@
 """`harness verify-resume CONFIG`: check that interrupting and resuming a run changes nothing
-(the two runs and the verdict: harness/verify.py)."""
+(the two runs and the verdict: harness/resume_equivalence.py)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from pathlib import Path
 from harness.cli.args import add_config_args
 from harness.config import load_config
 from harness.errors import UserError
-from harness.verify import __doc__ as verify_doc
-from harness.verify import run_pair
+from harness.resume_equivalence import __doc__ as equivalence_doc
+from harness.resume_equivalence import run_pair
 
 
 def parse_steps(text: str) -> list[int]:
@@ -29,7 +29,7 @@ def parse_steps(text: str) -> list[int]:
 
 def register(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("verify-resume", help="check that interrupting and resuming a run changes nothing",
-                            description=verify_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+                            description=equivalence_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p, run_dir=False)
     p.add_argument("--steps", type=int, metavar="N", help="train N steps instead of the config's train.steps")
     points = p.add_mutually_exclusive_group()
