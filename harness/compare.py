@@ -23,20 +23,15 @@ steps it kept (see `harness.metrics`), so its curve has a gap in time but none i
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import fsspec
-
 from harness.errors import UserError
-from harness.events import EVENTS_FILE, EventLog, events_url
+from harness.events import EventLog
 from harness.goodput import account
 from harness.metrics import read_metrics
+from harness.run.files import events_url, metrics_url, read_run_json
 
 PLOT_SIZE_IN = (12.0, 4.5)
 PLOT_DPI = 100  # with PLOT_SIZE_IN: a 1200 x 450 pixel PNG
@@ -60,38 +55,15 @@ class ArmSummary:
     evals: list[tuple[int, float, float]] = field(repr=False)  # (step, seconds since start, eval loss)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("compare", help="table and plot of several runs (arms)", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs given to `harness train`/`sweep`")
-    p.add_argument("--plot", metavar="OUT.png", help="also write a PNG: loss vs step and vs wall time")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    arms = [summarize(run_dir) for run_dir in args.run_dirs]
-    print(format_table(arms), flush=True)
-    if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            raise UserError(f"matplotlib is not installed, so no plot was written to {args.plot}; "
-                            "install it with `pip install 'harness[plot]'` (the table is above)") from None
-        write_plot(arms, args.plot)
-        print(f"plot: {args.plot}", file=sys.stderr)
-    return 0
-
-
 def summarize(run_dir: str) -> ArmSummary:
     """Read one run's run.json, metrics and events into a table row; UserError if missing."""
-    config = _read_run_json(run_dir)
-    log_dir = os.path.dirname(events_url(run_dir, config.get("log_dir")))
-    metrics_path = Path(log_dir) / "metrics.jsonl"
+    config = read_run_json(run_dir)
+    metrics_path = Path(metrics_url(run_dir, config.get("log_dir")))
     if not metrics_path.is_file():
         raise UserError(f"no metrics file at {metrics_path} for run {run_dir}: has it trained a step on "
                         "this machine? (metrics stay in the local log dir)")
     records = read_metrics(metrics_path)
-    events_path = Path(log_dir) / EVENTS_FILE
+    events_path = Path(events_url(run_dir, config.get("log_dir")))
     events = EventLog(events_path).read() if events_path.is_file() else []
     goodput = account(events)
 
@@ -122,17 +94,6 @@ def summarize(run_dir: str) -> ArmSummary:
         train=[(r["step"], float(r["time"]) - start, r["loss"]) for r in train],
         evals=[(r["step"], time_at.get(r["step"], 0.0), r["eval_loss"]) for r in evals],
     )
-
-
-def _read_run_json(run_dir: str) -> dict:
-    url = f"{run_dir.rstrip('/')}/run.json"
-    try:
-        with fsspec.open(url, "r") as f:
-            return json.load(f)["config"]
-    except FileNotFoundError:
-        raise UserError(f"no run.json in {run_dir}: pass the run dir of a `harness train` run") from None
-    except (json.JSONDecodeError, KeyError) as e:
-        raise UserError(f"{url} is not a run.json written by `harness train` ({e})") from None
 
 
 COLUMNS = ("arm", "optimizer", "steps", "final eval", "best eval", "tokens/s", "optim %",

@@ -6,14 +6,7 @@ to the same log without coordinating: each line is one write to a file opened fo
 a local filesystem never interleaves. The schema of each kind is documented where it is read,
 in `harness.goodput`.
 
-Where the logs live (`log_dir_for(run_dir, log_dir)`, also the trainer's metrics folder): in
-`log_dir` when given, else in the run dir itself when that is a local folder. Object stores
-cannot append, and rewriting the whole object per event would be quadratic and racy, so for a
-remote run dir the logs are kept locally in `runs/<protocol-host-path>-<hash>/`: the readable
-part is the URL with every run of characters other than letters, digits, `.`, `_` and `-`
-turned into one `-` (cut to 80 characters), the hash the first 8 hex digits of the sha256 of
-the whole URL, so two run dirs never share a log folder (s3://a/quickstart and a local
-runs/quickstart did, when the folder was named after the last path component alone).
+Where the logs live: `harness.run.files.log_dir_for`.
 
 With a `run_id` every record carries it and the log refuses to be appended to when its records
 carry another run's (`harness.run_id`).
@@ -21,11 +14,9 @@ carry another run's (`harness.run_id`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import posixpath
-import re
 import time
 
 import fsspec
@@ -35,23 +26,6 @@ from harness.jsonlines import records
 from harness.run_id import RUN_ID_KEY, claim_log
 
 EVENTS_FILE = "events.jsonl"
-LOGS_ROOT = "runs"
-
-
-def log_dir_for(run_dir: str, log_dir: str | None = None) -> str:
-    """The local folder of the logs of the run at `run_dir` (see the module docstring)."""
-    if log_dir:
-        return log_dir
-    if get_protocol(run_dir) in ("file", "local"):
-        return fsspec.core.strip_protocol(run_dir)
-    url = run_dir.rstrip("/")
-    readable = re.sub(r"[^A-Za-z0-9._-]+", "-", url).strip("-")[:80]
-    return os.path.join(LOGS_ROOT, f"{readable}-{hashlib.sha256(url.encode()).hexdigest()[:8]}")
-
-
-def events_url(run_dir: str, log_dir: str | None = None) -> str:
-    """The events file of the run at `run_dir`."""
-    return os.path.join(log_dir_for(run_dir, log_dir), EVENTS_FILE)
 
 
 class EventLog:

@@ -39,6 +39,8 @@ GAVE_UP = 3
 PREEMPTED = 75
 SAVE_DEADLINE_MISSED = 76
 STORAGE_UNAVAILABLE = 69
+# What `debug.crash_at_step` dies with (os._exit, no cleanup): a crash the supervisor restarts.
+CRASH_EXIT_CODE = 13
 
 # Exit codes after which the run is consistent on storage and simply has to be started again.
 REQUEUE = frozenset({PREEMPTED, SAVE_DEADLINE_MISSED})

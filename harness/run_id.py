@@ -23,7 +23,7 @@ from pathlib import Path
 from harness.errors import UserError
 from harness.jsonlines import parse_line
 
-RUN_JSON = "run.json"  # in the run dir: run id, resolved config, environment (harness.run)
+RUN_JSON = "run.json"  # in the run dir: run id, resolved config, environment (harness.run.files)
 RUN_ID_KEY = "run_id"
 # Lines read to find the owner of a log: the first trainer record carries it; earlier lines can
 # only be the supervisor's events (no id), and there are few of those.

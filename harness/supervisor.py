@@ -51,7 +51,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import tenacity
 
-from harness.events import EventLog, events_url
+from harness.events import EventLog
+from harness.run.files import events_url
 from harness.errors import Unavailable, UserError
 from harness.exit_codes import FINISHED, GAVE_UP, PREEMPTED, REQUEUE, RETRY_LATER, USER_ERROR
 from harness.log import get_logger

@@ -46,7 +46,7 @@ from harness.buffer_probe import BufferProbe, non_persistent_buffers
 from harness.completeness import check_buffers, check_registered
 from harness.fingerprint import FingerprintLog, diagnose, part_hashes, record, state_digests
 from harness.rng import RNGState, seed_everything
-from harness.verify import Verdict, blame, describe_fields, first_divergence
+from harness.resume_equivalence import Verdict, blame, describe_fields, first_divergence
 
 
 _OPTIM_HINT = "an optimizer buffer (momentum, second moment) must be in the optimizer's state_dict"

@@ -35,7 +35,6 @@ verification, naming the file, with discovery falling back to the previous check
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import os
@@ -47,7 +46,6 @@ from typing import Any
 import torch
 
 from harness.checkpoint import CheckpointStore
-from harness.checkpoint.cli import storage_option_parser, storage_options_of
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.faults import FaultPlan, SimulatedCrash
 from harness.checkpoint.lease import LEASE_FILE, MISSED_HEARTBEATS
@@ -287,7 +285,7 @@ def _damages(name: str, size: int, offsets: int) -> list[tuple[str, int]]:
 
 def corruption_sweep(torture: Torture, offsets: int = 16, cli: bool = True) -> CorruptionResult:
     """Damage every file of committed step PREV in turn; see the module docstring."""
-    from harness.checkpoint.cli import verify_target
+    from harness.cli.ckpt import verify_target  # the sweep checks what `harness ckpt verify` says
 
     url = f"{torture.url}/torture-corrupt"
     torture.prepare(url)
@@ -325,7 +323,7 @@ def corruption_sweep(torture: Torture, offsets: int = 16, cli: bool = True) -> C
     return out
 
 
-# ---- command line ----------------------------------------------------------------------------
+# ---- report ----------------------------------------------------------------------------------
 
 def format_table(kind: str, tallies: dict[str, Tally]) -> str:
     head = f"{'store':8} {'mode':10} {'points':>6} {'recovered':>9} {'lost':>5} {'wrongly accepted':>16} {'unclean':>7} {'new kept':>8}"
@@ -338,47 +336,3 @@ def format_table(kind: str, tallies: dict[str, Tally]) -> str:
             setattr(total, attr, getattr(total, attr) + getattr(t, attr))
     rows.append(f"{kind:8} {'all':10} {total.tried:>6} {total.recovered:>9} {total.lost:>5} {total.wrongly_accepted:>16} {total.unclean:>7} {total.kept_new:>8}")
     return "\n".join(rows)
-
-
-def cmd_torture(args: argparse.Namespace) -> int:
-    from harness.log import configure
-
-    if args.log_level == "info":
-        configure("error")  # the sweep provokes thousands of expected warnings
-    modes = ALL_MODES if args.modes == "all" else tuple(m.strip() for m in args.modes.split(",") if m.strip())
-    unknown = [m for m in modes if m not in ALL_MODES]
-    if unknown:
-        raise CheckpointError(f"--modes: unknown mode(s) {unknown}; use some of {', '.join(ALL_MODES)} or 'all'")
-    points = None if args.points == "all" else int(args.points)
-    torture = Torture(args.run_dir, storage_options_of(args))
-    tallies = torture.sweep(modes, points)
-    print(format_table(torture.kind, tallies))
-    failures = [p for t in tallies.values() for p in t.failures]
-    for p in failures:
-        print(f"  {p.result}: {p.mode}@{p.at} ({p.op}): {p.detail}")
-    ok = not failures
-    if args.corruption:
-        c = corruption_sweep(torture)
-        print(f"corruption: {c.cases} damaged files, {c.detected} detected, {c.named} named the file, "
-              f"{c.fell_back} fell back to the previous checkpoint, {c.cli_failed} failed `harness ckpt verify`")
-        for miss in c.misses:
-            print(f"  missed: {miss}")
-        ok = ok and not c.misses and c.cli_failed == c.cases
-    return 0 if ok else 1
-
-
-def _points(value: str) -> str:
-    if value != "all" and not (value.isdigit() and int(value) >= 1):
-        raise argparse.ArgumentTypeError("use 'all' or a number of points >= 1")
-    return value
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("torture", help="crash-consistency torture of the checkpoint store",
-                              description=__doc__.split("\n\n")[0], parents=[storage_option_parser()])
-    p.add_argument("run_dir", metavar="RUN_DIR_URL", help="a scratch folder or URL (points use sub-folders of it)")
-    p.add_argument("--points", type=_points, default="all", help="'all' operations of a save, or N evenly spaced ones")
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                   help=f"comma-separated, from {', '.join(ALL_MODES)}; or 'all' (default: {','.join(DEFAULT_MODES)})")
-    p.add_argument("--corruption", action="store_true", help="also damage a committed checkpoint file by file")
-    p.set_defaults(func=cmd_torture)

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 
 from harness.errors import UserError
-from harness.events import EventLog, events_url
+from harness.events import EventLog
+from harness.run.files import events_url
 from harness.goodput import account
-from harness.report_cli import run as report
+from harness.cli.report import run as report
 
 REPO = str(Path(__file__).resolve().parents[1])
 

@@ -27,7 +27,7 @@ loop's alone, so a commit in flight never interleaves with a training all-reduce
 persists run in the same order on every rank (the step loop agrees on every save, and on
 skipping one), so the side group's collectives match up.
 
-Load (`load_checkpoint`): rank 0 decides which checkpoint (run.py), every rank reads the
+Load (`load_checkpoint`): rank 0 decides which checkpoint (harness/run/resume.py), every rank reads the
 replicated parts and its own per-rank parts. A rank that did not exist in the saving run takes
 rank 0's data cursor (the position counts samples of all ranks together, so it re-splits for any
 world size with no sample repeated or skipped) and keeps its freshly seeded RNG. A different

@@ -8,7 +8,7 @@ truncated or re-exported; an edit in the middle that keeps the size is not caugh
 
 A new source type (token shards: the hash of `index.json`, which lists every shard's sha256)
 returns its own fingerprint from its own function here, and `data_identity` dispatches to it by
-URL. The run compares the whole dict (`harness.run.check_compatible`): any difference is a change
+URL. The run compares the whole dict (`harness.run.resume.check_compatible`): any difference is a change
 of the run's math, refused like a changed config key.
 """
 

@@ -84,16 +84,16 @@ def bare_loop(steps: int, clock: StepClock) -> None:
 
 def harness_loop(steps: int, clock: StepClock, run_dir: str) -> None:
     """`harness train` in this process; the clock ticks where the loop records a step."""
-    from harness import run
     from harness.cli import main
+    from harness.run.loop import Loop
 
-    record = run.Loop.record
+    record = Loop.record
 
     def timed_record(loop, result) -> None:
         record(loop, result)
         clock.tick()
 
-    run.Loop.record = timed_record
+    Loop.record = timed_record
     argv = ["--log-level", "warning", "train", str(CONFIG), "--run-dir", run_dir]
     for s in settings(steps):
         argv += ["--set", s]

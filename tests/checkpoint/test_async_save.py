@@ -16,7 +16,8 @@ from harness import exit_codes
 from harness.checkpoint.async_save import AsyncSaver, BackgroundSaveError, SaveStalled, StagingBuffers
 from harness.checkpoint.retry import StorageUnavailable
 from harness.config import load_config
-from harness.trainer import CheckpointClock, Trainer
+from harness.run.cadence import CheckpointClock
+from harness.trainer import Trainer
 
 from .conftest import torch_state
 
@@ -276,7 +277,7 @@ def test_gpu_state_is_staged_in_pinned_buffers_on_a_side_stream(tmp_path):
 
 @pytest.mark.parametrize("where", ["local", "memory"])
 def test_a_full_disk_in_the_background_is_a_user_error_naming_what_is_still_committed(tmp_path, where):
-    """Injected ENOSPC at every write of a background save (the real full disk: tests/train/test_full_disk_train.py)."""
+    """Injected ENOSPC at every write of a background save (the real full disk: tests/e2e/test_full_disk_train.py)."""
     url = str(tmp_path / "run") if where == "local" else f"memory://async-enospc-{tmp_path.name}"
     parts = torch_state(steps=1)
     count = CheckpointStore(url + "-count", storage_options={"faults": "count"})

@@ -1,4 +1,4 @@
-"""Model factories that break the contract of docs/models.md, one way each (tests/train/test_user_errors.py)."""
+"""Model factories that break the contract of docs/models.md, one way each (tests/cli/test_user_errors.py)."""
 
 import torch
 from torch import nn

@@ -122,7 +122,7 @@ def test_train_with_local_dir_publishes_final_checkpoint(proxy, s3_server, s3_ur
     view = remote_view(s3_server, s3_url)
     final = view.latest_good()
     assert final is not None and final.step == 12 and view.verify(final) == []
-    assert view.read_state(final)["meta"]["finished"] is True
+    assert view.read_state(final)["parts"]["trainer"]["finished"] is True
     assert [r.step for r in view.list()] == [8, 12]
     assert [r.step for r in CheckpointStore(str(local)).list()] == [8, 12]
     assert s3_server.open_multipart_uploads() == []

@@ -20,21 +20,21 @@ identical, 1 when not, 2 on a user error (including a run that fails on its own)
 
 from __future__ import annotations
 
-import argparse
 import json
-import random
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from harness.errors import UserError
+from harness.events import EVENTS_FILE
 from harness.fingerprint import FIELDS, ordered_parts, diagnose, differing_fields
+from harness.jsonlines import records
+from harness.run.files import METRICS_FILE
 
 START_TIMEOUT_S = 600.0
 
@@ -122,69 +122,23 @@ def describe_fields(step: int, fields: list[str], a: dict | None, b: dict | None
     return lines
 
 
-# ---- the command ---------------------------------------------------------------------------
+# ---- the two runs ----------------------------------------------------------------------------
 
 
-def parse_steps(text: str) -> list[int]:
-    try:
-        steps = sorted({int(s) for s in text.split(",") if s.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected step numbers like 13,40") from None
-    if not steps:
-        raise argparse.ArgumentTypeError("expected at least one step")
-    return steps
-
-
-def register(commands: argparse._SubParsersAction) -> None:
-    p = commands.add_parser("verify-resume", help="check that interrupting and resuming a run changes nothing",
-                            description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", metavar="CONFIG", help="TOML run config (see configs/)")
-    p.add_argument("--steps", type=int, metavar="N", help="train N steps instead of the config's train.steps")
-    points = p.add_mutually_exclusive_group()
-    points.add_argument("--interrupt-at", type=parse_steps, metavar="S1,S2", help="interrupt B once it logged these steps")
-    points.add_argument("--random", type=int, metavar="K", help="interrupt at K random steps (default: 2)")
-    p.add_argument("--seed", type=int, help="seed of --random (default: a fresh one, printed)")
-    p.add_argument("--signal", choices=["KILL", "TERM"], default="KILL",
-                   help="KILL: die at once, resume from the last checkpoint; TERM: preemption, save and exit")
-    p.add_argument("--fingerprint-every", type=int, default=1, metavar="N",
-                   help="state hash every N steps (default 1: the divergent step and part are exact)")
-    p.add_argument("--work-dir", metavar="DIR", help="keep both runs here (default: a temporary folder, "
-                                                     "removed when identical)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set optim.lr=1e-3 (repeatable)")
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    from harness.config import load_config
-
-    overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps else [])
-    cfg = load_config(args.config, overrides)
-    steps = cfg.train.steps
-    if args.interrupt_at:
-        points = args.interrupt_at
-    else:
-        seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
-        k = 2 if args.random is None else args.random
-        if not 0 < k < steps:
-            raise UserError(f"--random {k}: choose between 1 and {steps - 1} interruptions for {steps} steps")
-        points = sorted(random.Random(seed).sample(range(1, steps), k))
-        print(f"interrupting once steps {','.join(map(str, points))} are logged (--random {k} --seed {seed})", flush=True)
-    if points[0] < 1 or points[-1] >= steps:
-        raise UserError(f"--interrupt-at {','.join(map(str, points))}: steps must lie in 1..{steps - 1}")
-
-    work = Path(args.work_dir or tempfile.mkdtemp(prefix="verify-resume-"))
-    work.mkdir(parents=True, exist_ok=True)
+def run_pair(config: str, steps: int, work: Path, sets: list[str], points: list[int],
+             sig: signal.Signals) -> Verdict:
+    """Train `config` (`steps` steps, with `--set` items `sets`) in `work`: A continuously, B interrupted by
+    `sig` once it logged each step of `points`; then the verdict of `compare_runs`. Each run's
+    output goes to `work/continuous.log` and `work/interrupted.log`; a run that fails on its
+    own is a UserError (with the tail of its log)."""
     runs = {"A": work / "continuous", "B": work / "interrupted"}
     for path in runs.values():
         if path.exists():
             shutil.rmtree(path)
-    sets = [*overrides, f"train.fingerprint_every={args.fingerprint_every}", 'train.on_divergence="warn"']
-    sig = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}[args.signal]
-    print(f"A: continuous in {runs['A']}; B: interrupted ({args.signal}) in {runs['B']}", flush=True)
-    proc_a = _start(args.config, runs["A"], sets, work / "continuous.log")
+    print(f"A: continuous in {runs['A']}; B: interrupted ({sig.name.removeprefix('SIG')}) in {runs['B']}", flush=True)
+    proc_a = _start(config, runs["A"], sets, work / "continuous.log")
     try:
-        story, landed = _interrupted(args.config, runs["B"], sets, work / "interrupted.log", points, sig)
+        story, landed = _interrupted(config, runs["B"], sets, work / "interrupted.log", points, sig)
     except BaseException:
         proc_a.kill()
         raise
@@ -195,12 +149,7 @@ def run(args: argparse.Namespace) -> int:
     verdict = compare_runs(runs["A"], runs["B"], steps, landed)
     if landed != points:
         verdict.planned = points
-    print(verdict, flush=True)
-    if verdict and not args.work_dir:
-        shutil.rmtree(work, ignore_errors=True)
-    elif not verdict:
-        print(f"runs kept in {work} (logs: continuous.log, interrupted.log)")
-    return 0 if verdict else 1
+    return verdict
 
 
 def _start(config: str, run_dir: Path, sets: list[str], log_path: Path) -> subprocess.Popen:
@@ -252,40 +201,21 @@ def _wait(proc: subprocess.Popen, run_dir: Path, starts: int, point: int, log_pa
     return "started fresh" if start is None else f"resumed from {start}"
 
 
+def _read(path: Path) -> list[dict[str, Any]]:
+    """The JSON-object lines of a log so far ([] before it exists); a line being written is skipped."""
+    return list(records(path)) if path.exists() else []
+
+
 def _events(run_dir: Path, kind: str) -> list[dict]:
-    path = run_dir / "events.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            event = json.loads(line)
-        except ValueError:
-            continue  # a line being written
-        if event.get("event") == kind:
-            out.append(event)
-    return out
+    return [e for e in _read(run_dir / EVENTS_FILE) if e.get("event") == kind]
 
 
 def _records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [{k: r[k] for k in FIELDS if k in r} for r in lines if "batch_hash" in r]
+    return [{k: r[k] for k in FIELDS if k in r} for r in _read(run_dir / METRICS_FILE) if "batch_hash" in r]
 
 
 def _last_step(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return 0
-    steps = []
-    for line in path.read_text().splitlines():
-        try:
-            steps.append(int(json.loads(line).get("step", 0)))
-        except (ValueError, AttributeError):
-            continue
-    return max(steps, default=0)
+    return max((int(r.get("step", 0)) for r in _read(run_dir / METRICS_FILE)), default=0)
 
 
 def _tail(path: Path, n: int = 3000) -> str:

@@ -18,7 +18,7 @@ from harness.compare import summarize
 from harness.config import load_config
 from harness.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 BASE = CONFIGS / "arms" / "base.toml"
 ARMS = sorted((CONFIGS / "muon").glob("*.toml")) + sorted((CONFIGS / "price-list").glob("*.toml"))

@@ -13,7 +13,7 @@ import argparse
 import hashlib
 import sys
 
-from harness.checkpoint.cli import storage_option_parser, storage_options_of
+from harness.cli.args import storage_option_parser, storage_options_of
 from harness.data.integrity import shard_problem
 from harness.data.prepare import PrepareSpec, prepare
 from harness.data.shard_index import TOKENIZER_NAME, read_index

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 
 from harness.errors import UserError
-from harness.events import EventLog, events_url
+from harness.events import EventLog
+from harness.run.files import events_url
 from harness.supervisor import Supervisor, checkpoint_progress
 
 

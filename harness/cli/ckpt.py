@@ -24,7 +24,7 @@ from harness.checkpoint.format import tensor_refs
 from harness.checkpoint.manifest import MANIFEST_FILE, parse_manifest
 from harness.checkpoint.storage import open_location, read_bytes
 from harness.checkpoint.store import STEP_DIR, CHECKPOINTS_DIR, CheckpointRef, CheckpointStore, folder_name
-from harness.config import apply_assignments
+from harness.cli.args import storage_option_parser, storage_options_of
 from harness.run_id import RUN_JSON
 
 
@@ -34,20 +34,6 @@ def _size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
-
-
-def storage_option_parser() -> argparse.ArgumentParser:
-    """A parent parser adding `-o KEY=VALUE` (repeatable); read it back with `storage_options_of`."""
-    storage = argparse.ArgumentParser(add_help=False)
-    storage.add_argument("-o", "--storage-option", dest="storage_option", action="append", default=[],
-                         metavar="KEY=VALUE", help="a storage option, as in checkpoint.storage_options "
-                         "(repeatable; dotted keys nest: -o retry.deadline_s=30)")
-    return storage
-
-
-def storage_options_of(args: argparse.Namespace) -> dict | None:
-    """The `-o KEY=VALUE` storage options (dotted keys nest: `retry.deadline_s=30`)."""
-    return apply_assignments({}, args.storage_option, "-o", "endpoint_url=http://127.0.0.1:9000") or None
 
 
 def open_target(url: str, options: dict | None = None) -> tuple[CheckpointStore, CheckpointRef | None]:

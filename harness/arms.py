@@ -18,16 +18,15 @@ first arm that failed (2 user error, 3 gave up), after the remaining arms were r
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 
 from harness.config import RunConfig, load_config
 from harness.errors import UserError
-from harness.events import EventLog, events_url
+from harness.events import EventLog
+from harness.run.files import events_url
 from harness.exit_codes import FINISHED, NAMES, REQUEUE
 from harness.supervisor import Supervisor, checkpoint_progress, describe_exit
-from harness.train_cli import add_restart_args
 
 
 @dataclass
@@ -42,25 +41,6 @@ class ArmResult:
         if self.skipped and self.exit_code == FINISHED:
             return "skipped (already finished)"
         return NAMES.get(self.exit_code, describe_exit(self.exit_code))
-
-
-def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("sweep", help="train several arms one after another (resumable)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("configs", nargs="+", metavar="CONFIG", help="TOML run configs, one per arm")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a key in every arm, e.g. --set train.steps=100 (repeatable)")
-    add_restart_args(p)
-    p.set_defaults(func=run)
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.max_restarts < 0 or args.crash_loop_limit < 1:
-        raise UserError("--max-restarts must be >= 0 and --crash-loop-limit >= 1")
-    results = sweep(args.configs, args.overrides, max_restarts=args.max_restarts,
-                    crash_loop_limit=args.crash_loop_limit)
-    print(format_summary(results), flush=True)
-    return exit_code(results)
 
 
 def load_arms(configs: list[str], overrides: list[str]) -> list[RunConfig]:

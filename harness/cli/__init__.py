@@ -1,9 +1,16 @@
-"""`harness ...`: the command line. Each command lives with the code it drives.
+"""`harness ...`: the command line, one module per command.
+
+The code a command drives lives in the library (harness/...), which never imports from here,
+except the torture sweep's check of what `harness ckpt verify` says (harness.torture, lazily).
 
 Every command module exposes `register(subparsers)`, which adds its parser and sets
-`func(args) -> int` (the exit code). A `UserError` anywhere becomes one line on stderr and exit
-code 2, an `Unavailable` (storage outage past its retry deadline) one line and exit code 69;
-anything else is a bug and keeps its traceback. The exit code is recorded for launchers that
+`func(args) -> int` (the exit code); arguments several commands share are declared once, in
+`harness.cli.args`. Command modules are imported only after `numerics.prepare_environment()`,
+so the reproducibility settings that must precede torch's import hold for every command.
+
+A `UserError` anywhere becomes one line on stderr and exit code 2, an `Unavailable` (storage
+outage past its retry deadline) one line and exit code 69; anything else is a bug and keeps its
+traceback. The exit code is recorded for launchers that
 cannot see it (`exit_codes.record`). `--log-level` is accepted before the command and after it
 (`harness train C --log-level debug`).
 
@@ -25,15 +32,15 @@ from harness.log import configure
 
 # Modules that contribute commands, in the order `harness --help` lists them.
 COMMAND_MODULES = (
-    "harness.train_cli",
-    "harness.checkpoint.cli",
-    "harness.data.cli",
-    "harness.supervisor_cli",
-    "harness.report_cli",
-    "harness.torture",
-    "harness.sweep",
-    "harness.compare",
-    "harness.verify",
+    "harness.cli.train",
+    "harness.cli.ckpt",
+    "harness.cli.data",
+    "harness.cli.supervise",
+    "harness.cli.report",
+    "harness.cli.torture",
+    "harness.cli.sweep",
+    "harness.cli.compare",
+    "harness.cli.verify_resume",
 )
 
 LOG_LEVELS = ["debug", "info", "warning", "error"]
@@ -88,7 +95,3 @@ def run_command(args: argparse.Namespace) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return BROKEN_PIPE_EXIT_CODE
-
-
-if __name__ == "__main__":
-    sys.exit(main())

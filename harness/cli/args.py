@@ -1,0 +1,65 @@
+"""Arguments that several commands take, declared once: a run config (CONFIG, --run-dir, --set),
+--allow-config-change, the self-supervision flags and the `-o KEY=VALUE` storage options.
+
+Each `add_*` adds its arguments to a command's parser; `*_of(args)` reads them back.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from harness.config import RunConfig, apply_assignments, load_config
+
+
+def add_config_args(p: argparse.ArgumentParser, *, run_dir: bool = True) -> None:
+    """CONFIG, --run-dir (unless `run_dir` is False) and --set: every command that takes one run config."""
+    p.add_argument("config", metavar="CONFIG", help="TOML run config (see configs/)")
+    if run_dir:
+        p.add_argument("--run-dir", metavar="URL", help="override run_dir (a local path or any fsspec URL)")
+    add_overrides(p)
+
+
+def add_overrides(p: argparse.ArgumentParser, scope: str = "a config key") -> None:
+    """--set KEY=VALUE (repeatable), read back as `args.overrides`; `scope` says what it overrides."""
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help=f"override {scope}, e.g. --set train.steps=100 (repeatable)")
+
+
+def add_allow_config_change(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume even when keys that change the math differ from the checkpoint's config; "
+                        "the new values (lr, weight decay, schedule, ...) apply from the first resumed step")
+
+
+def add_restart_args(p: argparse.ArgumentParser) -> None:
+    """--max-restarts and --crash-loop-limit: every command that supervises training."""
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="supervise: restart after a transient crash up to N times (default 0: no supervisor)")
+    p.add_argument("--crash-loop-limit", type=int, default=3, metavar="K",
+                   help="with --max-restarts: give up after K crashes in a row without a newer checkpoint")
+
+
+def config_of(args: argparse.Namespace) -> RunConfig:
+    """The run config named by `add_config_args`' arguments, --run-dir applied last."""
+    overrides = list(args.overrides)
+    if getattr(args, "run_dir", None):
+        overrides.append(f"run_dir={_toml_string(args.run_dir)}")
+    return load_config(args.config, overrides)
+
+
+def _toml_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def storage_option_parser() -> argparse.ArgumentParser:
+    """A parent parser adding `-o KEY=VALUE` (repeatable); read it back with `storage_options_of`."""
+    storage = argparse.ArgumentParser(add_help=False)
+    storage.add_argument("-o", "--storage-option", dest="storage_option", action="append", default=[],
+                         metavar="KEY=VALUE", help="a storage option, as in checkpoint.storage_options "
+                         "(repeatable; dotted keys nest: -o retry.deadline_s=30)")
+    return storage
+
+
+def storage_options_of(args: argparse.Namespace) -> dict | None:
+    """The `-o KEY=VALUE` storage options (dotted keys nest: `retry.deadline_s=30`)."""
+    return apply_assignments({}, args.storage_option, "-o", "endpoint_url=http://127.0.0.1:9000") or None

@@ -1,0 +1,203 @@
+"""The step loop around the trainer (`Loop`): metrics, evaluation, checkpoints at the cadence
+`CheckpointClock` decides (synchronously, in the background, local-first), preemption within its
+deadline, and the fault hooks of `[debug]` (crash_at_step, sample_log, step_sleep_s)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from harness import distributed, exit_codes
+from harness.checkpoint import CheckpointStore, capture
+from harness.checkpoint.async_save import AsyncSaver, Committed
+from harness.checkpoint.distributed_commit import GroupCommit
+from harness.checkpoint.errors import failed_save
+from harness.checkpoint.mirror import LocalFirstStore
+from harness.config import RunConfig, public_config
+from harness.events import EventLog
+from harness.fingerprint import fingerprint_fields
+from harness.log import get_logger
+from harness.metrics import MetricsLog
+from harness.run.cadence import CheckpointClock
+from harness.run.environment import environment_fingerprint
+from harness.signals import PreemptionWatch, SaveDeadline
+from harness.trainer import Trainer
+
+log = get_logger(__name__)
+
+
+class Loop:
+    """The outer loop: steps, metrics, evaluation, checkpoint cadence, preemption, fault hooks."""
+
+    def __init__(self, cfg: RunConfig, trainer: Trainer, store: CheckpointStore, metrics: MetricsLog,
+                 events: EventLog, log_dir: Path, last_committed: int | None = None) -> None:
+        self.cfg, self.trainer, self.store, self.metrics, self.events = cfg, trainer, store, metrics, events
+        self.log_dir = log_dir
+        self.last_committed = last_committed  # the newest checkpoint of the run dir known to be committed
+        c = cfg.checkpoint
+        self.clock = CheckpointClock(c.every_steps, c.every_minutes, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
+                                     report=self.interval_chosen)
+        # In the background, with several ranks, the commit's collectives run on a gloo group of
+        # their own: see harness/checkpoint/distributed_commit.py.
+        side = distributed.new_side_group(c.save_deadline_s) if c.async_save else None
+        self.commit = GroupCommit(store, group=side, fail_rank=cfg.debug.fail_save_rank,
+                                  fail_step=cfg.debug.fail_save_step)
+        self.saver = AsyncSaver(store, when_busy=c.when_busy, on_commit=self.committed,
+                                persist_delay_s=cfg.debug.persist_delay_s, save_deadline_s=c.save_deadline_s,
+                                on_slow=self.slow_save, commit=self.commit, rank=distributed.rank(),
+                                select=self.commit.mine, agree=distributed.all_reduce_flag,
+                                last_committed=last_committed) if c.async_save else None
+        # Local-first: a checkpoint counts as saved once its upload is published (finish waits for it).
+        self.uploads = store if isinstance(store, LocalFirstStore) else None
+        self.last_saved = trainer.step
+        self.train_s = 0.0
+        self.save_s = 0.0
+
+    def run(self) -> int:
+        cfg, trainer = self.cfg, self.trainer
+        bar = tqdm(total=cfg.train.steps, initial=trainer.step, disable=not sys.stderr.isatty(),
+                   desc="train", unit="step", dynamic_ncols=True)
+        with PreemptionWatch(cfg.checkpoint.preempt_signals) as watch:
+            try:
+                while trainer.step < cfg.train.steps:
+                    if distributed.all_reduce_flag(watch.requested):  # one rank's signal stops all at this step
+                        return self.preempt(watch)
+                    result = trainer.train_step()
+                    self.poll()
+                    self.train_s += result.seconds
+                    self.clock.observe_step(result.seconds)
+                    self.record(result)
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{result.loss:.4f}")
+                    self.crash_hook()
+                    if cfg.train.eval_every and trainer.step % cfg.train.eval_every == 0:
+                        self.metrics.write({"step": trainer.step, "eval_loss": trainer.evaluate()})
+                    # Not sticky: a finished run extended with a larger train.steps is unfinished again.
+                    trainer.counters.finished = trainer.step >= cfg.train.steps
+                    if distributed.rank0_flag(self.clock.due(trainer.step)):
+                        self.save()
+                    if cfg.debug.step_sleep_s:
+                        time.sleep(cfg.debug.step_sleep_s)
+                if distributed.all_reduce_flag(watch.requested) and self.last_saved != trainer.step:
+                    return self.preempt(watch)
+                final_eval = trainer.evaluate()  # overlaps the final persist: the snapshot is a copy
+                self.metrics.write({"step": trainer.step, "eval_loss": final_eval})
+                self.finish_saves()  # "finished" means the final checkpoint is committed
+            finally:
+                bar.close()
+                self.metrics.close()
+                if self.saver is not None:
+                    self.saver.close()  # on an error exit: let a good in-flight save commit first
+                if self.uploads is not None:
+                    self.uploads.close()
+        self.events.emit("exit", reason="finished", step=trainer.step, train_s=self.train_s, save_s=self.save_s)
+        log.info("finished", step=trainer.step, eval_loss=round(final_eval, 4), run_dir=cfg.run_dir)
+        return exit_codes.FINISHED
+
+    def record(self, r) -> None:
+        self.metrics.write({"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
+                            "tokens_per_s": r.tokens / r.seconds if r.seconds else None, "optim_s": r.optim_seconds,
+                            "data_s": r.data_seconds,
+                            "time": time.time(), **fingerprint_fields(r.fingerprint)})
+        if r.step % self.cfg.train.log_every == 0 or r.step == self.cfg.train.steps:
+            log.info("step", step=r.step, loss=round(r.loss, 4), grad_norm=round(r.grad_norm, 3))
+            # Goodput needs the last step reached before a crash to count recomputed steps.
+            self.events.emit("progress", step=r.step, train_s=self.train_s, save_s=self.save_s)
+
+    def poll(self) -> None:
+        """Between steps: raise a background save's or upload's failure, keep the writer lease fresh."""
+        if self.saver is not None:
+            self.saver.poll()
+        if self.uploads is not None:
+            self.uploads.poll()
+        self.store.poll_lease()
+
+    def finish_saves(self) -> None:
+        """Wait until the newest checkpoint is committed (and, local-first, published remotely)."""
+        if self.saver is not None:
+            self.saver.finish()
+        if self.uploads is not None:
+            self.uploads.finish()
+
+    def save(self, must: bool = False) -> None:
+        """Checkpoint the current step. Synchronous: commit it here. Async: snapshot it into the
+        staging buffers and persist it in the background (`committed` reports the commit); with
+        `checkpoint.when_busy = "skip"` a save due while the previous one persists is skipped,
+        unless `must` or it is the final step. A state holding NaN/inf is never saved: that raises
+        TrainingDiverged instead (every save goes through here: cadence, final, preemption)."""
+        self.trainer.check_finite_state()
+        step = self.trainer.step
+        meta = {"config": public_config(self.cfg), "data": self.trainer.data.identity,
+                "environment": environment_fingerprint(self.trainer.device)}
+        if self.saver is None:
+            t0 = time.perf_counter()
+            snapshot = capture(self.trainer.state.parts(), rank=distributed.rank())
+            try:
+                ref = self.commit(step, snapshot, meta=meta)
+            except OSError as e:
+                raise failed_save(step, e, self.last_committed, self.cfg.run_dir) or e
+            blocking = time.perf_counter() - t0
+            self.committed(Committed(ref, blocking, snapshot.nbytes))
+        else:
+            submitted = self.saver.submit(step, self.trainer.state.parts(), meta=meta,
+                                          must=must or step >= self.cfg.train.steps)
+            if submitted is None:
+                self.clock.saved(step)
+                self.events.emit("checkpoint_skipped", step=step, reason="the previous save is still persisting")
+                return
+            blocking = submitted.blocking_s
+        self.save_s += blocking
+        self.last_saved = step
+        self.clock.saved(step, blocking)
+        self.events.emit("checkpoint", step=step, blocking_s=blocking, background=self.saver is not None)
+        self.events.emit("progress", step=step, train_s=self.train_s, save_s=self.save_s)
+
+    def committed(self, done: Committed) -> None:
+        """A checkpoint is committed; called from the persist thread when saving in the background."""
+        self.clock.committed(done.persist_s)
+        self.last_committed = done.ref.step
+        self.events.emit("committed", step=done.ref.step, persist_s=done.persist_s, bytes=done.nbytes)
+
+    def slow_save(self, step: int, seconds: float) -> None:
+        self.events.emit("save_slow", step=step, seconds=seconds)
+
+    def interval_chosen(self, choice: dict) -> None:
+        log.info("checkpoint interval chosen (Young/Daly)",
+                 **{k: round(v, 4) if isinstance(v, float) else v for k, v in choice.items()})
+        self.events.emit("checkpoint_interval", step=self.trainer.step, **choice)
+
+    def preempt(self, watch: PreemptionWatch) -> int:
+        step = self.trainer.step
+        log.warning("preemption requested; saving", signal=watch.signal_name, step=step)
+
+        def missed(code: int) -> None:
+            try:
+                self.events.emit("exit", reason="save_deadline_missed", exit_code=code, step=step,
+                                 signal=watch.signal_name, train_s=self.train_s, save_s=self.save_s)
+            finally:  # the exit is the promise (signals.SaveDeadline)
+                os._exit(code)
+
+        with SaveDeadline(self.cfg.checkpoint.preempt_deadline_s, since=watch.requested_at, exit=missed):
+            if self.last_saved != step:
+                self.save(must=True)
+            self.finish_saves()  # PREEMPTED promises the newest checkpoint is committed
+        self.events.emit("exit", reason="preempted", step=step, signal=watch.signal_name,
+                         train_s=self.train_s, save_s=self.save_s)
+        return exit_codes.PREEMPTED
+
+    def crash_hook(self) -> None:
+        """debug.crash_at_step: die like a real crash would, to test restarts."""
+        d = self.cfg.debug
+        if d.crash_at_step is None or self.trainer.step != d.crash_at_step:
+            return
+        marker = self.log_dir / f".crashed-at-{d.crash_at_step}"
+        if d.crash_once and marker.exists():
+            return
+        marker.touch()
+        if d.crash_mode == "raise":
+            raise RuntimeError(f"debug.crash_at_step: planned crash after step {d.crash_at_step}")
+        os._exit(exit_codes.CRASH_EXIT_CODE)

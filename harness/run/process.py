@@ -1,0 +1,127 @@
+"""One training process from start to exit: lease, resume, run files and logs, the loop.
+
+Contract of `train(cfg, ...)` (what `harness train` does):
+- Takes the run dir's single-writer lease, finds the newest *good* checkpoint and resumes from it
+  (`resume="auto"`; when every checkpoint is damaged it refuses, naming them, rather than start
+  over), or starts fresh (`"never"`, refused when the run dir has good checkpoints), or loads the
+  checkpoint at a given URL.
+- Refuses to resume when a key that changes the math differs from the checkpoint's config, or
+  the data's content fingerprint (`harness.data.identity`) differs from the one it recorded (the
+  list of keys is in the message), unless `allow_config_change`; then the new values take effect
+  from the first resumed step (optimizer hyperparameters and the schedule come from the config,
+  optim/bundle.py) and a `config_changed` event records old -> new per key and any re-planned
+  schedule. Warns when the torch version, device type or numerical settings (harness.numerics)
+  differ from the checkpoint's (bitwise equality is not promised there).
+- A finished run started again says so and returns FINISHED without training.
+- Checkpoints at the configured cadence and always at the last step; on a preemption signal,
+  finishes the current step, saves within the deadline and returns PREEMPTED.
+- Returns an exit code from `harness.exit_codes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from pathlib import Path
+
+import fsspec.utils
+import psutil
+
+from harness import distributed, exit_codes, numerics
+from harness.checkpoint import CheckpointStore
+from harness.checkpoint.mirror import LocalFirstStore
+from harness.config import RunConfig
+from harness.errors import Unavailable, UserError
+from harness.events import EVENTS_FILE, EventLog
+from harness.log import get_logger
+from harness.metrics import MetricsLog
+from harness.run.environment import environment_fingerprint
+from harness.run.files import METRICS_FILE, log_dir_for, write_run_json
+from harness.run.loop import Loop
+from harness.run.resume import agree_on_checkpoint, resume_newest
+
+log = get_logger(__name__)
+
+
+def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = False,
+          takeover: bool = False) -> int:
+    numerics.apply(cfg.train.cpu_threads)  # before any torch math: MKL's mode is fixed at its first use
+    log_dir = Path(log_dir_for(cfg.run_dir, cfg.log_dir))
+    if fsspec.utils.get_protocol(cfg.run_dir) == "memory":
+        log.warning("run_dir is memory://: checkpoints and run.json live in this process only and are gone when it "
+                    "exits; nothing can resume from them. Use a local path or s3:// for a real run", run_dir=cfg.run_dir)
+    store = open_store(cfg)
+    try:
+        distributed.on_rank0(store.acquire_lease, takeover=takeover)  # rank 0 is the run dir's one writer
+    except OSError as e:
+        raise UserError(f"cannot write to run dir {cfg.run_dir}: {e}; choose a writable --run-dir") from None
+    try:
+        source, candidates, verify = agree_on_checkpoint(store, cfg, resume)
+        started = resume_newest(cfg, source, candidates, verify, allow_config_change)
+        if started is None:
+            return exit_codes.FINISHED
+        trainer, ref, restore_s, changes = started
+        try:
+            run_id = distributed.on_rank0(write_run_json, cfg, trainer.data.identity,
+                                          environment_fingerprint(trainer.device))
+            log.debug("run", run_id=run_id, run_dir=cfg.run_dir, log_dir=str(log_dir), device=str(trainer.device),
+                      resumed_from=ref.step if ref else None, parameters=sum(p.numel() for p in trainer.model.parameters()))
+            lead = distributed.rank() == 0  # rank 0 keeps the logs: every rank logs the same all-reduced loss
+            events = EventLog(log_dir / EVENTS_FILE, run_id, cfg.run_dir) if lead else distributed.Silent()
+            metrics = MetricsLog(log_dir / METRICS_FILE, run_id, cfg.run_dir) if lead else distributed.Silent()
+            if cfg.debug.sample_log:
+                trainer.batch_hook = distributed.SampleLog(log_dir).write
+            t_check = time.perf_counter()
+            ran_past = metrics.truncate_after(trainer.step) or []  # ranks > 0 keep no metrics (Silent: None)
+            # Where the interrupted process got to: every step it logged, not only its last progress event.
+            reached = max((int(r["step"]) for r in ran_past if "loss" in r), default=None)
+            if ref is not None and lead:  # check the restored state, then each re-run step, against the run's own history
+                trainer.fingerprints.watch(events, [] if allow_config_change else ran_past)
+            restore_s += time.perf_counter() - t_check
+            events.emit("start", step=trainer.step, resumed_from=ref.step if ref else None, previous_reached=reached,
+                        run_dir=cfg.run_dir,
+                        host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time(),
+                        restore_s=restore_s)
+            if changes:
+                events.emit("config_changed", step=trainer.step, changes={k: {"old": a, "new": b} for k, (a, b) in changes.items()},
+                            schedule=trainer.sched.replanned)
+            resumed_here = ref is not None and source is store
+            loop = Loop(cfg, trainer, store, metrics, events, log_dir, last_committed=ref.step if resumed_here else None)
+            try:
+                return loop.run()
+            except BaseException as e:
+                reason, code = exit_reason(e)
+                with contextlib.suppress(OSError):  # a full log disk must not replace the error being raised
+                    events.emit("exit", reason=reason, exit_code=code, step=trainer.step, train_s=loop.train_s,
+                                save_s=loop.save_s, error=f"{type(e).__name__}: {e}"[:500])
+                raise
+        finally:
+            trainer.close()
+    finally:
+        store.release_lease()
+
+
+def exit_reason(error: BaseException) -> tuple[str, int]:
+    """The `exit` event's reason and the exit code the CLI gives for an exception leaving the loop."""
+    if isinstance(error, UserError):
+        return "user_error", error.exit_code
+    if isinstance(error, Unavailable):
+        return "storage_unavailable", error.exit_code
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted", 130
+    return "crashed", 1
+
+
+def open_store(cfg: RunConfig) -> CheckpointStore | LocalFirstStore:
+    """The run dir's store; with `checkpoint.local_dir`, committing there first and uploading
+    to the run dir in the background (checkpoint/mirror.py)."""
+    c = cfg.checkpoint
+    store = CheckpointStore(cfg.run_dir, keep_last=c.keep_last, keep_every=c.keep_every,
+                            storage_options=c.storage_options or None, lease_heartbeat_s=c.lease_heartbeat_s)
+    if c.local_dir is None:
+        return store
+    if distributed.is_distributed():
+        raise UserError("checkpoint.local_dir works with one process only; with several ranks unset it "
+                        "(every rank then writes its part straight to the run dir)")
+    return LocalFirstStore(store, c.local_dir)

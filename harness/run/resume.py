@@ -1,0 +1,156 @@
+"""Which checkpoint a training process starts from, and loading it into a new `Trainer`.
+
+`choose_checkpoint` turns `--resume auto|never|CKPT_URL` into candidates; `agree_on_checkpoint`
+makes every rank of a group load the one rank 0 verified; `resume_newest` tries the candidates
+newest first, verifying each while it loads, and refuses (`all_damaged`) a run dir whose every
+checkpoint is damaged. `check_compatible` refuses a changed math key or other data unless
+`--allow-config-change`, and warns about another environment.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from harness import distributed
+from harness.checkpoint import CheckpointRef, CheckpointStore
+from harness.checkpoint.distributed_commit import load_checkpoint
+from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR, Verify, folder_name, skipped
+from harness.config import RunConfig, config_changes
+from harness.data.sources import identity_changes, open_data
+from harness.errors import UserError
+from harness.log import get_logger
+from harness.run.environment import warn_if_changed
+from harness.trainer import Trainer, resolve_device
+
+log = get_logger(__name__)
+
+
+def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[CheckpointRef], verify: Verify,
+                  allow_config_change: bool) -> tuple[Trainer, CheckpointRef | None, float, dict] | None:
+    """(trainer, the checkpoint it was restored from or None for a fresh start, seconds spent
+    reading, loading and verifying checkpoints, the config changes since that checkpoint as
+    `config_changes` gives them), or None when the newest checkpoint is of a finished run (it
+    says so on stderr).
+
+    `candidates` are tried newest first. With `verify="while"` each is hashed as it loads (one
+    read of every byte); one found damaged is logged and skipped, and the trainer is built anew
+    for the next, since the damaged one was already partly streamed into it. A checkpoint that
+    is intact but does not fit (another model width) is an error, never skipped."""
+    restore_s = 0.0
+    data = open_data(cfg.data, cfg.train.seed)  # read once: every candidate is checked against it
+    for ref in candidates:
+        t0 = time.perf_counter()
+        trainer = None
+        try:
+            saved = source.read_state(ref)
+            changes = check_compatible(saved["meta"], cfg, allow_config_change, data.identity)
+            # Whether the run finished is the trainer part's (state.TrainerCounters), nowhere else.
+            if saved["parts"]["trainer"]["finished"] and ref.step >= cfg.train.steps:
+                log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
+                print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
+                return None
+            restore_s += time.perf_counter() - t0
+            trainer = Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data)
+            t0 = time.perf_counter()
+            load_checkpoint(source, ref, trainer.state.parts(), verify=verify)
+            return trainer, ref, restore_s + time.perf_counter() - t0, changes
+        except BaseException as e:
+            if trainer is not None:
+                trainer.close()
+            if verify != "while" or not isinstance(e, CheckpointError):
+                raise
+            problems = [str(e)] if isinstance(e, CheckpointCorrupt) else source.verify(ref)
+            if not problems:  # intact: the error is about the setup, not the checkpoint
+                raise
+            skipped(ref, problems)
+            restore_s += time.perf_counter() - t0
+    if candidates:
+        raise all_damaged(cfg, candidates)
+    return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data), None, restore_s, {}
+
+
+def all_damaged(cfg: RunConfig, damaged: list[CheckpointRef]) -> UserError:
+    """The refusal to start over in a run dir whose every checkpoint fails verification: that
+    would cut its metrics back to step 0 and let retention replace the evidence."""
+    names = ", ".join(folder_name(ref.path) for ref in damaged)
+    return UserError(f"every checkpoint in {cfg.run_dir} fails verification ({names}; the problems are logged "
+                     f"above, `harness ckpt verify {cfg.run_dir}` lists them); nothing was changed. Restore a good "
+                     f"copy, or pass --resume never to start over from step 0 (the damaged ones are kept until "
+                     f"good checkpoints replace them)")
+
+
+def agree_on_checkpoint(store: CheckpointStore, cfg: RunConfig,
+                        resume: str) -> tuple[CheckpointStore, list[CheckpointRef], Verify]:
+    """`choose_checkpoint`; with several ranks, rank 0 picks and verifies one checkpoint (every
+    byte read once) and every rank loads that one, so ranks never load different checkpoints."""
+    if not distributed.is_distributed():
+        return choose_checkpoint(store, cfg, resume)
+
+    def decide() -> tuple[str | None, int] | None:
+        source, candidates, verify = choose_checkpoint(store, cfg, resume)
+        ref = source.first_good(candidates) if verify == "while" else next(iter(candidates), None)
+        if ref is None and candidates:
+            raise all_damaged(cfg, candidates)
+        return None if ref is None else (None if source is store else source.url, ref.step)
+
+    choice = distributed.on_rank0(decide)
+    if choice is None:
+        return store, [], "no"
+    url, step = choice
+    source = store if url is None else CheckpointStore(url, storage_options=cfg.checkpoint.storage_options or None)
+    return source, [source.ref(step)], "no"
+
+
+def choose_checkpoint(store: CheckpointStore, cfg: RunConfig,
+                      resume: str) -> tuple[CheckpointStore, list[CheckpointRef], Verify]:
+    """(the store to load from, the checkpoints to try newest first, how to verify them while
+    loading) for `--resume auto|never|CKPT_URL`. `auto` verifies while loading (see
+    `resume_newest`); a checkpoint given by URL was verified here already."""
+    if resume == "auto":
+        return store, store.candidates(), "while"
+    if resume == "never":
+        existing = store.latest_good()
+        if existing is not None:
+            raise UserError(f"--resume never, but {cfg.run_dir} already has checkpoints (newest: step "
+                            f"{existing.step}); use another --run-dir, or --resume auto to continue it")
+        return store, [], "no"
+    source, ref = checkpoint_at(resume, cfg.checkpoint.storage_options)
+    return source, [ref], "no"
+
+
+def checkpoint_at(url: str, storage_options: dict[str, Any]) -> tuple[CheckpointStore, CheckpointRef]:
+    """The checkpoint folder `RUN_DIR/checkpoints/step-N` at `url`, verified."""
+    head, _, name = url.rstrip("/").rpartition("/")
+    run_url, _, parent = head.rpartition("/")
+    match = STEP_DIR.fullmatch(name)
+    if not match or parent != CHECKPOINTS_DIR:
+        raise UserError(f"--resume {url}: expected a checkpoint folder RUN_DIR/{CHECKPOINTS_DIR}/step-NNNNNNNN, "
+                        f"or auto / never")
+    source = CheckpointStore(run_url or ".", storage_options=storage_options or None)
+    ref = source.ref(int(match[1]))
+    if not source.loc.fs.isdir(ref.path):
+        raise UserError(f"--resume {url}: no such checkpoint folder; `harness ckpt ls {run_url or '.'}` lists the "
+                        f"run's checkpoints (or use --resume auto for the newest good one)")
+    problems = source.verify(ref)
+    if problems:
+        raise UserError(f"--resume {url}: the checkpoint fails verification: {problems[0]}")
+    return source, ref
+
+
+def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: bool,
+                     data_identity: dict[str, Any] | None) -> dict[str, tuple[Any, Any]]:
+    """The math keys changed since the checkpoint (`config_changes`) and what differs in the data's
+    identity (`identity_changes`); raises UserError when there are any and `allow_config_change` is off."""
+    changed = config_changes(meta["config"], cfg)
+    changed.update(identity_changes(meta.get("data"), data_identity))
+    if changed and not allow_config_change:
+        raise UserError(f"the config changes the math of the run in {cfg.run_dir}: {', '.join(changed)} differ "
+                        f"from the checkpoint; restore them, use a new --run-dir, or pass --allow-config-change")
+    if changed:
+        log.warning("resuming with a changed config; the new values apply from the first resumed step, bitwise "
+                    "equality is not promised", changes={k: f"{a!r} -> {b!r}" for k, (a, b) in changed.items()})
+    warn_if_changed(meta.get("environment", {}), resolve_device(cfg.train.device))
+    return changed
