@@ -115,10 +115,10 @@ class Trainer:
         self.state.register("model", self.model)
         self.state.register("optim", self.optim)
         self.state.register("sched", self.sched)
-        self.state.register("data", self.stream)
+        self.state.register("data", self.stream, per_rank=True)  # the cursor: global, cheap to keep per rank
         self.state.register("scaler", self.scaler)
         self.state.register("trainer", self.counters)
-        self.state.register("rng", RNGState())
+        self.state.register("rng", RNGState(), per_rank=True, kept_on_new_rank=True)
         self.fingerprints = FingerprintLog(
             lambda: {k: v for k, v in self.state.parts().items() if k != "fingerprints"},
             cfg.train.fingerprint_every, cfg.train.on_divergence)
