@@ -50,7 +50,7 @@ from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.faults import FaultPlan, SimulatedCrash
 from harness.checkpoint.lease import LEASE_FILE, MISSED_HEARTBEATS
 from harness.checkpoint.manifest import MANIFEST_FILE
-from harness.checkpoint.storage import open_location
+from harness.checkpoint.location import open_location
 
 DEFAULT_MODES = ("kill", "eio", "enospc", "powerloss")
 ALL_MODES = ("kill", "powerloss", "eio", "enospc", "transient", "permanent")

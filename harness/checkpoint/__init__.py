@@ -6,7 +6,7 @@
     ref = store.latest_good()                   # newest checkpoint that verifies
     meta = store.load(ref, parts)               # streams tensors into the live storage
 
-Modules, bottom up: filesystem (URL -> fsspec filesystem), storage (durable writes and hashed
+Modules, bottom up: filesystem (URL -> fsspec filesystem), location (durable writes and hashed
 reads on a Location), digest, tensorfile (safetensors read/write), format (what the files hold),
 manifest (the commit record), retention (what to keep), lease (one writer), restore (loading
 into live parts), loading (a checkpoint read once, then restored), store (commit sequence,

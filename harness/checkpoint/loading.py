@@ -34,7 +34,7 @@ from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.format import STATE_FILE, parse_state
 from harness.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_manifest
 from harness.checkpoint.restore import restore_parts
-from harness.checkpoint.storage import HashingReader, Location, hash_file, open_read, read_bytes
+from harness.checkpoint.location import HashingReader, Location, hash_file, open_read, read_bytes
 from harness.checkpoint.tensorfile import TensorEntry, read_header
 
 if TYPE_CHECKING:

@@ -51,7 +51,7 @@ from harness.checkpoint.loading import (MAX_STATE_BYTES, Checkpoint, Verify, ope
                                         read_manifest, read_state_file, restore)
 from harness.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest
 from harness.checkpoint.retention import check_policy, steps_to_keep
-from harness.checkpoint.storage import (Location, fsync_dir, hash_file, open_location, open_read, read_bytes, rename,
+from harness.checkpoint.location import (Location, fsync_dir, hash_file, open_location, open_read, read_bytes, rename,
                                         write_small, write_stream)
 from harness.checkpoint.tensorfile import TensorEntry, read_header, serialize
 from harness.log import get_logger
