@@ -1,5 +1,6 @@
 """Reading one committed checkpoint: its manifest and state parsed once, then loaded into live parts.
 
+`verify_files(loc, ref)` lists every problem of a checkpoint (reads every byte: discovery).
 `open_checkpoint(loc, ref)` reads `manifest.json` and `state.json` (checked against the
 manifest's digest) once and returns a `Checkpoint` holding both parsed; everything after that
 (the config check of a resume, a rank's own state file, the load) takes that object, so a resume
@@ -23,6 +24,7 @@ another shape is reported as damage.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -36,9 +38,12 @@ from harness.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, FileR
 from harness.checkpoint.restore import restore_parts
 from harness.checkpoint.location import HashingReader, Location, hash_file, open_read, read_bytes
 from harness.checkpoint.tensorfile import TensorEntry, read_header
+from harness.log import get_logger
 
 if TYPE_CHECKING:
     from harness.checkpoint.store import CheckpointRef
+
+log = get_logger(__name__)
 
 MAX_STATE_BYTES = 1 << 30
 
@@ -102,6 +107,44 @@ def read_state_file(loc: Location, ref: CheckpointRef, manifest: Manifest, file:
         raise
     except CheckpointError as e:
         raise CheckpointCorrupt(str(e)) from e
+
+
+def verify_files(loc: Location, ref: CheckpointRef) -> list[str]:
+    """Every problem with `ref` (empty when it is good): each file's size and digest against
+    the manifest, the safetensors headers and state.json. Reads every byte."""
+    try:
+        manifest = read_manifest(loc, ref)
+    except CheckpointError as e:
+        return [str(e)]
+    problems = []
+    started = time.perf_counter()
+    for rec in manifest.files:
+        path = f"{ref.path}/{rec.name}"
+        where = loc.url_of(path)
+        if not loc.fs.exists(path):
+            problems.append(f"{where}: missing (the manifest lists {rec.size} bytes)")
+            continue
+        size, digest = hash_file(loc, path, rec.algorithm)
+        if size != rec.size:
+            problems.append(f"{where}: {size} bytes, the manifest says {rec.size}")
+        elif digest != rec.digest:
+            problems.append(f"{where}: {rec.algorithm} {digest}, the manifest says {rec.digest}")
+        else:
+            try:
+                _check_content(loc, path, rec, where)
+            except CheckpointError as e:
+                problems.append(str(e))
+    log.debug("checkpoint verified", url=ref.url, files=len(manifest.files), bytes=manifest.nbytes,
+              problems=len(problems), seconds=round(time.perf_counter() - started, 3))
+    return problems
+
+
+def _check_content(loc: Location, path: str, rec: FileRecord, where: str) -> None:
+    if rec.name.endswith(".safetensors"):
+        with open_read(loc, path) as f:
+            read_header(f, rec.size, where)
+    elif rec.name == STATE_FILE:
+        parse_state(read_bytes(loc, path, MAX_STATE_BYTES), where)
 
 
 def open_checkpoint(loc: Location, ref: CheckpointRef) -> Checkpoint:

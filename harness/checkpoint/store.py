@@ -45,15 +45,14 @@ from typing import Any
 
 from harness.checkpoint.errors import CheckpointError
 from harness.errors import Unavailable
-from harness.checkpoint.format import STATE_FILE, Snapshot, capture, dump_state, parse_state
+from harness.checkpoint.format import STATE_FILE, Snapshot, capture, dump_state
 from harness.checkpoint.lease import DEFAULT_HEARTBEAT_S, Lease
-from harness.checkpoint.loading import (MAX_STATE_BYTES, Checkpoint, Verify, open_checkpoint, open_tensors,
-                                        read_manifest, read_state_file, restore)
+from harness.checkpoint.loading import (Checkpoint, Verify, open_checkpoint, open_tensors, read_manifest,
+                                        read_state_file, restore, verify_files)
 from harness.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest
 from harness.checkpoint.retention import check_policy, steps_to_keep
-from harness.checkpoint.location import (Location, fsync_dir, hash_file, open_location, open_read, read_bytes, rename,
-                                        write_small, write_stream)
-from harness.checkpoint.tensorfile import TensorEntry, read_header, serialize
+from harness.checkpoint.location import Location, fsync_dir, open_location, rename, write_small, write_stream
+from harness.checkpoint.tensorfile import TensorEntry, serialize
 from harness.log import get_logger
 
 log = get_logger(__name__)
@@ -146,38 +145,7 @@ class CheckpointStore:
     def verify(self, ref: CheckpointRef) -> list[str]:
         """Every problem with `ref` (empty when it is good): each file's size and digest against
         the manifest, the safetensors headers and state.json. Reads every byte."""
-        try:
-            manifest = self.manifest(ref)
-        except CheckpointError as e:
-            return [str(e)]
-        problems = []
-        started = time.perf_counter()
-        for rec in manifest.files:
-            path = f"{ref.path}/{rec.name}"
-            where = self.loc.url_of(path)
-            if not self.loc.fs.exists(path):
-                problems.append(f"{where}: missing (the manifest lists {rec.size} bytes)")
-                continue
-            size, digest = hash_file(self.loc, path, rec.algorithm)
-            if size != rec.size:
-                problems.append(f"{where}: {size} bytes, the manifest says {rec.size}")
-            elif digest != rec.digest:
-                problems.append(f"{where}: {rec.algorithm} {digest}, the manifest says {rec.digest}")
-            else:
-                try:
-                    self._check_content(path, rec, where)
-                except CheckpointError as e:
-                    problems.append(str(e))
-        log.debug("checkpoint verified", url=ref.url, files=len(manifest.files), bytes=manifest.nbytes,
-                  problems=len(problems), seconds=round(time.perf_counter() - started, 3))
-        return problems
-
-    def _check_content(self, path: str, rec: FileRecord, where: str) -> None:
-        if rec.name.endswith(".safetensors"):
-            with open_read(self.loc, path) as f:
-                read_header(f, rec.size, where)
-        elif rec.name == STATE_FILE:
-            parse_state(read_bytes(self.loc, path, MAX_STATE_BYTES), where)
+        return verify_files(self.loc, ref)
 
     def candidates(self) -> list[CheckpointRef]:
         """Committed checkpoints newest first, not yet verified; step folders without a manifest
