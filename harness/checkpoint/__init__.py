@@ -13,7 +13,7 @@ into live parts), loading (a checkpoint read once, then restored), store (commit
 discovery, retention, reading), background (one background job), commit (committers), saver and
 async_save (how a training loop saves), distributed_commit (every rank's part), local_first
 (local commit, background upload), faults (fault injection), s3 and retry (the S3 client),
-diff and cli (`harness ckpt`).
+diff (checkpoint differences; the `harness ckpt` command is harness/cli/ckpt.py).
 """
 
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
