@@ -174,18 +174,29 @@ def on_rank0(fn: Callable[..., T], *args: Any, group: Any = None, **kwargs: Any)
         try:
             result = fn(*args, **kwargs)
         except Exception as e:
-            # Only the kind and the message travel: any exception object can be sent that way.
-            kind = next((k for k in (Unavailable, UserError) if isinstance(e, k)), None)
-            message = str(e) if kind else f"rank 0 failed: {type(e).__name__}: {e}"
-            broadcast_object((False, (kind and kind.__name__, message)), group=group)
+            broadcast_object((False, failure_of(e)), group=group)
             raise
         broadcast_object((True, result), group=group)
         return result
     ok, value = broadcast_object(None, group=group)
     if not ok:
-        kind, message = value
-        raise {"Unavailable": Unavailable, "UserError": UserError}.get(kind, RuntimeError)(message)
+        raise raised_elsewhere(value)
     return value
+
+
+def failure_of(error: BaseException) -> tuple[str | None, str]:
+    """What of rank 0's `error` travels to the other ranks (`raised_elsewhere` rebuilds it): its
+    kind (UserError, Unavailable or neither) and its message; any exception can be sent that way."""
+    kind = next((k for k in (Unavailable, UserError) if isinstance(error, k)), None)
+    message = str(error) if kind else f"rank 0 failed: {type(error).__name__}: {error}"
+    return kind and kind.__name__, message
+
+
+def raised_elsewhere(failure: tuple[str | None, str]) -> Exception:
+    """The exception a rank raises for rank 0's `failure_of(error)`: a UserError or Unavailable
+    with the same message, so every rank exits with the same code, else a RuntimeError."""
+    kind, message = failure
+    return {"Unavailable": Unavailable, "UserError": UserError}.get(kind, RuntimeError)(message)
 
 
 class Silent:

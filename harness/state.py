@@ -5,6 +5,11 @@ state dict is a tree of dicts, lists, tensors and JSON scalars (see docs/archite
 are registered under stable names; the checkpoint stores each under its name, and loading
 refuses a missing or unexpected part. The order of registration is the order of restoring,
 and `rng` is restored last on purpose: building the other parts may draw random numbers.
+
+A part is replicated (every rank holds the same, rank 0 saves it) unless registered `per_rank`:
+then each rank saves its own (`rank-NNNNN.*` files of the checkpoint). A per-rank part also
+`kept_on_new_rank` is not taken from rank 0 by a rank the saving run did not have (its own
+freshly seeded RNG streams rather than a copy of rank 0's); the others are (the data cursor).
 """
 
 from __future__ import annotations
@@ -27,13 +32,32 @@ class TrainState:
 
     def __init__(self) -> None:
         self._parts: dict[str, Stateful] = {}
+        self._per_rank: set[str] = set()
+        self._kept_on_new_rank: set[str] = set()
 
-    def register(self, name: str, part: Stateful) -> None:
+    def register(self, name: str, part: Stateful, *, per_rank: bool = False, kept_on_new_rank: bool = False) -> None:
+        """Add `part` under `name`; `per_rank`, `kept_on_new_rank`: see the module docstring."""
+        if kept_on_new_rank and not per_rank:
+            raise ValueError(f"state part {name!r}: kept_on_new_rank needs per_rank")
         if name in self._parts:
             raise ValueError(f"state part {name!r} is registered twice")
         if not isinstance(part, Stateful):
             raise TypeError(f"state part {name!r} ({type(part).__name__}) has no state_dict/load_state_dict")
         self._parts[name] = part
+        if per_rank:
+            self._per_rank.add(name)
+        if kept_on_new_rank:
+            self._kept_on_new_rank.add(name)
+
+    @property
+    def per_rank(self) -> frozenset[str]:
+        """The parts each rank saves for itself."""
+        return frozenset(self._per_rank)
+
+    @property
+    def kept_on_new_rank(self) -> frozenset[str]:
+        """The per-rank parts a rank new to the run keeps rather than take from rank 0."""
+        return frozenset(self._kept_on_new_rank)
 
     def parts(self) -> dict[str, Stateful]:
         """Parts in restore order: everything else first, `rng` last."""

@@ -50,7 +50,7 @@ from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.faults import FaultPlan, SimulatedCrash
 from harness.checkpoint.lease import LEASE_FILE, MISSED_HEARTBEATS
 from harness.checkpoint.manifest import MANIFEST_FILE
-from harness.checkpoint.storage import open_location
+from harness.checkpoint.location import open_location
 
 DEFAULT_MODES = ("kill", "eio", "enospc", "powerloss")
 ALL_MODES = ("kill", "powerloss", "eio", "enospc", "transient", "permanent")
@@ -58,6 +58,10 @@ PREV, NEW = 2, 3
 KEEP_LAST = 2
 LEASE_HEARTBEAT_S = 15.0
 LEASE_STALE_S = MISSED_HEARTBEATS * LEASE_HEARTBEAT_S
+
+
+# `rng` is saved per rank, as the trainer registers it: so the three files are model, rank, state.json.
+PER_RANK = frozenset({"rng"})
 
 
 def tiny_state(step: int) -> dict[str, Any]:
@@ -153,7 +157,7 @@ class Torture:
         self.remove(url)
         with self._store(url, "torture-setup").lease() as store:
             for step in (1, PREV):
-                store.save(step, tiny_state(step))
+                store.save(step, tiny_state(step), per_rank=PER_RANK)
 
     def remove(self, url: str) -> None:
         loc = open_location(url, self.options)
@@ -164,7 +168,7 @@ class Torture:
         """Save step NEW under `plan`, holding the lease; returns the store (for its op trace)."""
         store = self._store(url, "torture-victim", plan)
         with store.lease():
-            store.save(NEW, tiny_state(NEW))
+            store.save(NEW, tiny_state(NEW), per_rank=PER_RANK)
         return store
 
     def operations(self) -> list[tuple[int, str, str]]:
@@ -225,7 +229,7 @@ class Torture:
             return "lost", False, f"step {NEW} was committed before the fault and is gone"
         try:
             store.acquire_lease()
-            store.save(good.step + 1, tiny_state(good.step + 1))
+            store.save(good.step + 1, tiny_state(good.step + 1), per_rank=PER_RANK)
         except CheckpointError as e:
             return "unclean", kept_new, f"restart could not save: {e}"
         leftovers = store.incomplete()

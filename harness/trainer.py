@@ -33,6 +33,7 @@ from harness.models.contract import build_model, split_output
 from harness.rng import RNGState, seed_everything
 from harness.state import TrainerCounters, TrainState
 from optim.build import build_bundle
+from optim.errors import OptimError
 
 log = get_logger(__name__)
 
@@ -89,7 +90,10 @@ class Trainer:
                     f"model.args.vocab_size = {factory_args['vocab_size']} does not cover the data's vocabulary "
                     f"({self.data.vocab_size} ids): raise it to at least {self.data.vocab_size}, or leave it unset")
         self.model = build_model(cfg.model.factory, factory_args).to(self.device)
-        self.optim, self.sched = build_bundle(cfg.optim, self.model, total_steps=cfg.train.steps)
+        try:
+            self.optim, self.sched = build_bundle(cfg.optim, self.model, total_steps=cfg.train.steps)
+        except OptimError as e:  # the optimizers' user error (optim imports nothing from the harness)
+            raise UserError(str(e)) from None
         # Forward and backward go through `self.net`: the DDP wrapper, whose backward all-reduces
         # the gradients before any optimizer (Muon's orthogonalisation included) sees them.
         # `self.model`, the inner module, is the state part, so parameter names stay unprefixed.
@@ -115,10 +119,10 @@ class Trainer:
         self.state.register("model", self.model)
         self.state.register("optim", self.optim)
         self.state.register("sched", self.sched)
-        self.state.register("data", self.stream)
+        self.state.register("data", self.stream, per_rank=True)  # the cursor: global, cheap to keep per rank
         self.state.register("scaler", self.scaler)
         self.state.register("trainer", self.counters)
-        self.state.register("rng", RNGState())
+        self.state.register("rng", RNGState(), per_rank=True, kept_on_new_rank=True)
         self.fingerprints = FingerprintLog(
             lambda: {k: v for k, v in self.state.parts().items() if k != "fingerprints"},
             cfg.train.fingerprint_every, cfg.train.on_divergence)

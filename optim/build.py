@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
-from harness.errors import UserError
+from optim.errors import OptimError
 from optim.adafactor import Adafactor2D
 from optim.bundle import MultiOpt, MultiSched
 from optim.lion import Lion
@@ -225,11 +225,11 @@ def build_bundle(
     """The optimizers and schedules `cfg` describes over `model.named_parameters()`.
 
     `total_steps` is the run's length, used when `cfg.total_steps` is None.
-    Raises UserError when the split or the head pattern matches no parameter.
+    Raises OptimError when the split or the head pattern matches no parameter.
     """
     named = list(model.named_parameters())
     if cfg.head_lr_mult != 1.0 and not any(fnmatchcase(n, cfg.head_pattern) for n, _ in named):
-        raise UserError(f"head_pattern {cfg.head_pattern!r} matches no parameter of the model; "
+        raise OptimError(f"head_pattern {cfg.head_pattern!r} matches no parameter of the model; "
                         f"names look like {[n for n, _ in named[:5]]}")
     adamw = dict(lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
     if isinstance(cfg, AdamWConfig):
@@ -244,7 +244,7 @@ def build_bundle(
         matrices = [pair for pair, m in zip(named, is_matrix) if m]
         rest = [pair for pair, m in zip(named, is_matrix) if not m]
         if not matrices:
-            raise UserError(f"optim.matrix_patterns {cfg.matrix_patterns} match no 2D parameter "
+            raise OptimError(f"optim.matrix_patterns {cfg.matrix_patterns} match no 2D parameter "
                             f"for the {cfg.type} arm; names look like {[n for n, _ in named[:5]]}")
         optimizers = {cfg.type: _matrix_optimizer(cfg, matrices)}
         if rest:

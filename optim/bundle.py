@@ -18,7 +18,7 @@ group's hyperparameters (lr, betas, weight decay, momentum, ...), the grouping o
 the schedule, so `--allow-config-change` with a new lr takes effect from the first resumed
 step; with an unchanged config the result is the saved state bit for bit.
 
-Loading raises `harness.errors.UserError` before changing anything when the checkpoint does not
+Loading raises `optim.errors.OptimError` before changing anything when the checkpoint does not
 fit: a state that is not this name-keyed format (the team reference's positional list, for one),
 a missing or extra optimizer, parameter or scheduler, a group whose hyperparameter keys differ
 from this optimizer's (another version of the optimizer), a state entry whose keys differ from
@@ -29,7 +29,7 @@ when dtype and device already match), so a resume never holds two copies of the 
 
 import torch
 
-from harness.errors import UserError
+from optim.errors import OptimError
 from optim.schedule import ScheduledLR
 
 _REFERENCE_FORMAT = ("it looks like the team reference's positional MultiOpt state (one torch state dict "
@@ -51,16 +51,16 @@ def _plain(value, where: str):
 def _refuse_mismatch(kind: str, where: str, saved, current) -> None:
     missing, extra = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
     if missing:
-        raise UserError(f"checkpoint {where} lacks {kind} {missing[0]!r} (missing: {missing}); "
+        raise OptimError(f"checkpoint {where} lacks {kind} {missing[0]!r} (missing: {missing}); "
                         "resume with the config the checkpoint was written with")
     if extra:
-        raise UserError(f"checkpoint {where} has {kind} {extra[0]!r} that this run does not "
+        raise OptimError(f"checkpoint {where} has {kind} {extra[0]!r} that this run does not "
                         f"(extra: {extra}); resume with the config the checkpoint was written with")
 
 
 def _require(ok: bool, where: str, what: str) -> None:
     if not ok:
-        raise UserError(f"checkpoint {where} is malformed: {what}; it was not written by this "
+        raise OptimError(f"checkpoint {where} is malformed: {what}; it was not written by this "
                         "harness's optimizer bundle")
 
 
@@ -89,7 +89,7 @@ def _check_group_keys(where: str, opt: torch.optim.Optimizer, saved_groups: list
         missing, extra = sorted(live - keys), sorted(keys - live)
         if missing or extra:
             what = f"lacks hyperparameter {missing[0]!r}" if missing else f"has hyperparameter {extra[0]!r}"
-            raise UserError(f"checkpoint {where} group {i} {what} that {type(opt).__name__} here does "
+            raise OptimError(f"checkpoint {where} group {i} {what} that {type(opt).__name__} here does "
                             f"{'' if missing else 'not '}have (missing: {missing}, extra: {extra}); "
                             "it was written by another version of the optimizer: resume with that version")
 
@@ -138,23 +138,23 @@ def _positional(where: str, opt: torch.optim.Optimizer, saved: dict) -> tuple[di
     state = {}
     for name, entry in saved["state"].items():
         if name not in owners:
-            raise UserError(f"checkpoint {where} has state for {name!r}, which is in none of its "
+            raise OptimError(f"checkpoint {where} has state for {name!r}, which is in none of its "
                             "parameter groups; the checkpoint is inconsistent")
         p, group = owners[name]
         expected = state_shapes(opt, p, group)
         missing, unknown = sorted(set(expected) - set(entry)), sorted(set(entry) - set(expected))
         if unknown:
-            raise UserError(f"checkpoint {where}/{name} has state {unknown[0]!r}, which "
+            raise OptimError(f"checkpoint {where}/{name} has state {unknown[0]!r}, which "
                             f"{type(opt).__name__} does not keep (it keeps {sorted(expected)}); "
                             "the checkpoint was written by another optimizer or version")
         if missing:
-            raise UserError(f"checkpoint {where}/{name} lacks state {missing[0]!r} (has {sorted(entry)}); "
+            raise OptimError(f"checkpoint {where}/{name} lacks state {missing[0]!r} (has {sorted(entry)}); "
                             f"{type(opt).__name__} would silently restart it at zero: the checkpoint "
                             "is damaged or was written by another optimizer or version")
         for key, value in entry.items():
             if not isinstance(value, torch.Tensor) or tuple(value.shape) != expected[key]:
                 got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                raise UserError(f"tensor {where}/{name}/{key} has shape {got}, this run expects "
+                raise OptimError(f"tensor {where}/{name}/{key} has shape {got}, this run expects "
                                 f"{expected[key]}")
         state[positions[name]] = dict(entry)
     return {"state": state, "param_groups": torch_groups}, _changed_hyperparameters(saved_groups, owners)
@@ -217,7 +217,7 @@ class MultiOpt:
 
     def load_state_dict(self, state_dict: dict) -> None:
         if not isinstance(state_dict, dict):
-            raise UserError(f"checkpoint optim is a {type(state_dict).__name__}, not a dict keyed by "
+            raise OptimError(f"checkpoint optim is a {type(state_dict).__name__}, not a dict keyed by "
                             f"optimizer name: {_REFERENCE_FORMAT}")
         _refuse_mismatch("optimizer", "optim", state_dict, self.optimizers)
         # Check every optimizer before loading any, so a refused load leaves the bundle as it was.
@@ -257,7 +257,7 @@ class MultiSched:
 
     def load_state_dict(self, state_dict: dict) -> None:
         if not isinstance(state_dict, dict):
-            raise UserError(f"checkpoint sched is a {type(state_dict).__name__}, not a dict keyed by "
+            raise OptimError(f"checkpoint sched is a {type(state_dict).__name__}, not a dict keyed by "
                             f"optimizer name: {_REFERENCE_FORMAT}")
         _refuse_mismatch("scheduler", "sched", state_dict, self.schedulers)
         # Parse every state before loading any, so a refused load leaves the schedulers as they were.

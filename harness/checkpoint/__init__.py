@@ -6,13 +6,20 @@
     ref = store.latest_good()                   # newest checkpoint that verifies
     meta = store.load(ref, parts)               # streams tensors into the live storage
 
-Modules: format (what the files hold), tensorfile (safetensors read/write), manifest (the commit
-record), storage (fsspec + fsync), store (commit, discovery, retention), restore (loading into
-live parts), lease (one writer), retention (what to keep), inspect and cli (`harness ckpt`).
+Modules, bottom up: filesystem (URL -> fsspec filesystem), location (durable writes and hashed
+reads on a Location), digest, tensorfile (safetensors read/write), format (what the files hold),
+manifest (the commit record), retention (what to keep), lease (one writer), restore (loading
+into live parts), loading (a checkpoint read once, then restored), store (commit sequence,
+discovery, retention, reading), background (one background job), commit (committers), saver and
+async_save (how a training loop saves), distributed_commit (every rank's part), local_first
+(local commit, background upload), faults (fault injection), s3 and retry (the S3 client),
+diff (checkpoint differences; the `harness ckpt` command is harness/cli/ckpt.py).
 """
 
-from harness.checkpoint.errors import CheckpointError
-from harness.checkpoint.format import RANK_PARTS, Snapshot, capture
+from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from harness.checkpoint.format import Snapshot, capture
+from harness.checkpoint.loading import Checkpoint, Verify
 from harness.checkpoint.store import CheckpointRef, CheckpointStore
 
-__all__ = ["RANK_PARTS", "CheckpointError", "CheckpointRef", "CheckpointStore", "Snapshot", "capture"]
+__all__ = ["Checkpoint", "CheckpointCorrupt", "CheckpointError", "CheckpointRef", "CheckpointStore", "Snapshot",
+           "Verify", "capture"]

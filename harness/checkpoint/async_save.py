@@ -1,6 +1,6 @@
 """Asynchronous checkpointing: snapshot at the step boundary, persist in the background.
 
-    saver = AsyncSaver(store, when_busy="wait")
+    saver = AsyncSaver(Committer(store), when_busy="wait")
     ...after step N:
     saver.submit(N, trainer.state.parts(), meta=meta)   # blocks only for the copy
     ...each later step:
@@ -8,10 +8,11 @@
     ...at the end or on preemption:
     saver.finish()                                       # waits until the commit is done
 
-What the step loop pays is the *snapshot*: `capture(parts)` (references, no copies), then a copy
-of every tensor into CPU staging buffers. The *persist* (serialize, hash, write, fsync, atomic
-rename, retention: `store.commit`) runs in a background thread over those buffers while training
-continues. The files are byte-identical to a synchronous `store.save` of the same state: the
+A `Saver` (saver.py) whose commit runs in the background. What the step loop pays is the
+*snapshot*: `capture(parts)` (references, no copies), then a copy of every tensor into CPU
+staging buffers. The *persist* (the committer: serialize, hash, write, fsync, atomic rename,
+retention through `store.commit_files`) runs in a `BackgroundJob` (background.py) over those
+buffers while training continues. The files are byte-identical to a synchronous `store.save` of the same state: the
 same `commit` writes them from tensors with the same names, shapes, dtypes and bytes.
 
 Trade-offs, stated before the code:
@@ -43,17 +44,17 @@ Trade-offs, stated before the code:
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal
 
 import torch
 
+from harness.checkpoint.background import BackgroundJob
+from harness.checkpoint.commit import Committed, Committer
 from harness.checkpoint.errors import CheckpointError, failed_save, still_committed
 from harness.checkpoint.format import Snapshot, capture
-from harness.checkpoint.store import CheckpointRef, CheckpointStore
+from harness.checkpoint.saver import Saver, Submitted
 from harness.errors import Unavailable, UserError
 from harness.log import get_logger
 
@@ -71,26 +72,6 @@ class SaveStalled(Unavailable):
 
 # A persist is "slow" after this long at least (and after twice the previous one's time).
 SLOW_FLOOR_S = 30.0
-
-
-@dataclass(frozen=True)
-class Submitted:
-    """What `AsyncSaver.submit` did: `blocking_s` is all the time the caller was held up
-    (waiting for the previous persist, `waited_s`, plus taking the snapshot)."""
-
-    step: int
-    blocking_s: float
-    waited_s: float
-    nbytes: int
-
-
-@dataclass(frozen=True)
-class Committed:
-    """A finished persist: the checkpoint and the seconds the background spent on it."""
-
-    ref: CheckpointRef
-    persist_s: float
-    nbytes: int
 
 
 class StagingBuffers:
@@ -153,8 +134,8 @@ class StagingBuffers:
         return done
 
 
-class AsyncSaver:
-    """Snapshot-then-persist for one `CheckpointStore`, at most one persist in flight.
+class AsyncSaver(Saver):
+    """Snapshot-then-persist through the committer `commit`, at most one persist in flight.
 
     `when_busy`: what `submit` does while the previous persist still runs: "wait" for it, or
     "skip" this save (logged; `submit` returns None). `must=True` always waits (final and
@@ -163,40 +144,33 @@ class AsyncSaver:
     save is in flight (config `debug.persist_delay_s`). `save_deadline_s` bounds every wait for a
     persist (counted from its start; None = unbounded) and `on_slow(step, seconds)` is told about
     a slow one (see the module docstring); `slow_floor_s` is the least time that counts as slow.
-    `commit(step, snapshot, meta=)` replaces `store.commit` as the persist (the group commit),
-    `rank` is this process's rank (the snapshot's per-rank file names) and `select(snapshot)` the
-    part of a snapshot this rank stages and writes (`GroupCommit.mine`; default all of it).
+    `rank`, `per_rank`: the snapshot's (saver.py); each rank stages `commit.mine(snapshot)`.
     `agree(busy) -> bool` makes the ranks of a group decide alike whether a persist is still in
     flight (any rank's: `distributed.all_reduce_flag`), so every rank skips a save or every rank
     takes it and their commits stay paired; every rank must then call `submit` at the same steps.
     """
 
-    def __init__(self, store: CheckpointStore, *, when_busy: Literal["wait", "skip"] = "wait",
+    background = True
+
+    def __init__(self, commit: Committer, *, when_busy: Literal["wait", "skip"] = "wait",
                  on_commit: Callable[[Committed], None] | None = None, persist_delay_s: float = 0.0,
                  save_deadline_s: float | None = None, on_slow: Callable[[int, float], None] | None = None,
-                 slow_floor_s: float = SLOW_FLOOR_S, commit: Callable[..., CheckpointRef] | None = None,
-                 rank: int = 0, select: Callable[[Snapshot], Snapshot] | None = None,
+                 slow_floor_s: float = SLOW_FLOOR_S, rank: int = 0, per_rank: Collection[str] = (),
                  agree: Callable[[bool], bool] = bool, last_committed: int | None = None) -> None:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
-        self.store, self.when_busy, self.on_commit = store, when_busy, on_commit
-        self._commit, self.rank, self.select, self.agree = commit, rank, select or (lambda snapshot: snapshot), agree
-        self.persist_delay_s = persist_delay_s
+        super().__init__(commit, rank=rank, per_rank=per_rank, on_commit=on_commit, last_committed=last_committed)
+        self.when_busy, self.agree, self.persist_delay_s = when_busy, agree, persist_delay_s
         self.save_deadline_s, self.on_slow, self.slow_floor_s = save_deadline_s, on_slow, slow_floor_s
         self.buffers = StagingBuffers()
-        self._thread: threading.Thread | None = None
-        self._persisting: int | None = None
-        self._failure: tuple[int, BaseException] | None = None
-        self._started = 0.0
+        self.job = BackgroundJob("ckpt-persist", "the background save", failed=self._failed, watch=self._watch)
         self._last_persist_s = 0.0
         self._next_warning = 0.0
-        # The newest step committed in the store, as far as this saver knows (what a failure leaves).
-        self.last_committed = last_committed
 
     @property
     def busy(self) -> bool:
         """Whether a persist is in flight (the staging buffers belong to it)."""
-        return self._thread is not None and self._thread.is_alive()
+        return self.job.busy
 
     def submit(self, step: int, parts: Mapping[str, Any], *, meta: Mapping[str, Any] | None = None,
                must: bool = False) -> Submitted | None:
@@ -210,109 +184,88 @@ class AsyncSaver:
         if self.agree(self.busy):
             if self.when_busy == "skip" and not must:
                 log.warning("checkpoint skipped: the previous save is still being persisted",
-                            step=step, persisting_step=self._persisting)
+                            step=step, persisting_step=self.job.step)
                 return None
             t0 = time.perf_counter()
-            self._wait_bounded()
+            self.job.wait_bounded()
             waited = time.perf_counter() - t0
             log.info("waited for the previous save before snapshotting", step=step,
-                     persisting_step=self._persisting, waited_s=round(waited, 3))
+                     persisting_step=self.job.step, waited_s=round(waited, 3))
             self.poll()
         t0 = time.perf_counter()
-        snapshot, copied = self.buffers.stage(self.select(capture(parts, rank=self.rank)))
-        self._persisting = step
-        self._started = time.monotonic()
-        self._next_warning = self._started + max(self.slow_floor_s, 2 * self._last_persist_s)
-        self._thread = threading.Thread(target=self._persist, args=(step, snapshot, dict(meta or {}), copied),
-                                        name=f"ckpt-persist-{step}", daemon=True)
-        self._thread.start()
+        snapshot, copied = self.buffers.stage(self.commit.mine(capture(parts, rank=self.rank, per_rank=self.per_rank)))
+        self._next_warning = time.monotonic() + max(self.slow_floor_s, 2 * self._last_persist_s)
+        self.job.start(step, self._persist, step, snapshot, dict(meta or {}), copied)
         return Submitted(step, waited + time.perf_counter() - t0, waited, snapshot.nbytes)
 
     def _persist(self, step: int, snapshot: Snapshot, meta: dict[str, Any], copied: list) -> None:
-        try:
-            t0 = time.perf_counter()
-            for event in copied:
-                event.synchronize()
-            if self.persist_delay_s:
-                time.sleep(self.persist_delay_s)
-            ref = (self._commit or self.store.commit)(step, snapshot, meta=meta)
-            self._last_persist_s = time.perf_counter() - t0
-            self.last_committed = step
-            if self.on_commit is not None:
-                self.on_commit(Committed(ref, self._last_persist_s, snapshot.nbytes))
-        except BaseException as e:  # kept for the step loop; a thread's exception is otherwise only printed
-            self._failure = (step, e)
+        t0 = time.perf_counter()
+        for event in copied:
+            event.synchronize()
+        if self.persist_delay_s:
+            time.sleep(self.persist_delay_s)
+        ref = self.commit(step, snapshot, meta=meta)
+        self._last_persist_s = time.perf_counter() - t0
+        self.last_committed = step
+        if self.on_commit is not None:
+            self.on_commit(Committed(ref, self._last_persist_s, snapshot.nbytes))
 
-    def poll(self) -> None:
-        """Raise the failure of a finished persist, once: `CheckpointError` (a `UserError`) when
-        the store raised one, the same `Unavailable` kind for a storage outage, else
-        `BackgroundSaveError`; each names the step. While a persist runs: warn if it is slow,
-        raise `SaveStalled` once it has run past the save deadline."""
-        if self.busy:
-            self._check_progress()
-            return
-        if self._failure is None:
-            return
-        step, e = self._failure
-        self._failure = None
-        fixable = failed_save(step, e, self.last_committed, self.store.url)
+    def _failed(self, step: int, e: BaseException) -> Exception:
+        """A failed persist as the step loop raises it: `CheckpointError` (a `UserError`) when the
+        store raised one or a person must fix the storage, the same `Unavailable` kind for a
+        storage outage, else `BackgroundSaveError`; each names the step."""
+        fixable = failed_save(step, e, self.last_committed, self.commit.url)
         if fixable is not None:
-            raise fixable from e
+            return fixable
         still = still_committed(self.last_committed)
         message = f"the background save of the checkpoint at step {step} failed: {e}"
         if isinstance(e, Unavailable):
-            raise type(e)(f"{message}; {still}") from e
+            return type(e)(f"{message}; {still}")
         if isinstance(e, UserError):
-            raise CheckpointError(f"{message}; {still}") from e
-        raise BackgroundSaveError(f"{message} ({type(e).__name__}); {still}") from e
+            return CheckpointError(f"{message}; {still}")
+        return BackgroundSaveError(f"{message} ({type(e).__name__}); {still}")
 
-    def _check_progress(self) -> None:
-        """A slow persist: warn (each slow interval); one past the save deadline: `SaveStalled`."""
-        now = time.monotonic()
-        elapsed = now - self._started
+    def _watch(self, step: int, elapsed: float) -> float:
+        """A running persist: warn each slow interval, `SaveStalled` past the save deadline;
+        returns the seconds until the next check."""
         if self.save_deadline_s is not None and elapsed >= self.save_deadline_s:
             raise SaveStalled(
-                f"the background save of the checkpoint at step {self._persisting} has not committed after "
+                f"the background save of the checkpoint at step {step} has not committed after "
                 f"{elapsed:.0f}s (checkpoint.save_deadline_s = {self.save_deadline_s:g}): the storage at "
-                f"{self.store.url} is not answering; {still_committed(self.last_committed)}")
+                f"{self.commit.url} is not answering; {still_committed(self.last_committed)}")
+        now = time.monotonic()
         if now >= self._next_warning:
-            log.warning("the background save is slow: still persisting", step=self._persisting,
-                        seconds=round(elapsed, 1), url=self.store.url)
+            log.warning("the background save is slow: still persisting", step=step,
+                        seconds=round(elapsed, 1), url=self.commit.url)
             if self.on_slow is not None:
-                self.on_slow(self._persisting, elapsed)
+                self.on_slow(step, elapsed)
             self._next_warning = now + max(self.slow_floor_s, 2 * self._last_persist_s)
+        until = self._next_warning - now
+        if self.save_deadline_s is not None:
+            until = min(until, self.save_deadline_s - elapsed)
+        return until
 
-    def _wait_bounded(self) -> None:
-        """Wait for the in-flight persist, warning while it is slow, raising `SaveStalled` at
-        the save deadline."""
-        while self.busy:
-            self._check_progress()
-            limit = self._next_warning
-            if self.save_deadline_s is not None:
-                limit = min(limit, self._started + self.save_deadline_s)
-            self._thread.join(max(limit - time.monotonic(), 0.01))
+    def poll(self) -> None:
+        """Raise the failure of a finished persist, once (see `_failed`), then one of work the
+        committer left running (an upload). While a persist runs: warn if it is slow, raise
+        `SaveStalled` once it has run past the save deadline."""
+        self.job.poll()
+        self.commit.poll()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for the in-flight persist, at most `timeout` seconds; True when none is left."""
-        if self._thread is not None:
-            self._thread.join(timeout)
-        return not self.busy
+        return self.job.wait(timeout)
 
     def finish(self, timeout: float | None = None) -> None:
-        """Wait until the in-flight persist is committed, then raise its failure if it failed.
-        Raises `TimeoutError` if it is still running after `timeout` seconds, `SaveStalled` at
-        the save deadline."""
-        if timeout is None:
-            self._wait_bounded()
-        elif not self.wait(timeout):
-            raise TimeoutError(f"the background save of step {self._persisting} is still running after {timeout}s")
-        self.poll()
+        """Wait until the in-flight persist is committed, then raise its failure if it failed;
+        then the same for the committer's work (a local-first upload). Raises `TimeoutError` if
+        the persist is still running after `timeout` seconds, `SaveStalled` at the save deadline."""
+        self.job.finish(timeout)
+        self.commit.finish(timeout)
 
     def close(self) -> None:
         """On an error exit: let a good in-flight save commit (within the save deadline), and
-        log (not raise) its failure, so the error already propagating stays the one reported."""
-        try:
-            self._wait_bounded()
-            self.poll()
-        except Exception as e:  # noqa: BLE001 - reported, not raised, on purpose (see above)
-            log.error("background checkpoint save failed during an error exit", error=str(e))
+        log (not raise) its failure, so the error already propagating stays the one reported;
+        then the committer's work."""
+        self.job.close()
+        self.commit.close()

@@ -9,8 +9,9 @@ File layout (one folder per checkpoint):
 * `<part>.safetensors` for each part with tensors, so `model.safetensors` and
   `optim.safetensors`; tensor names are the key paths joined by "/" (`layer.weight`,
   `state/0/exp_avg`), so a model file can be read by any safetensors reader.
-* `rank-NNNNN.safetensors` for the per-rank parts (`RANK_PARTS`: RNG streams, data cursor); here
-  names carry the part as their first component (`rng/torch_cpu`).
+* `rank-NNNNN.safetensors` for the per-rank parts (the ones `capture` is told are per rank: the
+  trainer registers its RNG streams and data cursor so, harness/state.py); here names carry the
+  part as their first component (`rng/torch_cpu`). The format knows no part names.
 * Tied tensors (one tensor at several key paths of a file's parts, e.g. an embedding shared
   with the output head) are stored once, under the first path's name; every path's reference
   in `state.json` names that entry, and loading reads it once and restores the tie (restore.py).
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,19 +40,24 @@ from harness.checkpoint.errors import CheckpointError
 
 FORMAT_VERSION = 1
 STATE_FILE = "state.json"
-RANK_PARTS = frozenset({"rng", "data"})
 TENSOR_KEY = "$tensor"
 ITEMS_KEY = "$items"
 _PART_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
-Path = tuple[str | int, ...]
+KeyPath = tuple[str | int, ...]
+"""Where a value sits in a part's state dict: the keys and list indices from its root."""
 
 
-def tensor_file(part: str, rank: int) -> str:
-    return f"rank-{rank:05d}.safetensors" if part in RANK_PARTS else f"{part}.safetensors"
+def rank_file(rank: int) -> str:
+    """The tensor file of rank `rank`'s per-rank parts."""
+    return f"rank-{rank:05d}.safetensors"
 
 
-def path_str(part: str, path: Path) -> str:
+def tensor_file(part: str, rank: int, per_rank: Collection[str]) -> str:
+    return rank_file(rank) if part in per_rank else f"{part}.safetensors"
+
+
+def path_str(part: str, path: KeyPath) -> str:
     """How a tensor is named in messages and in `skip`: `part/key/key`."""
     return "/".join([part, *map(str, path)])
 
@@ -62,12 +68,21 @@ class Snapshot:
 
     `tensors`: file name -> tensor name -> tensor (references to live storage, not copies).
     `parts`: part name -> JSON tree with tensor references (see the module docstring).
+    `per_rank`: the names of the parts each rank writes for itself (in `rank_file(rank)`).
     """
 
     tensors: Mapping[str, Mapping[str, torch.Tensor]]
     parts: Mapping[str, Any]
     rank: int = 0
     nbytes: int = field(default=0, compare=False)
+    per_rank: frozenset[str] = frozenset()
+
+    def own(self) -> Snapshot:
+        """What a rank > 0 writes of this snapshot: its per-rank parts and their tensor file."""
+        own = rank_file(self.rank)
+        tensors = {f: t for f, t in self.tensors.items() if f == own}
+        return replace(self, tensors=tensors, parts={p: t for p, t in self.parts.items() if p in self.per_rank},
+                       nbytes=sum(t.numel() * t.element_size() for named in tensors.values() for t in named.values()))
 
     def with_tensors(self, tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> Snapshot:
         """The same snapshot over other tensors (e.g. CPU copies); names, shapes, dtypes must match."""
@@ -82,8 +97,9 @@ class Snapshot:
         return replace(self, tensors={f: dict(named) for f, named in tensors.items()})
 
 
-def capture(parts: Mapping[str, Any], rank: int = 0) -> Snapshot:
-    """Snapshot `parts` (name -> state-dict tree, or an object with `state_dict()`).
+def capture(parts: Mapping[str, Any], rank: int = 0, per_rank: Collection[str] = ()) -> Snapshot:
+    """Snapshot `parts` (name -> state-dict tree, or an object with `state_dict()`) as rank
+    `rank`'s; the parts named in `per_rank` go to `rank_file(rank)`, each other to its own file.
 
     Tensors are referenced, not copied: the caller must not step the model until the snapshot
     has been committed or copied. Raises `CheckpointError` for a bad part name or a value a
@@ -94,23 +110,23 @@ def capture(parts: Mapping[str, Any], rank: int = 0) -> Snapshot:
     for part, value in parts.items():
         if not _PART_NAME.fullmatch(part):
             raise CheckpointError(f"part name {part!r} is not allowed: use letters, digits and '_', starting with a letter")
-        file = tensor_file(part, rank)
-        prefix: Path = (part,) if part in RANK_PARTS else ()
+        file = tensor_file(part, rank, per_rank)
+        prefix: KeyPath = (part,) if part in per_rank else ()
         state = value.state_dict() if hasattr(value, "state_dict") else value
         trees[part] = _encode(state, part, (), _Sink(tensors.setdefault(file, {}), file, prefix))
     tensors = {f: named for f, named in tensors.items() if named}
     nbytes = sum(t.numel() * t.element_size() for named in tensors.values() for t in named.values())
-    return Snapshot(tensors=tensors, parts=trees, rank=rank, nbytes=nbytes)
+    return Snapshot(tensors=tensors, parts=trees, rank=rank, nbytes=nbytes, per_rank=frozenset(per_rank))
 
 
 @dataclass
 class _Sink:
     named: dict[str, torch.Tensor]
     file: str
-    prefix: Path
+    prefix: KeyPath
     stored: dict[tuple, str] = field(default_factory=dict)  # view identity -> its name (tied tensors)
 
-    def add(self, path: Path, t: torch.Tensor) -> dict:
+    def add(self, path: KeyPath, t: torch.Tensor) -> dict:
         view = tensor_view(t)
         if view in self.stored:
             return {TENSOR_KEY: [self.file, self.stored[view]]}
@@ -131,7 +147,7 @@ def tensor_view(t: torch.Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
-def _encode(value: Any, part: str, path: Path, sink: _Sink) -> Any:
+def _encode(value: Any, part: str, path: KeyPath, sink: _Sink) -> Any:
     if isinstance(value, torch.Tensor):
         return sink.add(path, value)
     if isinstance(value, Mapping):
@@ -154,14 +170,14 @@ def _encode(value: Any, part: str, path: Path, sink: _Sink) -> Any:
     )
 
 
-def tensor_refs(tree: Any, path: Path = ()) -> dict[Path, tuple[str, str]]:
+def tensor_refs(tree: Any, path: KeyPath = ()) -> dict[KeyPath, tuple[str, str]]:
     """Every tensor reference in a stored tree: key path -> (file, name)."""
-    out: dict[Path, tuple[str, str]] = {}
+    out: dict[KeyPath, tuple[str, str]] = {}
     _walk(tree, path, lambda p, ref: out.__setitem__(p, ref))
     return out
 
 
-def _walk(node: Any, path: Path, visit: Callable[[Path, tuple[str, str]], None]) -> None:
+def _walk(node: Any, path: KeyPath, visit: Callable[[KeyPath, tuple[str, str]], None]) -> None:
     for key, child in _children(node, path):
         ref = _as_ref(child, path + (key,))
         if ref is not None:
@@ -170,7 +186,7 @@ def _walk(node: Any, path: Path, visit: Callable[[Path, tuple[str, str]], None])
             _walk(child, path + (key,), visit)
 
 
-def _children(node: Any, path: Path) -> list[tuple[str | int, Any]]:
+def _children(node: Any, path: KeyPath) -> list[tuple[str | int, Any]]:
     if isinstance(node, list):
         return list(enumerate(node))
     if not isinstance(node, dict):
@@ -185,7 +201,7 @@ def _children(node: Any, path: Path) -> list[tuple[str | int, Any]]:
     return list(node.items())
 
 
-def _as_ref(node: Any, path: Path) -> tuple[str, str] | None:
+def _as_ref(node: Any, path: KeyPath) -> tuple[str, str] | None:
     if not (isinstance(node, dict) and TENSOR_KEY in node):
         return None
     ref = node[TENSOR_KEY]
@@ -198,7 +214,7 @@ DROP = object()
 """Returned by a `decode` resolver to leave a tensor out of the tree (a skipped tensor)."""
 
 
-def decode(tree: Any, resolve: Callable[[Path, tuple[str, str]], Any], path: Path = ()) -> Any:
+def decode(tree: Any, resolve: Callable[[KeyPath, tuple[str, str]], Any], path: KeyPath = ()) -> Any:
     """Rebuild a state-dict tree, asking `resolve(path, (file, name))` for each tensor."""
     ref = _as_ref(tree, path)
     if ref is not None:

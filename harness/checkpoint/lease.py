@@ -43,7 +43,7 @@ from collections.abc import Callable
 import psutil
 
 from harness.checkpoint.errors import CheckpointError
-from harness.checkpoint.storage import Location, fsync_dir, read_bytes, rename, write_small
+from harness.checkpoint.location import Location, fsync_dir, read_bytes, rename, write_small
 from harness.log import get_logger
 
 log = get_logger(__name__)

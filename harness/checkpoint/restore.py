@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from harness.checkpoint.errors import CheckpointError
-from harness.checkpoint.format import DROP, Path, decode, path_str, tensor_refs, tensor_view
+from harness.checkpoint.format import DROP, KeyPath, decode, path_str, tensor_refs, tensor_view
 from harness.checkpoint.tensorfile import TensorEntry, describe, read_tensor
 
 # (file handle, header entries, name for messages) of one tensor file of the checkpoint.
@@ -40,7 +40,7 @@ _MAX_LISTED = 30
 @dataclass
 class _Slot:
     part: str
-    path: Path
+    path: KeyPath
     file: str
     entry: TensorEntry
     live: torch.Tensor | None
@@ -51,7 +51,7 @@ def _skipped(name: str, skip: Collection[str]) -> bool:
     return any(name == s or name.startswith(s.rstrip("/") + "/") for s in skip)
 
 
-def _live_tensors(node: Any, path: Path, out: dict[Path, torch.Tensor], dicts: set[Path]) -> None:
+def _live_tensors(node: Any, path: KeyPath, out: dict[KeyPath, torch.Tensor], dicts: set[KeyPath]) -> None:
     if isinstance(node, torch.Tensor):
         out[path] = node
     elif isinstance(node, Mapping):
@@ -67,8 +67,8 @@ def _live_tensors(node: Any, path: Path, out: dict[Path, torch.Tensor], dicts: s
 def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], open_tensors: OpenTensors,
                   where: str, check_streamed: Callable[[], None] | None = None) -> None:
     """Load `doc` (a parsed state.json) into `targets`; see the module docstring.
-    `check_streamed` runs after step 3 with the files still open; what it raises stops the
-    load before any `load_state_dict`."""
+    `check_streamed` runs after step 3 with the files still open, and before a fit problem of
+    step 2 is raised; what it raises stops the load before any `load_state_dict`."""
     stored: dict[str, Any] = doc["parts"]
     missing = [p for p in targets if p not in stored and p not in skip]
     unexpected = [p for p in stored if p not in targets and p not in skip]
@@ -83,13 +83,15 @@ def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], 
     parts = [p for p in targets if p not in skip]
     with ExitStack() as stack:
         files: dict[str, tuple[Any, dict[str, TensorEntry], str]] = {}
-        slots: dict[str, dict[Path, _Slot]] = {}
-        kept: dict[str, dict[Path, torch.Tensor]] = {}
+        slots: dict[str, dict[KeyPath, _Slot]] = {}
+        kept: dict[str, dict[KeyPath, torch.Tensor]] = {}
         problems: list[str] = []
         for part in parts:
             slots[part], kept[part] = _plan(part, stored[part], targets[part], skip, files,
                                             lambda f: open_tensors(stack, f), problems)
         if problems:
+            if check_streamed is not None:
+                check_streamed()  # damage first: a damaged header can read as another shape
             listed = problems[:_MAX_LISTED] + ([f"... and {len(problems) - _MAX_LISTED} more"] if len(problems) > _MAX_LISTED else [])
             raise CheckpointError(
                 f"{where} does not fit the live state ({len(problems)} problem(s)); nothing was loaded:\n  "
@@ -124,13 +126,13 @@ def _tie(live: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(part: str, tree: Any, target: Any, skip: Collection[str], files: dict, open_file: Callable,
-          problems: list[str]) -> tuple[dict[Path, _Slot], dict[Path, torch.Tensor]]:
-    live: dict[Path, torch.Tensor] = {}
-    tensor_dicts: set[Path] = set()
+          problems: list[str]) -> tuple[dict[KeyPath, _Slot], dict[KeyPath, torch.Tensor]]:
+    live: dict[KeyPath, torch.Tensor] = {}
+    tensor_dicts: set[KeyPath] = set()
     _live_tensors(target.state_dict(), (), live, tensor_dicts)
     refs = tensor_refs(tree)
-    slots: dict[Path, _Slot] = {}
-    kept: dict[Path, torch.Tensor] = {}
+    slots: dict[KeyPath, _Slot] = {}
+    kept: dict[KeyPath, torch.Tensor] = {}
     for path, t in live.items():
         if _skipped(path_str(part, path), skip):
             kept[path] = t
@@ -157,9 +159,9 @@ def _plan(part: str, tree: Any, target: Any, skip: Collection[str], files: dict,
     return slots, kept
 
 
-def _load_part(part: str, tree: Any, target: Any, slots: dict[Path, _Slot], kept: dict[Path, torch.Tensor],
+def _load_part(part: str, tree: Any, target: Any, slots: dict[KeyPath, _Slot], kept: dict[KeyPath, torch.Tensor],
                where: str) -> None:
-    def resolve(path: Path, _ref: tuple[str, str]) -> Any:
+    def resolve(path: KeyPath, _ref: tuple[str, str]) -> Any:
         if path in slots:
             return slots[path].value
         return kept.get(path, DROP)

@@ -11,16 +11,19 @@ Commit protocol. A checkpoint exists only when its manifest exists and every fil
   the manifest object (one atomic PUT) is written last.
 Deleting a checkpoint removes its manifest first, so a half-deleted one is never "found".
 
+Every commit goes through `commit_files`, the one commit sequence: `begin`, write the files,
+`seal` (or `discard` on any failure), log, retention. `commit` writes a snapshot's files from
+this process; the group commit (distributed_commit.py) and the local-first upload
+(local_first.py) pass their own file writers.
+
 Discovery (`latest_good`) walks committed steps newest first and verifies sizes and digests
 (each file's algorithm as its manifest names it) against the manifest; a checkpoint that fails
 is logged (file, expected vs found) and skipped.
-`load` always checks sizes and headers; how much it re-hashes is its `verify` argument: "no"
-(the ref came from `latest_good`, which read every byte already), "before" (every file hashed
-first: a corrupt checkpoint changes nothing), or "while" (every byte hashed as it streams into
-the live state, so a verified resume reads the checkpoint once: a corrupt one raises
-`CheckpointCorrupt` before any part's `load_state_dict`, with the live tensors already
-overwritten, so the caller discards them; resuming builds a new trainer and tries the next
-older checkpoint of `candidates()`).
+Reading (loading.py): `open(ref)` reads a checkpoint's manifest and state.json once into a
+`Checkpoint`; `restore(checkpoint, targets, verify=)` streams it into the live state, `load(ref,
+...)` does both. A damaged checkpoint raises `CheckpointCorrupt`, one that does not fit a plain
+`CheckpointError`; resuming builds a new trainer and tries the next older of `candidates()`
+after a `CheckpointCorrupt` only.
 
 Retention runs after each successful commit (and in `gc`): keep the last `keep_last`, every
 step divisible by `keep_every` and the newest good checkpoint, and delete none while no good one
@@ -38,26 +41,23 @@ from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from secrets import token_hex
-from typing import Any, Literal
+from typing import Any
 
-from harness.checkpoint.digest import hexdigest
-from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from harness.checkpoint.errors import CheckpointError
 from harness.errors import Unavailable
-from harness.checkpoint.format import STATE_FILE, Snapshot, capture, dump_state, parse_state
+from harness.checkpoint.format import STATE_FILE, Snapshot, capture, dump_state
 from harness.checkpoint.lease import DEFAULT_HEARTBEAT_S, Lease
-from harness.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_manifest
-from harness.checkpoint.restore import restore_parts
+from harness.checkpoint.loading import (Checkpoint, Verify, open_checkpoint, open_tensors, read_manifest,
+                                        read_state_file, restore, verify_files)
+from harness.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest
 from harness.checkpoint.retention import check_policy, steps_to_keep
-from harness.checkpoint.storage import (HashingReader, Location, fsync_dir, hash_file, open_location, open_read,
-                                        read_bytes, rename, write_small, write_stream)
-from harness.checkpoint.tensorfile import TensorEntry, read_header, serialize
+from harness.checkpoint.location import Location, fsync_dir, open_location, rename, write_small, write_stream
+from harness.checkpoint.tensorfile import TensorEntry, serialize
 from harness.log import get_logger
 
 log = get_logger(__name__)
 
 CHECKPOINTS_DIR = "checkpoints"
-MAX_STATE_BYTES = 1 << 30
-Verify = Literal["no", "before", "while"]
 STEP_DIR = re.compile(r"step-(\d{8,})")
 TMP_DIR = re.compile(r"step-(\d{8,})\.tmp-(.+)-[0-9a-f]{8}")
 
@@ -139,50 +139,13 @@ class CheckpointStore:
         return out
 
     def manifest(self, ref: CheckpointRef) -> Manifest:
-        """The parsed manifest of `ref`; `CheckpointError` when it is missing or malformed."""
-        path = f"{ref.path}/{MANIFEST_FILE}"
-        if not self.loc.fs.exists(path):
-            raise CheckpointError(f"{ref.url}: no {MANIFEST_FILE}, so this is not a committed checkpoint (an interrupted save?)")
-        manifest = parse_manifest(read_bytes(self.loc, path, MAX_MANIFEST_BYTES), self.loc.url_of(path))
-        if manifest.step != ref.step:
-            raise CheckpointError(f"{ref.url}: the manifest says step {manifest.step}, the folder says {ref.step}")
-        return manifest
+        """The parsed manifest of `ref`; `CheckpointCorrupt` when it is missing or malformed."""
+        return read_manifest(self.loc, ref)
 
     def verify(self, ref: CheckpointRef) -> list[str]:
         """Every problem with `ref` (empty when it is good): each file's size and digest against
         the manifest, the safetensors headers and state.json. Reads every byte."""
-        try:
-            manifest = self.manifest(ref)
-        except CheckpointError as e:
-            return [str(e)]
-        problems = []
-        started = time.perf_counter()
-        for rec in manifest.files:
-            path = f"{ref.path}/{rec.name}"
-            where = self.loc.url_of(path)
-            if not self.loc.fs.exists(path):
-                problems.append(f"{where}: missing (the manifest lists {rec.size} bytes)")
-                continue
-            size, digest = hash_file(self.loc, path, rec.algorithm)
-            if size != rec.size:
-                problems.append(f"{where}: {size} bytes, the manifest says {rec.size}")
-            elif digest != rec.digest:
-                problems.append(f"{where}: {rec.algorithm} {digest}, the manifest says {rec.digest}")
-            else:
-                try:
-                    self._check_content(path, rec, where)
-                except CheckpointError as e:
-                    problems.append(str(e))
-        log.debug("checkpoint verified", url=ref.url, files=len(manifest.files), bytes=manifest.nbytes,
-                  problems=len(problems), seconds=round(time.perf_counter() - started, 3))
-        return problems
-
-    def _check_content(self, path: str, rec: FileRecord, where: str) -> None:
-        if rec.name.endswith(".safetensors"):
-            with open_read(self.loc, path) as f:
-                read_header(f, rec.size, where)
-        elif rec.name == STATE_FILE:
-            parse_state(read_bytes(self.loc, path, MAX_STATE_BYTES), where)
+        return verify_files(self.loc, ref)
 
     def candidates(self) -> list[CheckpointRef]:
         """Committed checkpoints newest first, not yet verified; step folders without a manifest
@@ -210,9 +173,10 @@ class CheckpointStore:
 
     # ---- writing ---------------------------------------------------------------------------
 
-    def save(self, step: int, parts: Mapping[str, Any], *, meta: Mapping[str, Any] | None = None) -> CheckpointRef:
-        """`commit(step, capture(parts), meta=meta)`."""
-        return self.commit(step, capture(parts), meta=meta)
+    def save(self, step: int, parts: Mapping[str, Any], *, meta: Mapping[str, Any] | None = None,
+             per_rank: Collection[str] = ()) -> CheckpointRef:
+        """`commit(step, capture(parts, per_rank=per_rank), meta=meta)`."""
+        return self.commit(step, capture(parts, per_rank=per_rank), meta=meta)
 
     def commit(self, step: int, snapshot: Snapshot, *, meta: Mapping[str, Any] | None = None) -> CheckpointRef:
         """Serialize, hash, write and atomically commit `snapshot` as `step`, then apply retention.
@@ -221,23 +185,32 @@ class CheckpointStore:
         committed at `step` is replaced (its manifest is removed first). Raises `CheckpointError`
         if this store held the lease and lost it.
         """
+        def write(ref: CheckpointRef, work: str) -> list[FileRecord]:
+            records = [self.write_file(work, ref, file, serialize(tensors, f"{ref.url}/{file}"))
+                       for file, tensors in sorted(snapshot.tensors.items())]
+            return records + [self.write_file(work, ref, STATE_FILE, [dump_state(step, snapshot, meta)])]
+
+        return self.commit_files(step, write)
+
+    def commit_files(self, step: int, write: Callable[[CheckpointRef, str], list[FileRecord]],
+                     **log_fields: Any) -> CheckpointRef:
+        """The one commit sequence: `begin`, `write(ref, work)` every file into `work` (returning
+        their records), `seal`; on any failure `discard` and raise; then log and apply retention.
+        `log_fields` are added to the "checkpoint committed" log record."""
         started = time.perf_counter()
         ref, work = self.begin(step)
         try:
-            records = [self.write_file(work, ref, file, serialize(tensors, f"{ref.url}/{file}"))
-                       for file, tensors in sorted(snapshot.tensors.items())]
-            records.append(self.write_file(work, ref, STATE_FILE, [dump_state(step, snapshot, meta)]))
-            manifest = self.seal(ref, work, records)
+            manifest = self.seal(ref, work, write(ref, work))
         except BaseException:
             self.discard(work)
             raise
         log.info("checkpoint committed", step=step, url=ref.url, bytes=manifest.nbytes,
-                 seconds=round(time.perf_counter() - started, 3))
+                 seconds=round(time.perf_counter() - started, 3), **log_fields)
         self.gc(newest_good=step)
         return ref
 
-    # The steps of `commit`, public for writers that split it across processes
-    # (checkpoint/distributed_commit.py): begin, write_file (any process), seal or discard.
+    # The steps of `commit_files`, public for file writers that run in other processes
+    # (checkpoint/distributed_commit.py: every rank writes its files into `work`).
 
     def begin(self, step: int) -> tuple[CheckpointRef, str]:
         """Start a commit of `step`: (its ref, the folder its files are written into). Local disk:
@@ -322,89 +295,45 @@ class CheckpointStore:
 
     # ---- reading ---------------------------------------------------------------------------
 
-    def read_state(self, ref: CheckpointRef, file: str = STATE_FILE) -> dict[str, Any]:
+    def open(self, ref: CheckpointRef) -> Checkpoint:
+        """`ref` with its manifest and state.json read and parsed once (loading.py);
+        `CheckpointCorrupt` when either is missing, malformed or does not match."""
+        return open_checkpoint(self.loc, ref)
+
+    def read_state(self, ref: CheckpointRef) -> dict[str, Any]:
         """`state.json` of `ref` (tensor leaves are `{"$tensor": [file, name]}` references),
-        checked against the manifest's digest. Keys: format_version, step, rank, parts, meta.
-        `file` reads another state file of the same layout (a rank's `rank-NNNNN.json`)."""
-        records = {r.name: r for r in self.manifest(ref).files}
-        path = f"{ref.path}/{file}"
-        where = self.loc.url_of(path)
-        if file not in records:
-            raise CheckpointError(f"{where}: not listed in the manifest; the checkpoint was not written by this setup")
-        rec = records[file]
-        if not self.loc.fs.exists(path):
-            raise CheckpointError(f"{where}: missing; the checkpoint is incomplete")
-        data = read_bytes(self.loc, path, MAX_STATE_BYTES)
-        if len(data) != rec.size or hexdigest(rec.algorithm, data) != rec.digest:
-            raise CheckpointError(f"{where}: does not match the manifest ({len(data)} bytes, manifest says {rec.size}); the checkpoint is corrupt")
-        return parse_state(data, where)
+        checked against the manifest's digest. Keys: format_version, step, rank, parts, meta."""
+        return self.open(ref).state
+
+    def read_state_file(self, checkpoint: Checkpoint, file: str) -> dict[str, Any]:
+        """Another state file of `checkpoint` in the layout of state.json (a rank's `rank-NNNNN.json`)."""
+        return read_state_file(self.loc, checkpoint.ref, checkpoint.manifest, file)
 
     def tensor_headers(self, ref: CheckpointRef) -> dict[str, dict[str, TensorEntry]]:
         """File name -> tensor name -> entry, for every tensor file of `ref` (headers only)."""
-        with ExitStack() as stack:
-            return {rec.name: self._open_tensors(stack, ref, rec)[1]
-                    for rec in self.manifest(ref).files if rec.name.endswith(".safetensors")}
+        with self.open_tensor_files(ref) as files:
+            return {name: entries for name, (_, entries, _) in files.items()}
 
     @contextmanager
     def open_tensor_files(self, ref: CheckpointRef) -> Iterator[dict[str, tuple[Any, dict[str, TensorEntry], str]]]:
         """Open every tensor file of `ref`: file name -> (reader, header entries, URL)."""
         with ExitStack() as stack:
-            yield {rec.name: self._open_tensors(stack, ref, rec)
+            yield {rec.name: open_tensors(self.loc, stack, ref, rec)
                    for rec in self.manifest(ref).files if rec.name.endswith(".safetensors")}
 
-    def _open_tensors(self, stack: ExitStack, ref: CheckpointRef, rec: FileRecord, prefetch: bool = False,
-                      hashing: bool = False):
-        path = f"{ref.path}/{rec.name}"
-        where = self.loc.url_of(path)
-        if not self.loc.fs.exists(path):
-            raise CheckpointError(f"{where}: missing; the checkpoint is incomplete, resume from an older one")
-        size = self.loc.fs.size(path)
-        if size != rec.size:
-            raise CheckpointError(f"{where}: {size} bytes, the manifest says {rec.size}; the file is damaged, resume from an older checkpoint")
-        f = open_read(self.loc, path, prefetch=prefetch)
-        f = stack.enter_context(HashingReader(f, rec.algorithm) if hashing else f)
-        return f, read_header(f, size, where), where
-
     def load(self, ref: CheckpointRef, targets: Mapping[str, Any], *, skip: Collection[str] = (),
-             verify: Verify = "no", state: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Restore each target (name -> object with state_dict/load_state_dict) from `ref`,
-        streaming tensors into live storage; see restore.py for the checks. Returns the saved meta.
-        `verify`: how much to re-hash, see the module docstring. `state`: the parsed state to
-        restore instead of `read_state(ref)` (a rank > 0 swaps in its own per-rank parts; it was
-        hash-checked by `read_state`)."""
-        if verify == "before" and (problems := self.verify(ref)):
-            raise CheckpointError(f"{ref.url} fails verification:\n  " + "\n  ".join(problems))
-        records = {r.name: r for r in self.manifest(ref).files}
-        doc = self.read_state(ref) if state is None else state
-        readers: dict[str, HashingReader] = {}
+             verify: Verify = Verify.NO) -> dict[str, Any]:
+        """`restore(open(ref), targets, skip=skip, verify=verify)`: returns the saved meta."""
+        return self.restore(self.open(ref), targets, skip=skip, verify=verify)
 
-        def open_tensors(stack: ExitStack, file: str):
-            if file not in records or not file.endswith(".safetensors"):
-                raise CheckpointError(f"{ref.url}: state.json refers to {file!r}, which the manifest does not list; the checkpoint is corrupt")
-            f, entries, where = self._open_tensors(stack, ref, records[file], prefetch=True, hashing=verify == "while")
-            if verify == "while":
-                readers[file] = f
-            return f, entries, where
-
-        def check_streamed() -> None:
-            problems = []
-            for rec in records.values():
-                path = f"{ref.path}/{rec.name}"
-                if rec.name in readers:
-                    size, digest = readers[rec.name].finish()
-                elif rec.name == STATE_FILE:
-                    continue  # `read_state` compared its bytes with the manifest
-                else:
-                    size, digest = hash_file(self.loc, path, rec.algorithm) if self.loc.fs.exists(path) else (None, None)
-                found = FileRecord(rec.name, size, digest, rec.algorithm)
-                if found != rec:
-                    problems.append(f"{self.loc.url_of(path)}: {found.describe()}, the manifest says {rec.describe()}")
-            if problems:
-                raise CheckpointCorrupt(f"{ref.url} is corrupt, found while loading it:\n  " + "\n  ".join(problems))
-
-        restore_parts(doc, targets, skip, open_tensors, where=f"checkpoint {ref.url}",
-                      check_streamed=check_streamed if verify == "while" else None)
-        return doc["meta"]
+    def restore(self, checkpoint: Checkpoint, targets: Mapping[str, Any], *, skip: Collection[str] = (),
+                verify: Verify = Verify.NO, state: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Restore each target (name -> object with state_dict/load_state_dict) from `checkpoint`,
+        streaming tensors into live storage; see loading.py and restore.py for the checks and
+        `verify`. Returns the saved meta. `state`: the parsed state to restore instead of
+        `checkpoint.state` (a rank > 0 swaps in its own per-rank parts)."""
+        return restore(self.loc, checkpoint, targets, skip=skip, verify=verify, state=state,
+                       check_all=lambda: self.verify(checkpoint.ref))
 
     # ---- lease -----------------------------------------------------------------------------
 

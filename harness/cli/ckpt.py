@@ -22,7 +22,7 @@ from harness.checkpoint.diff import diff_checkpoints
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import tensor_refs
 from harness.checkpoint.manifest import MANIFEST_FILE, parse_manifest
-from harness.checkpoint.storage import open_location, read_bytes
+from harness.checkpoint.location import open_location, read_bytes
 from harness.checkpoint.store import STEP_DIR, CHECKPOINTS_DIR, CheckpointRef, CheckpointStore, folder_name
 from harness.cli.args import storage_option_parser, storage_options_of
 from harness.run_id import RUN_JSON

@@ -6,7 +6,7 @@ shard for training (`data.hash_check`: off / first-open / always).
 
 from __future__ import annotations
 
-from harness.checkpoint.storage import Location, hash_file
+from harness.checkpoint.location import Location, hash_file
 from harness.data.shard_index import ShardEntry
 
 

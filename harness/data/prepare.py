@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from harness.checkpoint.storage import Location, fsync_dir, open_location, rename, write_stream
+from harness.checkpoint.location import Location, fsync_dir, open_location, rename, write_stream
 from harness.data import tokenize_worker
 from harness.data.documents import TextSplit, iter_documents
 from harness.data.shard_index import (INDEX_NAME, TOKENIZER_NAME, ShardEntry, ShardIndex, dtype_for,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.checkpoint.errors import CheckpointError
-from harness.checkpoint.storage import Location, open_location, read_bytes
+from harness.checkpoint.location import Location, open_location, read_bytes
 from harness.errors import UserError
 
 FORMAT_VERSION = 1

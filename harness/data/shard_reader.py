@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from harness.checkpoint.storage import Location, open_location
+from harness.checkpoint.location import Location, open_location
 from harness.data.integrity import shard_problem
 from harness.data.shard_index import ShardIndex, read_index
 from harness.errors import UserError

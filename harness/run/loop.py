@@ -12,11 +12,9 @@ from pathlib import Path
 from tqdm import tqdm
 
 from harness import distributed, exit_codes
-from harness.checkpoint import CheckpointStore, capture
-from harness.checkpoint.async_save import AsyncSaver, Committed
-from harness.checkpoint.distributed_commit import GroupCommit
-from harness.checkpoint.errors import failed_save
-from harness.checkpoint.mirror import LocalFirstStore
+from harness.checkpoint import CheckpointStore
+from harness.checkpoint.commit import Committed
+from harness.checkpoint.saver import open_saver
 from harness.config import RunConfig, public_config
 from harness.events import EventLog
 from harness.fingerprint import fingerprint_fields
@@ -37,22 +35,15 @@ class Loop:
                  events: EventLog, log_dir: Path, last_committed: int | None = None) -> None:
         self.cfg, self.trainer, self.store, self.metrics, self.events = cfg, trainer, store, metrics, events
         self.log_dir = log_dir
-        self.last_committed = last_committed  # the newest checkpoint of the run dir known to be committed
         c = cfg.checkpoint
         self.clock = CheckpointClock(c.every_steps, c.every_minutes, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
                                      report=self.interval_chosen)
-        # In the background, with several ranks, the commit's collectives run on a gloo group of
-        # their own: see harness/checkpoint/distributed_commit.py.
-        side = distributed.new_side_group(c.save_deadline_s) if c.async_save else None
-        self.commit = GroupCommit(store, group=side, fail_rank=cfg.debug.fail_save_rank,
-                                  fail_step=cfg.debug.fail_save_step)
-        self.saver = AsyncSaver(store, when_busy=c.when_busy, on_commit=self.committed,
-                                persist_delay_s=cfg.debug.persist_delay_s, save_deadline_s=c.save_deadline_s,
-                                on_slow=self.slow_save, commit=self.commit, rank=distributed.rank(),
-                                select=self.commit.mine, agree=distributed.all_reduce_flag,
-                                last_committed=last_committed) if c.async_save else None
-        # Local-first: a checkpoint counts as saved once its upload is published (finish waits for it).
-        self.uploads = store if isinstance(store, LocalFirstStore) else None
+        # Every save goes through this one saver (sync or async; group, local-first or direct).
+        self.saver = open_saver(store, background=c.async_save, local_dir=c.local_dir, when_busy=c.when_busy,
+                                save_deadline_s=c.save_deadline_s, per_rank=trainer.state.per_rank,
+                                on_commit=self.committed, on_slow=self.slow_save,
+                                persist_delay_s=cfg.debug.persist_delay_s, fail_rank=cfg.debug.fail_save_rank,
+                                fail_step=cfg.debug.fail_save_step, last_committed=last_committed)
         self.last_saved = trainer.step
         self.train_s = 0.0
         self.save_s = 0.0
@@ -90,10 +81,7 @@ class Loop:
             finally:
                 bar.close()
                 self.metrics.close()
-                if self.saver is not None:
-                    self.saver.close()  # on an error exit: let a good in-flight save commit first
-                if self.uploads is not None:
-                    self.uploads.close()
+                self.saver.close()  # on an error exit: let a good in-flight save (and upload) end first
         self.events.emit("exit", reason="finished", step=trainer.step, train_s=self.train_s, save_s=self.save_s)
         log.info("finished", step=trainer.step, eval_loss=round(final_eval, 4), run_dir=cfg.run_dir)
         return exit_codes.FINISHED
@@ -110,18 +98,12 @@ class Loop:
 
     def poll(self) -> None:
         """Between steps: raise a background save's or upload's failure, keep the writer lease fresh."""
-        if self.saver is not None:
-            self.saver.poll()
-        if self.uploads is not None:
-            self.uploads.poll()
+        self.saver.poll()
         self.store.poll_lease()
 
     def finish_saves(self) -> None:
         """Wait until the newest checkpoint is committed (and, local-first, published remotely)."""
-        if self.saver is not None:
-            self.saver.finish()
-        if self.uploads is not None:
-            self.uploads.finish()
+        self.saver.finish()
 
     def save(self, must: bool = False) -> None:
         """Checkpoint the current step. Synchronous: commit it here. Async: snapshot it into the
@@ -133,33 +115,22 @@ class Loop:
         step = self.trainer.step
         meta = {"config": public_config(self.cfg), "data": self.trainer.data.identity,
                 "environment": environment_fingerprint(self.trainer.device)}
-        if self.saver is None:
-            t0 = time.perf_counter()
-            snapshot = capture(self.trainer.state.parts(), rank=distributed.rank())
-            try:
-                ref = self.commit(step, snapshot, meta=meta)
-            except OSError as e:
-                raise failed_save(step, e, self.last_committed, self.cfg.run_dir) or e
-            blocking = time.perf_counter() - t0
-            self.committed(Committed(ref, blocking, snapshot.nbytes))
-        else:
-            submitted = self.saver.submit(step, self.trainer.state.parts(), meta=meta,
-                                          must=must or step >= self.cfg.train.steps)
-            if submitted is None:
-                self.clock.saved(step)
-                self.events.emit("checkpoint_skipped", step=step, reason="the previous save is still persisting")
-                return
-            blocking = submitted.blocking_s
+        submitted = self.saver.submit(step, self.trainer.state.parts(), meta=meta,
+                                      must=must or step >= self.cfg.train.steps)
+        if submitted is None:
+            self.clock.saved(step)
+            self.events.emit("checkpoint_skipped", step=step, reason="the previous save is still persisting")
+            return
+        blocking = submitted.blocking_s
         self.save_s += blocking
         self.last_saved = step
         self.clock.saved(step, blocking)
-        self.events.emit("checkpoint", step=step, blocking_s=blocking, background=self.saver is not None)
+        self.events.emit("checkpoint", step=step, blocking_s=blocking, background=self.saver.background)
         self.events.emit("progress", step=step, train_s=self.train_s, save_s=self.save_s)
 
     def committed(self, done: Committed) -> None:
         """A checkpoint is committed; called from the persist thread when saving in the background."""
         self.clock.committed(done.persist_s)
-        self.last_committed = done.ref.step
         self.events.emit("committed", step=done.ref.step, persist_s=done.persist_s, bytes=done.nbytes)
 
     def slow_save(self, step: int, seconds: float) -> None:

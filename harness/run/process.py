@@ -30,7 +30,6 @@ import psutil
 
 from harness import distributed, exit_codes, numerics
 from harness.checkpoint import CheckpointStore
-from harness.checkpoint.mirror import LocalFirstStore
 from harness.config import RunConfig
 from harness.errors import Unavailable, UserError
 from harness.events import EVENTS_FILE, EventLog
@@ -113,15 +112,12 @@ def exit_reason(error: BaseException) -> tuple[str, int]:
     return "crashed", 1
 
 
-def open_store(cfg: RunConfig) -> CheckpointStore | LocalFirstStore:
-    """The run dir's store; with `checkpoint.local_dir`, committing there first and uploading
-    to the run dir in the background (checkpoint/mirror.py)."""
+def open_store(cfg: RunConfig) -> CheckpointStore:
+    """The run dir's store. `checkpoint.local_dir` (commit there first, upload in the background:
+    checkpoint/local_first.py) is the saver's business, and works with one process only."""
     c = cfg.checkpoint
-    store = CheckpointStore(cfg.run_dir, keep_last=c.keep_last, keep_every=c.keep_every,
-                            storage_options=c.storage_options or None, lease_heartbeat_s=c.lease_heartbeat_s)
-    if c.local_dir is None:
-        return store
-    if distributed.is_distributed():
+    if c.local_dir is not None and distributed.is_distributed():
         raise UserError("checkpoint.local_dir works with one process only; with several ranks unset it "
                         "(every rank then writes its part straight to the run dir)")
-    return LocalFirstStore(store, c.local_dir)
+    return CheckpointStore(cfg.run_dir, keep_last=c.keep_last, keep_every=c.keep_every,
+                           storage_options=c.storage_options or None, lease_heartbeat_s=c.lease_heartbeat_s)

@@ -14,10 +14,9 @@ import time
 from typing import Any
 
 from harness import distributed
-from harness.checkpoint import CheckpointRef, CheckpointStore
+from harness.checkpoint import CheckpointCorrupt, CheckpointRef, CheckpointStore, Verify
 from harness.checkpoint.distributed_commit import load_checkpoint
-from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
-from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR, Verify, folder_name, skipped
+from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR, folder_name, skipped
 from harness.config import RunConfig, config_changes
 from harness.data.sources import identity_changes, open_data
 from harness.errors import UserError
@@ -35,17 +34,19 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
     `config_changes` gives them), or None when the newest checkpoint is of a finished run (it
     says so on stderr).
 
-    `candidates` are tried newest first. With `verify="while"` each is hashed as it loads (one
-    read of every byte); one found damaged is logged and skipped, and the trainer is built anew
-    for the next, since the damaged one was already partly streamed into it. A checkpoint that
-    is intact but does not fit (another model width) is an error, never skipped."""
+    `candidates` are tried newest first, each read once (`source.open`: manifest and state.json)
+    and passed down. With `Verify.WHILE` each is hashed as it loads (one read of every byte); one
+    found damaged (`CheckpointCorrupt`) is logged and skipped, and the trainer is built anew for
+    the next, since the damaged one was already partly streamed into it. A checkpoint that is
+    intact but does not fit (another model width) is an error, never skipped."""
     restore_s = 0.0
     data = open_data(cfg.data, cfg.train.seed)  # read once: every candidate is checked against it
     for ref in candidates:
         t0 = time.perf_counter()
         trainer = None
         try:
-            saved = source.read_state(ref)
+            checkpoint = source.open(ref)
+            saved = checkpoint.state
             changes = check_compatible(saved["meta"], cfg, allow_config_change, data.identity)
             # Whether the run finished is the trainer part's (state.TrainerCounters), nowhere else.
             if saved["parts"]["trainer"]["finished"] and ref.step >= cfg.train.steps:
@@ -55,17 +56,15 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             restore_s += time.perf_counter() - t0
             trainer = Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data)
             t0 = time.perf_counter()
-            load_checkpoint(source, ref, trainer.state.parts(), verify=verify)
+            load_checkpoint(source, checkpoint, trainer.state.parts(), verify=verify,
+                            kept_on_new_rank=trainer.state.kept_on_new_rank)
             return trainer, ref, restore_s + time.perf_counter() - t0, changes
         except BaseException as e:
             if trainer is not None:
                 trainer.close()
-            if verify != "while" or not isinstance(e, CheckpointError):
-                raise
-            problems = [str(e)] if isinstance(e, CheckpointCorrupt) else source.verify(ref)
-            if not problems:  # intact: the error is about the setup, not the checkpoint
-                raise
-            skipped(ref, problems)
+            if verify is not Verify.WHILE or not isinstance(e, CheckpointCorrupt):
+                raise  # an intact checkpoint that does not fit: the error is about the setup
+            skipped(ref, [str(e)])
             restore_s += time.perf_counter() - t0
     if candidates:
         raise all_damaged(cfg, candidates)
@@ -91,17 +90,17 @@ def agree_on_checkpoint(store: CheckpointStore, cfg: RunConfig,
 
     def decide() -> tuple[str | None, int] | None:
         source, candidates, verify = choose_checkpoint(store, cfg, resume)
-        ref = source.first_good(candidates) if verify == "while" else next(iter(candidates), None)
+        ref = source.first_good(candidates) if verify is Verify.WHILE else next(iter(candidates), None)
         if ref is None and candidates:
             raise all_damaged(cfg, candidates)
         return None if ref is None else (None if source is store else source.url, ref.step)
 
     choice = distributed.on_rank0(decide)
     if choice is None:
-        return store, [], "no"
+        return store, [], Verify.NO
     url, step = choice
     source = store if url is None else CheckpointStore(url, storage_options=cfg.checkpoint.storage_options or None)
-    return source, [source.ref(step)], "no"
+    return source, [source.ref(step)], Verify.NO
 
 
 def choose_checkpoint(store: CheckpointStore, cfg: RunConfig,
@@ -110,15 +109,15 @@ def choose_checkpoint(store: CheckpointStore, cfg: RunConfig,
     loading) for `--resume auto|never|CKPT_URL`. `auto` verifies while loading (see
     `resume_newest`); a checkpoint given by URL was verified here already."""
     if resume == "auto":
-        return store, store.candidates(), "while"
+        return store, store.candidates(), Verify.WHILE
     if resume == "never":
         existing = store.latest_good()
         if existing is not None:
             raise UserError(f"--resume never, but {cfg.run_dir} already has checkpoints (newest: step "
                             f"{existing.step}); use another --run-dir, or --resume auto to continue it")
-        return store, [], "no"
+        return store, [], Verify.NO
     source, ref = checkpoint_at(resume, cfg.checkpoint.storage_options)
-    return source, [ref], "no"
+    return source, [ref], Verify.NO
 
 
 def checkpoint_at(url: str, storage_options: dict[str, Any]) -> tuple[CheckpointStore, CheckpointRef]:

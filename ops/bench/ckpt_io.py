@@ -7,7 +7,7 @@ For a model + AdamW state of about `--size-mib` (default 1024), in one run:
 * load: `CheckpointStore.load` into the live model and optimizer against a raw read of the
   checkpoint's own files (the same bytes plus their headers, on the same disk blocks) into
   preallocated memory and `torch.load(weights_only=True)`; `load store verified` is the load a
-  resume does (`verify="while"`: every byte hashed (BLAKE3) as it streams in), and `verify` (the
+  resume does (`Verify.WHILE`: every byte hashed (BLAKE3) as it streams in), and `verify` (the
   hash pass of `harness ckpt verify` and `latest_good`) is timed on its own;
 * memory: peak RSS (VmHWM) of a child process that builds the model and a fresh optimizer
   and loads the checkpoint, against a child that builds the model and optimizer state of a
@@ -38,7 +38,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from harness.checkpoint import CheckpointStore  # noqa: E402
+from harness.checkpoint import CheckpointStore, Verify  # noqa: E402
 from harness.checkpoint.tensorfile import tensor_bytes  # noqa: E402
 
 WIDTH = 2048
@@ -181,7 +181,7 @@ def measure(args: argparse.Namespace, folder: Path) -> dict:
         r.update(best(args.repeat, {
             f"load_raw_{mode}_s": (lambda: raw_read(ckpt, buffer), evict(ckpt)),
             f"load_store_{mode}_s": (lambda: store.load(ref, parts), evict(ckpt)),
-            f"load_verified_{mode}_s": (lambda: store.load(ref, parts, verify="while"), evict(ckpt)),
+            f"load_verified_{mode}_s": (lambda: store.load(ref, parts, verify=Verify.WHILE), evict(ckpt)),
             f"load_torch_{mode}_s": (lambda: torch.load(pt, weights_only=True), evict(pt)),
         }))
     del buffer

@@ -50,6 +50,8 @@ from harness.checkpoint.async_save import AsyncSaver  # noqa: E402
 from harness.checkpoint.distributed_commit import GroupCommit  # noqa: E402
 from harness.log import configure  # noqa: E402
 
+PER_RANK = {"rng"}  # as the trainer registers it: each rank saves its own
+
 
 class Pooled(nn.Module):
     """Embedding bag + MLP classifier: most of the state is one wide table with dense gradients."""
@@ -85,7 +87,7 @@ class Bench:
         self.async_store = CheckpointStore(str(folder / "async"), keep_last=2)
         self.sync_commit = GroupCommit(self.sync_store)
         side = GroupCommit(self.async_store, group=distributed.new_side_group(600))
-        self.saver = AsyncSaver(self.async_store, commit=side, rank=self.rank, select=side.mine)
+        self.saver = AsyncSaver(side, rank=self.rank, per_rank=PER_RANK)
         self.save_s: list[float] = []
         self.blocking_s: list[float] = []
         self.persist_s: list[float] = []
@@ -95,7 +97,7 @@ class Bench:
         return {"model": self.model, "optim": self.opt, "rng": {"torch": torch.get_rng_state()}}
 
     def sync_save(self, step: int) -> None:
-        self.sync_commit(step, capture(self.parts(), rank=self.rank))
+        self.sync_commit(step, capture(self.parts(), rank=self.rank, per_rank=PER_RANK))
 
     def step(self) -> None:
         x, y = self.batches[self.i % len(self.batches)]

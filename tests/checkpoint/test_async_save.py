@@ -13,6 +13,7 @@ import torch
 
 from harness.checkpoint import CheckpointError, CheckpointStore, capture
 from harness import exit_codes
+from harness.checkpoint.commit import Committer
 from harness.checkpoint.async_save import AsyncSaver, BackgroundSaveError, SaveStalled, StagingBuffers
 from harness.checkpoint.retry import StorageUnavailable
 from harness.config import load_config
@@ -42,9 +43,9 @@ def test_async_and_sync_saves_of_one_state_have_the_same_manifest_hashes(tmp_pat
         trainer.train_step()
         sync, background = CheckpointStore(str(tmp_path / "sync")), CheckpointStore(str(tmp_path / "async"))
         meta = {"config": {"arm": arm}}
-        sync.save(trainer.step, trainer.state.parts(), meta=meta)
+        sync.save(trainer.step, trainer.state.parts(), meta=meta, per_rank=trainer.state.per_rank)
         gate = threading.Event()
-        saver = AsyncSaver(background)
+        saver = AsyncSaver(Committer(background), per_rank=trainer.state.per_rank)
         real_commit = background.commit
         background.commit = lambda *a, **k: (gate.wait(30), real_commit(*a, **k))[1]
         saver.submit(trainer.step, trainer.state.parts(), meta=meta)
@@ -64,7 +65,7 @@ def test_staging_buffers_are_reused_and_memory_does_not_grow_over_20_saves(tmp_p
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 512))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     store = CheckpointStore(str(tmp_path / "run"), keep_last=2)
-    saver = AsyncSaver(store)
+    saver = AsyncSaver(Committer(store))
     proc = psutil.Process()
 
     def step_and_save(step: int) -> None:
@@ -129,7 +130,7 @@ def test_one_save_in_flight_skip_or_wait(run_dir):
     parts = torch_state(steps=1)
     store = CheckpointStore(run_dir)
     gated = Gated(store)
-    skipper = AsyncSaver(store, when_busy="skip")
+    skipper = AsyncSaver(Committer(store), when_busy="skip")
     assert skipper.submit(1, parts) is not None
     assert skipper.busy
     assert skipper.submit(2, parts) is None  # skipped: the buffers still belong to step 1
@@ -140,7 +141,7 @@ def test_one_save_in_flight_skip_or_wait(run_dir):
     assert [r.step for r in store.list()] == [1, 3]
 
     gated.gate.clear()
-    waiter = AsyncSaver(store, when_busy="wait")
+    waiter = AsyncSaver(Committer(store), when_busy="wait")
     waiter.submit(4, parts)
     threading.Timer(0.3, gated.gate.set).start()
     assert waiter.submit(5, parts).waited_s >= 0.2
@@ -156,7 +157,7 @@ def test_a_background_failure_is_raised_at_the_next_call_naming_the_step(run_dir
     parts = torch_state(steps=1)
     store = CheckpointStore(run_dir)
     gated = Gated(store, error)
-    saver = AsyncSaver(store)
+    saver = AsyncSaver(Committer(store))
     saver.submit(7, parts)
     saver.poll()  # still running: nothing to raise yet
     gated.gate.set()
@@ -178,7 +179,7 @@ def test_a_stalled_save_is_reported_while_slow_and_given_up_at_the_deadline_nami
     store = CheckpointStore(run_dir)
     gated = Gated(store)  # a persist that never gets an answer from its storage
     slow = []
-    saver = AsyncSaver(store, save_deadline_s=1.0, slow_floor_s=0.1, on_slow=lambda step, s: slow.append(step))
+    saver = AsyncSaver(Committer(store), save_deadline_s=1.0, slow_floor_s=0.1, on_slow=lambda step, s: slow.append(step))
     saver.submit(7, torch_state(steps=1))
     with pytest.raises(SaveStalled, match=r"step 7 has not committed after \d+s \(checkpoint.save_deadline_s = 1\)") as info:
         saver.submit(8, torch_state(steps=1))  # the wait for the previous save is bounded
@@ -196,7 +197,7 @@ def test_a_slow_save_that_commits_is_reported_and_not_an_error(run_dir):
     store = CheckpointStore(run_dir)
     gated = Gated(store)
     slow = []
-    saver = AsyncSaver(store, save_deadline_s=600, slow_floor_s=0.05,
+    saver = AsyncSaver(Committer(store), save_deadline_s=600, slow_floor_s=0.05,
                        on_slow=lambda step, s: (slow.append(step), gated.gate.set()))
     saver.submit(3, torch_state(steps=1))
     saver.finish()
@@ -208,7 +209,7 @@ def test_a_failure_is_raised_by_the_next_submit_and_logged_by_close(run_dir):
     store = CheckpointStore(run_dir)
     gated = Gated(store, OSError("no space left"))
     gated.gate.set()
-    saver = AsyncSaver(store)
+    saver = AsyncSaver(Committer(store))
     saver.submit(1, parts)
     saver.wait()
     with pytest.raises(BackgroundSaveError, match="step 1.*no space left"):
@@ -265,7 +266,7 @@ def test_gpu_state_is_staged_in_pinned_buffers_on_a_side_stream(tmp_path):
     sync, background = CheckpointStore(str(tmp_path / "sync")), CheckpointStore(str(tmp_path / "async"))
     sync.save(1, {"model": model, "optim": opt})
     gated = Gated(background)
-    saver = AsyncSaver(background)
+    saver = AsyncSaver(Committer(background))
     saver.submit(1, {"model": model, "optim": opt})
     with torch.no_grad():
         model.weight.add_(1.0)  # queued on the training stream after the copies: must not leak into the save
@@ -288,7 +289,7 @@ def test_a_full_disk_in_the_background_is_a_user_error_naming_what_is_still_comm
             run = f"{url}-{at}-{previous}"
             if previous is not None:
                 CheckpointStore(run).save(previous, parts)
-            saver = AsyncSaver(CheckpointStore(run, storage_options={"faults": f"enospc@{at}"}), last_committed=previous)
+            saver = AsyncSaver(Committer(CheckpointStore(run, storage_options={"faults": f"enospc@{at}"})), last_committed=previous)
             saver.submit(5, parts)
             with pytest.raises(CheckpointError, match="step 5 could not be written to .*ENOSPC") as info:
                 saver.finish()

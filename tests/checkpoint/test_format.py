@@ -32,7 +32,8 @@ def test_capture_references_live_storage_without_copying():
 
 
 def test_rank_parts_share_the_rank_file_under_their_part_name():
-    snap = capture({"rng": {"torch": torch.zeros(3, dtype=torch.uint8)}, "data": {"pos": torch.tensor(4)}}, rank=3)
+    snap = capture({"rng": {"torch": torch.zeros(3, dtype=torch.uint8)}, "data": {"pos": torch.tensor(4)}}, rank=3,
+                   per_rank={"rng", "data"})
     assert set(snap.tensors) == {"rank-00003.safetensors"}
     assert set(snap.tensors["rank-00003.safetensors"]) == {"rng/torch", "data/pos"}
 

@@ -15,7 +15,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from harness.checkpoint import CheckpointStore
+from harness.checkpoint import CheckpointStore, Verify
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.manifest import MANIFEST_VERSION, parse_manifest
 from harness.cli import main
@@ -47,7 +47,7 @@ def test_new_checkpoints_name_blake3_for_every_file(run_dir):
     assert doc["files"] and all(set(f) == {"name", "size", "blake3"} for f in doc["files"])
 
 
-@pytest.mark.parametrize("verify", ["before", "while"])
+@pytest.mark.parametrize("verify", [Verify.BEFORE, Verify.WHILE])
 def test_an_old_sha256_checkpoint_verifies_and_loads_bitwise(old_run, verify):
     store = CheckpointStore(old_run)
     assert store.verify(store.ref(3)) == [] and store.latest_good().step == 3
@@ -75,7 +75,7 @@ def test_damage_to_an_old_checkpoint_is_found_by_its_sha256(old_run):
     assert any("model.safetensors: sha256" in p for p in store.verify(ref))
     assert store.latest_good() is None
     with pytest.raises(CheckpointCorrupt, match="model.safetensors.*sha256"):
-        store.load(ref, torch_state(seed=1, steps=0), verify="while")
+        store.load(ref, torch_state(seed=1, steps=0), verify=Verify.WHILE)
 
 
 def test_ckpt_show_names_each_files_algorithm(old_run, run_dir, capsys):

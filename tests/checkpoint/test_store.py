@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.checkpoint import CheckpointError, CheckpointStore, capture
+from harness.checkpoint import CheckpointError, CheckpointStore, Verify, capture
 from harness.checkpoint.errors import CheckpointCorrupt
 from harness.errors import UserError
 
@@ -172,7 +172,7 @@ def test_a_damaged_newest_checkpoint_is_reported_and_skipped(run_dir, kind, caps
         assert message in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("verify", ["before", "while"])
+@pytest.mark.parametrize("verify", [Verify.BEFORE, Verify.WHILE])
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_loading_a_damaged_checkpoint_is_a_clean_error(run_dir, kind, verify):
     store = CheckpointStore(run_dir)
@@ -183,7 +183,7 @@ def test_loading_a_damaged_checkpoint_is_a_clean_error(run_dir, kind, verify):
     with pytest.raises(UserError) as e:
         store.load(ref, live, verify=verify)
     assert _damage_message(kind) in str(e.value)
-    if verify == "before" or kind != "flipped byte":
+    if verify is Verify.BEFORE or kind != "flipped byte":
         assert state_of(live) == before  # refused before anything was streamed
 
 
@@ -196,7 +196,7 @@ def test_a_flipped_byte_is_caught_while_loading_before_any_part_takes_its_state(
     live = torch_state(seed=1, steps=0)
     sched = live["sched"].state_dict()
     with pytest.raises(CheckpointCorrupt, match="model.safetensors.*blake3"):
-        store.load(ref, live, verify="while")
+        store.load(ref, live, verify=Verify.WHILE)
     assert live["sched"].state_dict() == sched
 
 
@@ -206,7 +206,7 @@ def test_a_load_verified_while_streaming_is_bitwise(run_dir, url):
     saved = torch_state(steps=3)
     store.save(3, saved)
     fresh = torch_state(seed=1, steps=0)
-    store.load(store.candidates()[0], fresh, verify="while")
+    store.load(store.candidates()[0], fresh, verify=Verify.WHILE)
     assert state_of(fresh) == state_of(saved)
     if url != "local":
         store.loc.fs.rm(store.loc.root, recursive=True)
@@ -219,7 +219,7 @@ def test_a_skipped_part_is_still_hashed_while_loading(run_dir):
     data[-3] ^= 0x01
     (folder(ref) / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(CheckpointCorrupt, match="model.safetensors"):
-        store.load(ref, torch_state(seed=1, steps=0), skip=("model",), verify="while")
+        store.load(ref, torch_state(seed=1, steps=0), skip=("model",), verify=Verify.WHILE)
 
 
 def _pickle_bomb(sentinel: Path) -> bytes:

@@ -6,7 +6,7 @@ import pydantic
 import pytest
 import torch
 
-from harness.errors import UserError
+from optim.errors import OptimError
 from optim import build
 from optim.adafactor import Adafactor2D
 from optim.build import build_bundle, parse_optim_config
@@ -138,7 +138,7 @@ def test_matrix_patterns_choose_the_matrices_and_only_2d_ones(tiny_gpt):
     cfg = parse_optim_config({"type": "lion", "matrix_patterns": ["blocks.*.fc.*", "head.*", "ln_f.*"]})
     opt, _ = build_bundle(cfg, model, 10)
     assert names(opt.optimizers["lion"]) == ["blocks.0.fc.weight", "blocks.1.fc.weight", "head.weight"]
-    with pytest.raises(UserError, match=r"match no 2D parameter"):
+    with pytest.raises(OptimError, match=r"match no 2D parameter"):
         build_bundle(parse_optim_config({"type": "muon", "matrix_patterns": ["block.*"]}), model, 10)
 
 
@@ -176,7 +176,7 @@ def test_head_lr_mult_scales_the_head_group(tiny_gpt, arm):
     rest, head = holder.param_groups[0], holder.param_groups[-1]
     assert head["param_names"] == ["head.weight"] and "head.weight" not in rest["param_names"]
     assert (rest["initial_lr"], head["initial_lr"]) == (1e-3, 3e-3)
-    with pytest.raises(UserError, match="'lm_head'"):
+    with pytest.raises(OptimError, match="'lm_head'"):
         build_bundle(parse_optim_config({"head_lr_mult": 2.0, "head_pattern": "lm_head"}), model, 10)
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from harness.errors import UserError
+from optim.errors import OptimError
 from optim.build import build_bundle, parse_optim_config
 from optim.bundle import MultiOpt, MultiSched
 
@@ -68,7 +68,7 @@ def test_loading_refuses_a_mismatch_and_names_it(trained, edit, message):
     sd = opt.state_dict()
     edit(sd)
     new_opt, _ = fresh()
-    with pytest.raises(UserError, match=message):
+    with pytest.raises(OptimError, match=message):
         new_opt.load_state_dict(sd)
     # Refused before anything was loaded: no optimizer of the bundle took the partial state.
     assert all(not o.state for o in new_opt.optimizers.values())
@@ -78,10 +78,10 @@ def test_the_reference_list_format_is_refused_with_a_clear_error(trained):
     """The team reference's MultiOpt.state_dict() is a list of torch state dicts (positional)."""
     opt, sched, fresh = trained
     new_opt, new_sched = fresh()
-    with pytest.raises(UserError, match=r"checkpoint optim is a list, not a dict keyed by optimizer name: "
+    with pytest.raises(OptimError, match=r"checkpoint optim is a list, not a dict keyed by optimizer name: "
                                         r"it looks like the team reference's positional MultiOpt state"):
         new_opt.load_state_dict([o.state_dict() for o in opt.optimizers.values()])
-    with pytest.raises(UserError, match="checkpoint sched is a list"):
+    with pytest.raises(OptimError, match="checkpoint sched is a list"):
         new_sched.load_state_dict([s.state_dict() for s in sched.schedulers.values()])
 
 
@@ -103,7 +103,7 @@ def test_a_muon_checkpoint_without_momentum_or_a_group_key_is_refused(tiny_gpt, 
         sd = opt.state_dict()
         edit(sd)
         new_opt, _ = build_bundle(cfg, tiny_gpt(), 10)
-        with pytest.raises(UserError, match=message):
+        with pytest.raises(OptimError, match=message):
             new_opt.load_state_dict(sd)
         assert all(not o.state for o in new_opt.optimizers.values())
 
@@ -142,7 +142,7 @@ def test_scheduler_loading_refuses_a_missing_or_extra_scheduler(trained, edit, m
     sd = sched.state_dict()
     edit(sd)
     _, new_sched = fresh()
-    with pytest.raises(UserError, match=message):
+    with pytest.raises(OptimError, match=message):
         new_sched.load_state_dict(sd)
     assert new_sched.state_dict() == fresh()[1].state_dict()  # refused before loading any
 

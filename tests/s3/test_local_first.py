@@ -1,4 +1,4 @@
-"""Local-first persistence (checkpoint/mirror.py) against the moto S3 server: a commit returns once
+"""Local-first persistence (checkpoint/local_first.py) against the moto S3 server: a commit returns once
 it is on local disk, the remote manifest is written only after every uploaded object was read back
 and matched, a failed upload leaves the previous remote checkpoint the newest good one and is raised
 at the next call, and `harness train` with checkpoint.local_dir ends with its final checkpoint
@@ -12,9 +12,9 @@ from torch import nn
 
 import procs
 from harness.checkpoint import CheckpointStore, capture
-from harness.checkpoint import mirror
+from harness.checkpoint import local_first
 from harness.checkpoint.errors import CheckpointError
-from harness.checkpoint.mirror import LocalFirstStore, UploadError
+from harness.checkpoint.local_first import LocalFirst, UploadError
 from procs import TINY, harness
 from s3proxy import FaultPlan
 from s3server import FAKE_ENV
@@ -40,9 +40,9 @@ def manifest_key(url: str, step: int) -> str:
 
 def test_commit_is_local_then_published_after_every_object_verifies(proxy, s3_server, s3_url, tmp_path, monkeypatch):
     remote = CheckpointStore(s3_url, keep_last=2, storage_options=options(proxy.endpoint))
-    store = LocalFirstStore(remote, str(tmp_path / "local"))
+    commit = LocalFirst(remote, str(tmp_path / "local"))
     events: list[tuple[str, str]] = []
-    real_hash, real_seal = mirror.hash_file, remote.seal
+    real_hash, real_seal = local_first.hash_file, remote.seal
 
     def hash_file(loc, path, algorithm):
         events.append(("verified", path.rsplit("/", 1)[-1]))
@@ -53,61 +53,60 @@ def test_commit_is_local_then_published_after_every_object_verifies(proxy, s3_se
         events.append(("sealed", str(ref.step)))
         return real_seal(ref, work, records)
 
-    monkeypatch.setattr(mirror, "hash_file", hash_file)
+    monkeypatch.setattr(local_first, "hash_file", hash_file)
     monkeypatch.setattr(remote, "seal", seal)
     proxy.script = ["delay"] * 4  # the upload's first requests are slow: the commit must not wait for them
-    ref = store.commit(1, snapshot(1), meta={"n": 1})
-    assert store.local.latest_good().step == 1
+    ref = commit(1, snapshot(1), meta={"n": 1})
+    assert commit.local.latest_good().step == 1
     assert manifest_key(s3_url, 1) not in s3_server.keys(), "published before the upload finished"
-    store.finish()
+    commit.finish()
 
-    names = {r.name for r in store.local.manifest(store.local.ref(1)).files}
+    names = {r.name for r in commit.local.manifest(commit.local.ref(1)).files}
     assert events[-1] == ("sealed", "1") and {n for kind, n in events[:-1] if kind == "verified"} == names
     view = remote_view(s3_server, s3_url)
     assert view.latest_good() == view.ref(1) and ref.url == view.ref(1).url
     assert view.read_state(view.ref(1))["meta"] == {"n": 1}
 
     for step in (2, 3, 4):
-        store.commit(step, snapshot(step))
-    store.finish()
+        commit(step, snapshot(step))
+    commit.finish()
     view = remote_view(s3_server, s3_url)
     assert [r.step for r in view.list()] == [3, 4] and view.verify(view.ref(4)) == []
-    assert [r.step for r in store.local.list()] == [3, 4]  # local retention: the last 2
-    assert store.latest_good().step == 4  # discovery is the remote's
+    assert [r.step for r in commit.local.list()] == [3, 4]  # local retention: the last 2
     assert s3_server.open_multipart_uploads() == []
 
 
 def test_failed_upload_keeps_previous_remote_checkpoint_newest(proxy, s3_server, s3_url, tmp_path, monkeypatch):
     remote = CheckpointStore(s3_url, keep_last=2, storage_options=options(proxy.endpoint, deadline_s=5.0))
-    store = LocalFirstStore(remote, str(tmp_path / "local"))
-    store.commit(1, snapshot(1))
-    store.finish()
+    commit = LocalFirst(remote, str(tmp_path / "local"))
+    commit(1, snapshot(1))
+    commit.finish()
 
     # An object that reads back wrong: nothing is published, finish raises, once.
-    real_hash = mirror.hash_file
-    monkeypatch.setattr(mirror, "hash_file", lambda loc, path, algorithm: (
+    real_hash = local_first.hash_file
+    monkeypatch.setattr(local_first, "hash_file", lambda loc, path, algorithm: (
         (0, "0" * 64) if path.endswith("model.safetensors") else real_hash(loc, path, algorithm)))
-    store.commit(2, snapshot(2))
+    commit(2, snapshot(2))
     with pytest.raises(CheckpointError, match="step 2.*fails verification.*previous remote checkpoint"):
-        store.finish()
-    store.finish()
-    monkeypatch.setattr(mirror, "hash_file", real_hash)
+        commit.finish()
+    commit.finish()
+    monkeypatch.setattr(local_first, "hash_file", real_hash)
     assert manifest_key(s3_url, 2) not in s3_server.keys()
     assert remote_view(s3_server, s3_url).latest_good().step == 1
 
     # S3 refuses every request during the upload: the next commit raises, before writing anything.
     proxy.plan = FaultPlan(rate=1.0, modes=("forbidden403",))
-    store.commit(3, snapshot(3))
-    store.wait()
+    commit(3, snapshot(3))
+    commit.wait()
     proxy.plan = FaultPlan()
     with pytest.raises((CheckpointError, UploadError), match="step 3.*previous remote checkpoint"):
-        store.commit(4, snapshot(4))
-    assert [r.step for r in store.local.list()] == [2, 3]
+        commit(4, snapshot(4))
+    assert [r.step for r in commit.local.list()] == [2, 3]
     view = remote_view(s3_server, s3_url)
     assert [r.step for r in view.list()] == [1] and view.latest_good().step == 1
 
-    store.commit(4, snapshot(4))  # the error was raised once; uploads work again
-    store.finish()
+    commit(4, snapshot(4))  # the error was raised once; uploads work again
+    commit.finish()
     assert remote_view(s3_server, s3_url).latest_good().step == 4
 
 

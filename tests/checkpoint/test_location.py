@@ -1,4 +1,4 @@
-"""storage.py: HashingReader hashes exactly the bytes of the file, whatever way they are read,
+"""location.py: HashingReader hashes exactly the bytes of the file, whatever way they are read,
 under every algorithm a manifest can name."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import io
 import blake3
 import pytest
 
-from harness.checkpoint import storage
+from harness.checkpoint import location
 from harness.checkpoint.digest import ALGORITHMS, DEFAULT_ALGORITHM
-from harness.checkpoint.storage import HashingReader, hash_file, open_location, write_stream
+from harness.checkpoint.location import HashingReader, hash_file, open_location, write_stream
 
 # Reference digests straight from the libraries, not through digest.py.
 REFERENCE = {"blake3": lambda data: blake3.blake3(data).hexdigest(), "sha256": lambda data: hashlib.sha256(data).hexdigest()}
@@ -31,7 +31,7 @@ class ShortReads(io.BytesIO):
 @pytest.mark.parametrize("algorithm", sorted(REFERENCE))
 @pytest.mark.parametrize("backlog", [1 << 30, 5])
 def test_every_byte_is_hashed_once_in_order_however_it_is_read(monkeypatch, backlog, algorithm):
-    monkeypatch.setattr(storage, "_HASH_BACKLOG_BYTES", backlog)  # 5: wait on the hasher at every read
+    monkeypatch.setattr(location, "_HASH_BACKLOG_BYTES", backlog)  # 5: wait on the hasher at every read
     data = bytes(range(256)) * 40
     buffers = []
     with HashingReader(ShortReads(data), algorithm) as r:
@@ -56,7 +56,7 @@ def test_it_refuses_to_seek_backwards():
 
 @pytest.mark.parametrize("algorithm", sorted(REFERENCE))
 def test_hash_file_matches_the_library_across_chunk_boundaries(tmp_path, monkeypatch, algorithm):
-    monkeypatch.setattr(storage, "_READ_CHUNK", 7)
+    monkeypatch.setattr(location, "_READ_CHUNK", 7)
     data = bytes(range(256)) * 3 + b"tail"
     (tmp_path / "f").write_bytes(data)
     assert hash_file(open_location(str(tmp_path)), str(tmp_path / "f"), algorithm) == (len(data), REFERENCE[algorithm](data))

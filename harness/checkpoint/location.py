@@ -1,4 +1,4 @@
-"""Where checkpoint bytes go: an fsspec filesystem plus the durability rules for each kind.
+"""A `Location` (filesystem + root) and the I/O on it: durable writes, hashed reads, per kind of storage.
 
 `open_location(url)` turns a local path or any fsspec URL into a `Location`. Writes differ by
 kind on purpose:

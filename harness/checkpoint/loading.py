@@ -1,0 +1,216 @@
+"""Reading one committed checkpoint: its manifest and state parsed once, then loaded into live parts.
+
+`verify_files(loc, ref)` lists every problem of a checkpoint (reads every byte: discovery).
+`open_checkpoint(loc, ref)` reads `manifest.json` and `state.json` (checked against the
+manifest's digest) once and returns a `Checkpoint` holding both parsed; everything after that
+(the config check of a resume, a rank's own state file, the load) takes that object, so a resume
+reads each small file once (one GET each on S3) and no two reads can disagree.
+
+`restore(loc, checkpoint, targets, ...)` streams the tensors into the live state (restore.py);
+how much it re-hashes is a `Verify`:
+* `NO`: sizes and headers only (the checkpoint was verified already, e.g. by `latest_good`);
+* `BEFORE`: every file hashed first, so a corrupt checkpoint changes nothing;
+* `WHILE`: every byte hashed as it streams into the live state, so a verified resume reads the
+  checkpoint once. A mismatch raises `CheckpointCorrupt` before any part's `load_state_dict`,
+  with the live tensors already overwritten (the caller discards them).
+
+Errors say which kind they are, so a caller never re-reads a checkpoint to classify one: a
+missing, malformed or mismatching file is `CheckpointCorrupt` (the checkpoint is damaged: try an
+older one); a checkpoint that is intact but does not fit the live state is a plain
+`CheckpointError` (the setup is wrong). With `WHILE`, a fit problem is raised only after the
+bytes read so far and the rest of every file were hashed: a damaged header that looks like
+another shape is reported as damage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from harness.checkpoint.digest import hexdigest
+from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from harness.checkpoint.format import STATE_FILE, parse_state
+from harness.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_manifest
+from harness.checkpoint.restore import restore_parts
+from harness.checkpoint.location import HashingReader, Location, hash_file, open_read, read_bytes
+from harness.checkpoint.tensorfile import TensorEntry, read_header
+from harness.log import get_logger
+
+if TYPE_CHECKING:
+    from harness.checkpoint.store import CheckpointRef
+
+log = get_logger(__name__)
+
+MAX_STATE_BYTES = 1 << 30
+
+
+class Verify(Enum):
+    """How much of a checkpoint `restore` re-hashes (see the module docstring)."""
+
+    NO = "no"
+    BEFORE = "before"
+    WHILE = "while"
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint read once: its ref, parsed manifest and parsed `state.json`
+    (keys: format_version, step, rank, parts, meta; tensor leaves are `{"$tensor": [file, name]}`)."""
+
+    ref: CheckpointRef
+    manifest: Manifest
+    state: dict[str, Any]
+
+    @property
+    def records(self) -> dict[str, FileRecord]:
+        return {r.name: r for r in self.manifest.files}
+
+
+def read_manifest(loc: Location, ref: CheckpointRef) -> Manifest:
+    """The parsed manifest of `ref`; `CheckpointCorrupt` when it is missing or malformed."""
+    path = f"{ref.path}/{MANIFEST_FILE}"
+    if not loc.fs.exists(path):
+        raise CheckpointCorrupt(f"{ref.url}: no {MANIFEST_FILE}, so this is not a committed checkpoint (an interrupted save?)")
+    try:
+        manifest = parse_manifest(read_bytes(loc, path, MAX_MANIFEST_BYTES), loc.url_of(path))
+    except CheckpointCorrupt:
+        raise
+    except CheckpointError as e:
+        raise CheckpointCorrupt(str(e)) from e
+    if manifest.step != ref.step:
+        raise CheckpointCorrupt(f"{ref.url}: the manifest says step {manifest.step}, the folder says {ref.step}")
+    return manifest
+
+
+def read_state_file(loc: Location, ref: CheckpointRef, manifest: Manifest, file: str = STATE_FILE) -> dict[str, Any]:
+    """A state file of `ref` (`state.json`, or a rank's `rank-NNNNN.json` of the same layout),
+    parsed after checking its bytes against the manifest's record; `CheckpointCorrupt` otherwise."""
+    records = {r.name: r for r in manifest.files}
+    path = f"{ref.path}/{file}"
+    where = loc.url_of(path)
+    if file not in records:
+        raise CheckpointCorrupt(f"{where}: not listed in the manifest; the checkpoint was not written by this setup")
+    rec = records[file]
+    if not loc.fs.exists(path):
+        raise CheckpointCorrupt(f"{where}: missing; the checkpoint is incomplete")
+    try:
+        data = read_bytes(loc, path, MAX_STATE_BYTES)
+        if len(data) != rec.size or hexdigest(rec.algorithm, data) != rec.digest:
+            raise CheckpointCorrupt(f"{where}: does not match the manifest ({len(data)} bytes, manifest says "
+                                    f"{rec.size}); the checkpoint is corrupt")
+        return parse_state(data, where)
+    except CheckpointCorrupt:
+        raise
+    except CheckpointError as e:
+        raise CheckpointCorrupt(str(e)) from e
+
+
+def verify_files(loc: Location, ref: CheckpointRef) -> list[str]:
+    """Every problem with `ref` (empty when it is good): each file's size and digest against
+    the manifest, the safetensors headers and state.json. Reads every byte."""
+    try:
+        manifest = read_manifest(loc, ref)
+    except CheckpointError as e:
+        return [str(e)]
+    problems = []
+    started = time.perf_counter()
+    for rec in manifest.files:
+        path = f"{ref.path}/{rec.name}"
+        where = loc.url_of(path)
+        if not loc.fs.exists(path):
+            problems.append(f"{where}: missing (the manifest lists {rec.size} bytes)")
+            continue
+        size, digest = hash_file(loc, path, rec.algorithm)
+        if size != rec.size:
+            problems.append(f"{where}: {size} bytes, the manifest says {rec.size}")
+        elif digest != rec.digest:
+            problems.append(f"{where}: {rec.algorithm} {digest}, the manifest says {rec.digest}")
+        else:
+            try:
+                _check_content(loc, path, rec, where)
+            except CheckpointError as e:
+                problems.append(str(e))
+    log.debug("checkpoint verified", url=ref.url, files=len(manifest.files), bytes=manifest.nbytes,
+              problems=len(problems), seconds=round(time.perf_counter() - started, 3))
+    return problems
+
+
+def _check_content(loc: Location, path: str, rec: FileRecord, where: str) -> None:
+    if rec.name.endswith(".safetensors"):
+        with open_read(loc, path) as f:
+            read_header(f, rec.size, where)
+    elif rec.name == STATE_FILE:
+        parse_state(read_bytes(loc, path, MAX_STATE_BYTES), where)
+
+
+def open_checkpoint(loc: Location, ref: CheckpointRef) -> Checkpoint:
+    """`ref` with its manifest and `state.json` read and parsed, once; `CheckpointCorrupt` when
+    either is missing, malformed or does not match."""
+    manifest = read_manifest(loc, ref)
+    return Checkpoint(ref, manifest, read_state_file(loc, ref, manifest))
+
+
+def open_tensors(loc: Location, stack: ExitStack, ref: CheckpointRef, rec: FileRecord, *, prefetch: bool = False,
+                 hashing: bool = False) -> tuple[Any, dict[str, TensorEntry], str]:
+    """Open the tensor file `rec` of `ref` (its size checked, its header read): (reader, header
+    entries, URL). `hashing`: the reader hashes every byte it passes (`HashingReader`)."""
+    path = f"{ref.path}/{rec.name}"
+    where = loc.url_of(path)
+    if not loc.fs.exists(path):
+        raise CheckpointCorrupt(f"{where}: missing; the checkpoint is incomplete, resume from an older one")
+    size = loc.fs.size(path)
+    if size != rec.size:
+        raise CheckpointCorrupt(f"{where}: {size} bytes, the manifest says {rec.size}; the file is damaged, resume "
+                                f"from an older checkpoint")
+    f = open_read(loc, path, prefetch=prefetch)
+    f = stack.enter_context(HashingReader(f, rec.algorithm) if hashing else f)
+    try:
+        return f, read_header(f, size, where), where
+    except CheckpointError as e:
+        raise CheckpointCorrupt(str(e)) from e
+
+
+def restore(loc: Location, checkpoint: Checkpoint, targets: Mapping[str, Any], *, skip: Collection[str] = (),
+            verify: Verify = Verify.NO, state: dict[str, Any] | None = None,
+            check_all: Callable[[], list[str]] | None = None) -> dict[str, Any]:
+    """Restore each target from `checkpoint` (see restore.py for the checks); returns the saved
+    meta. `state`: the parsed state to restore instead of `checkpoint.state` (a rank > 0 swaps in
+    its own per-rank parts). `check_all`: every problem of the checkpoint, for `Verify.BEFORE`."""
+    ref, records = checkpoint.ref, checkpoint.records
+    if verify is Verify.BEFORE and (problems := check_all()):
+        raise CheckpointCorrupt(f"{ref.url} fails verification:\n  " + "\n  ".join(problems))
+    hashing = verify is Verify.WHILE
+    readers: dict[str, HashingReader] = {}
+
+    def open_file(stack: ExitStack, file: str):
+        if file not in records or not file.endswith(".safetensors"):
+            raise CheckpointCorrupt(f"{ref.url}: state.json refers to {file!r}, which the manifest does not list; "
+                                    f"the checkpoint is corrupt")
+        f, entries, where = open_tensors(loc, stack, ref, records[file], prefetch=True, hashing=hashing)
+        if hashing:
+            readers[file] = f
+        return f, entries, where
+
+    def check_streamed() -> None:
+        problems = []
+        for rec in records.values():
+            path = f"{ref.path}/{rec.name}"
+            if rec.name in readers:
+                size, digest = readers[rec.name].finish()
+            elif rec.name == STATE_FILE:
+                continue  # `open_checkpoint` compared its bytes with the manifest
+            else:
+                size, digest = hash_file(loc, path, rec.algorithm) if loc.fs.exists(path) else (None, None)
+            found = FileRecord(rec.name, size, digest, rec.algorithm)
+            if found != rec:
+                problems.append(f"{loc.url_of(path)}: {found.describe()}, the manifest says {rec.describe()}")
+        if problems:
+            raise CheckpointCorrupt(f"{ref.url} is corrupt, found while loading it:\n  " + "\n  ".join(problems))
+
+    restore_parts(checkpoint.state if state is None else state, targets, skip, open_file,
+                  where=f"checkpoint {ref.url}", check_streamed=check_streamed if hashing else None)
+    return (checkpoint.state if state is None else state)["meta"]
