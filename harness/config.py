@@ -128,7 +128,9 @@ class HealthSection(Section):
 class LogSection(Section):
     """Where metrics go besides metrics.jsonl (which stays the source of truth)."""
 
-    trackers: list[Literal["tensorboard"]] = Field(default_factory=list, description="Experiment trackers fed by rank 0 with every step's metrics: \"tensorboard\" (pip install 'harness[tensorboard]'; event files in LOG_DIR/tensorboard, re-run steps replace the old points). A tracker that fails warns and never stops training.")
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, description="Experiment trackers fed by rank 0 with every step's metrics: \"tensorboard\" (pip install 'harness[tensorboard]'; event files in LOG_DIR/tensorboard, re-run steps replace the old points), \"wandb\" (pip install 'harness[wandb]'; one W&B run per harness run, its id the run id, continued by every restart). A tracker that fails warns and never stops training.")
+    wandb_mode: Literal["offline", "online"] = Field("offline", description="W&B: offline = write LOG_DIR/wandb only (no network; `wandb sync` uploads it), online = stream to the W&B server.")
+    wandb_project: str = Field("harness", description="W&B project of the run.")
 
 
 class DebugSection(Section):

@@ -88,7 +88,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
                 events.emit("config_changed", step=trainer.step, changes={k: {"old": a, "new": b} for k, (a, b) in changes.items()},
                             schedule=trainer.sched.replanned)
             resumed_here = ref is not None and source is store
-            trackers = open_trackers(cfg.log.trackers, log_dir, trainer.step) if lead else distributed.Silent()
+            trackers = open_trackers(cfg.log, log_dir, trainer.step, run_id) if lead else distributed.Silent()
             loop = Loop(cfg, trainer, store, metrics, events, log_dir, last_committed=ref.step if resumed_here else None,
                         trackers=trackers)
             try:

@@ -2,13 +2,14 @@
 loss metrics.jsonl has; a failing tracker warns and training goes on; an unknown one is a
 one-line config error."""
 
+import json
 import math
 
 from structlog.testing import capture_logs
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from harness.health.trackers import Trackers
-from procs import TINY, assert_one_line_error, harness, kill_at_step, losses
+from procs import ENV, TINY, assert_one_line_error, harness, kill_at_step, losses
 
 TENSORBOARD = ["--set", 'log.trackers=["tensorboard"]']
 
@@ -38,6 +39,20 @@ def test_a_rollback_rewinds_tensorboard_too(tmp_path):
     harness("train", str(TINY), "--run-dir", str(run), *TENSORBOARD, "--set", 'train.on_anomaly="rollback"',
             "--set", "debug.nan_at_steps=[7]", check=True)
     assert [step for step, _ in scalars(run, "loss")] == list(range(1, 13))
+
+
+def test_wandb_offline_continues_one_run_across_kills(tmp_path):
+    """Three processes (two SIGKILLs), one W&B run: every process's offline run folder carries
+    the harness run id, without any network."""
+    run = tmp_path / "run"
+    args = ["train", str(TINY), "--run-dir", str(run), "--set", 'log.trackers=["wandb"]']
+    env = {**ENV, "WANDB_SILENT": "true"}
+    for step in (6, 10):
+        assert kill_at_step(args, run, step, env=env) != 0
+    harness(*args, check=True, env=env)
+    run_id = json.loads((run / "run.json").read_text())["run_id"]
+    folders = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
+    assert len(folders) == 3 and all(name.endswith("-" + run_id) for name in folders), (run_id, folders)
 
 
 class Broken:
@@ -75,4 +90,4 @@ def test_a_failing_tracker_warns_once_per_streak_and_the_others_go_on():
 
 def test_an_unknown_tracker_is_a_one_line_config_error(tmp_path):
     proc = harness("train", str(TINY), "--run-dir", str(tmp_path / "run"), "--set", 'log.trackers=["wandb2"]')
-    assert_one_line_error(proc, "log.trackers.0: Input should be 'tensorboard'")
+    assert_one_line_error(proc, "log.trackers.0: Input should be 'tensorboard' or 'wandb'")

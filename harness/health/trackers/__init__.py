@@ -13,22 +13,26 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from harness.config import LogSection
 from harness.errors import UserError
 from harness.log import get_logger
 
 log = get_logger(__name__)
 
 
-def open_trackers(names: list[str], log_dir: Path, resumed_step: int) -> Trackers:
-    """The trackers named in `[log] trackers`, continuing after `resumed_step`."""
+def open_trackers(cfg: LogSection, log_dir: Path, resumed_step: int, run_id: str) -> Trackers:
+    """The trackers named in `[log] trackers`, continuing after `resumed_step` (the config admits
+    only the names below)."""
     opened = []
-    for name in names:
+    for name in cfg.trackers:
         if name == "tensorboard":
             from harness.health.trackers.tensorboard import TensorBoardTracker
 
             opened.append(TensorBoardTracker(log_dir, resumed_step))
-        else:  # the config admits only the names above
-            raise UserError(f"log.trackers: unknown tracker {name!r}; use \"tensorboard\"")
+        if name == "wandb":
+            from harness.health.trackers.wandb import WandbTracker
+
+            opened.append(WandbTracker(log_dir, run_id, cfg.wandb_mode, cfg.wandb_project))
     return Trackers(opened)
 
 
