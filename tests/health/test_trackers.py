@@ -42,17 +42,16 @@ def test_a_rollback_rewinds_tensorboard_too(tmp_path):
 
 
 def test_wandb_offline_continues_one_run_across_kills(tmp_path):
-    """Three processes (two SIGKILLs), one W&B run: every process's offline run folder carries
-    the harness run id, without any network."""
+    """Two processes (a SIGKILL), one W&B run: each process's offline run folder carries the
+    harness run id, without any network."""
     run = tmp_path / "run"
     args = ["train", str(TINY), "--run-dir", str(run), "--set", 'log.trackers=["wandb"]']
     env = {**ENV, "WANDB_SILENT": "true"}
-    for step in (6, 10):
-        assert kill_at_step(args, run, step, env=env) != 0
+    assert kill_at_step(args, run, 6, env=env) != 0
     harness(*args, check=True, env=env)
     run_id = json.loads((run / "run.json").read_text())["run_id"]
     folders = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
-    assert len(folders) == 3 and all(name.endswith("-" + run_id) for name in folders), (run_id, folders)
+    assert len(folders) == 2 and all(name.endswith("-" + run_id) for name in folders), (run_id, folders)
 
 
 class Broken:
