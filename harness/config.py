@@ -147,7 +147,8 @@ class DebugSection(Section):
     hang_in: Literal["step", "data"] = Field("step", description="Where `hang_at_step` hangs.")
     hang_rank: int = Field(0, ge=0, description="The rank that hangs (`hang_at_step`).")
     nan_at_steps: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list, description="Poison the batches that these steps draw in a run without skips (step N's worth of batches): their loss becomes NaN on `nan_rank`. A rollback that skips such a batch does not meet it again.")
-    nan_rank: int = Field(0, ge=0, description="The rank whose loss `nan_at_steps` poisons.")
+    spike_at_steps: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list, description="Like `nan_at_steps`, but the loss of those batches is multiplied by 100 (a loss spike; the gradients are unchanged).")
+    nan_rank: int = Field(0, ge=0, description="The rank whose loss `nan_at_steps` and `spike_at_steps` poison.")
     sample_log: bool = Field(False, description="Each rank appends the sample ids of every batch to LOG_DIR/samples-rank-NNNNN.jsonl, to test the data split across ranks and world sizes.")
 
 

@@ -165,8 +165,11 @@ class Trainer:
                 self.scaler.scale(loss / accum).backward()
             total += loss.detach().float()
             tokens += x.numel()
-        if batch_no in self.cfg.debug.nan_at_steps and self.cfg.debug.nan_rank == self.rank:
-            total = total * math.nan  # debug: a poisoned batch; the all-reduce spreads it to every rank
+        if self.cfg.debug.nan_rank == self.rank:  # debug: a poisoned batch; the all-reduce spreads it
+            if batch_no in self.cfg.debug.nan_at_steps:
+                total = total * math.nan
+            elif batch_no in self.cfg.debug.spike_at_steps:
+                total = total * 100.0
         if self.world_size > 1:  # every rank logs, digests and checks the mean over all ranks
             torch.distributed.all_reduce(total)
             tokens *= self.world_size

@@ -70,3 +70,20 @@ def test_the_rollback_cap_counts_the_rollbacks_of_a_killed_process(tmp_path):
             "--set", "train.max_rollbacks=1", "--set", "debug.nan_at_steps=[7, 11]"]
     assert kill_at_step(args, run, 9) != 0
     assert_one_line_error(harness(*args), "loss is nan at step 10: anomalies at steps 7, 10 within 1000 steps")
+
+
+def test_a_loss_spike_is_rolled_back_the_same_way_after_a_kill(tmp_path):
+    """With spike detection on, the spike window is checkpointed: killed after checkpoint 8 and
+    resumed, the run calls the spike of step 10 as the uninterrupted one does (with only the
+    losses seen since the resume it would be too few to call any) and ends bitwise equal."""
+    spike = ["--set", 'train.on_anomaly="rollback"', "--set", "train.spike_threshold=6", "--set",
+             "train.spike_window=8", "--set", "debug.spike_at_steps=[10]"]
+    cont, intr = tmp_path / "continuous", tmp_path / "interrupted"
+    harness("train", str(TINY), "--run-dir", str(cont), *spike, check=True)
+    (rollback,) = rollbacks(cont)
+    assert (rollback["cause"], rollback["step"], rollback["to_step"], rollback["skip"]) == ("loss_spike", 10, 8, [10])
+    args = ["train", str(TINY), "--run-dir", str(intr), *spike]
+    assert kill_at_step(args, intr, 9) != 0
+    harness(*args, check=True)
+    assert_same_run(cont, intr, 12)
+    assert [r["cause"] for r in rollbacks(intr)] == ["loss_spike"]
