@@ -78,9 +78,11 @@ class Loop:
         return self.watchdog.watch(phase, self.trainer.step + 1, **limits)
 
     def save_limits(self) -> dict[str, float]:
-        """A background save has its own deadline (exit 69, clearer); the watchdog backs it up."""
+        """A background save has its own deadline (exit 69, clearer), and a local-first upload
+        (waited for by the final save) of a large checkpoint may rightly take long: for both the
+        limit is at least `checkpoint.save_deadline_s` + the floor."""
         c = self.cfg.checkpoint
-        return {"at_least": c.save_deadline_s + self.cfg.health.hang_floor_s} if c.async_save else {}
+        return {"at_least": c.save_deadline_s + self.cfg.health.hang_floor_s} if c.async_save or c.local_dir else {}
 
     def eval_limits(self) -> dict[str, float]:
         return {"scale": max(1.0, self.cfg.train.eval_batches / self.trainer.grad_accum)}
