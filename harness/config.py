@@ -90,6 +90,12 @@ class TrainSection(Section):
     fingerprint_every: int = Field(100, ge=0, description="Every N steps, hash every parameter, buffer and optimizer tensor into the step's fingerprint (metrics.jsonl `state_hash`; 0 = only at checkpoints). Costs a copy of the state to the CPU and a sha256 over it. The loss and batch hash are recorded every step regardless.")
     on_divergence: Literal["error", "warn"] = Field("warn", description="After a resume, when a re-run step's fingerprint differs from the one the interrupted process recorded (or the restored state from the saved one): stop with an error, or log a resume_mismatch event and go on.")
     unregistered_state: Literal["error", "warn"] = Field("error", description="Before training: an optimizer, scheduler, grad scaler, generator or other stateful object reachable from the trainer that is not a registered state part (so a checkpoint would not hold it) is an error, or only a warning; likewise a non-persistent buffer that the first forward reads before writing and then updates (an EMA).")
+    on_anomaly: Literal["stop", "rollback"] = Field("stop", description="What a NaN/inf loss or gradient norm (always checked) or a loss spike (`spike_threshold`) does, on every rank at the same step (the loss is all-reduced): stop with exit 2 before the optimizer step, or roll back to the newest good checkpoint before it, skip the batches that caused it and go on (harness/health/anomaly.py; docs/health.md). The skipped batches are checkpointed, so a resumed run repeats the same rollbacks.")
+    spike_threshold: float | None = Field(None, gt=0, description="A loss above median + spike_threshold x MAD (scaled to a standard deviation) of the last `spike_window` losses is a spike (an anomaly); unset = spikes are not checked, only NaN/inf.")
+    spike_window: int = Field(100, ge=8, description="Recent losses the spike threshold is computed from; no spike is called before half of them are seen.")
+    rollback_skip: int = Field(1, ge=1, description="On a rollback, skip this many optimizer steps' worth of batches, ending with the one that caused the anomaly.")
+    max_rollbacks: int = Field(3, ge=1, description="At most this many rollbacks within `rollback_window` steps; one more anomaly there stops the run (exit 2), naming the steps.")
+    rollback_window: int = Field(1000, ge=1, description="The span of steps `max_rollbacks` counts in.")
 
 
 class CheckpointSection(Section):
@@ -110,6 +116,23 @@ class CheckpointSection(Section):
     local_dir: str | None = Field(None, description="Local-first persistence: commit each checkpoint to this local folder (one per run; the last 2 are kept), upload it to the run dir in the background, read every object back and check it, and only then publish it there (its manifest); the run dir stays the source of truth for resuming. Unset = write to the run dir directly. One process only.")
 
 
+class HealthSection(Section):
+    """The hang watchdog (harness/health/watchdog.py); none of these change the math."""
+
+    hang_watchdog: bool = Field(True, description="Exit with code 79 (HUNG, restarted like a crash) after dumping every thread's stack to the log dir when a step, save, evaluation or collective takes longer than max(hang_factor x the median step time, hang_floor_s).")
+    hang_factor: float = Field(20.0, gt=1.0, description="A phase may take this many median step times (an evaluation: per eval batch over grad_accum).")
+    hang_floor_s: float = Field(600.0, gt=0.0, description="Lower bound of every limit, in seconds: covers slow checkpoints and stalls that are not hangs.")
+    first_step_s: float = Field(1800.0, gt=0.0, description="Limit for phases before this process has timed a step (compilation, loader workers starting, cache warm-up).")
+
+
+class LogSection(Section):
+    """Where metrics go besides metrics.jsonl (which stays the source of truth)."""
+
+    trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, description="Experiment trackers fed by rank 0 with every step's metrics: \"tensorboard\" (pip install 'harness[tensorboard]'; event files in LOG_DIR/tensorboard, re-run steps replace the old points), \"wandb\" (pip install 'harness[wandb]'; one W&B run per harness run, its id the run id, continued by every restart). A tracker that fails warns and never stops training.")
+    wandb_mode: Literal["offline", "online"] = Field("offline", description="W&B: offline = write LOG_DIR/wandb only (no network; `wandb sync` uploads it), online = stream to the W&B server.")
+    wandb_project: str = Field("harness", description="W&B project of the run.")
+
+
 class DebugSection(Section):
     """Fault hooks for tests of the harness itself; never set in real runs."""
 
@@ -120,6 +143,12 @@ class DebugSection(Section):
     persist_delay_s: float = Field(0.0, ge=0.0, description="Sleep this long in the background persist before writing (async_save), to give kill tests a window in which a save is in flight.")
     fail_save_rank: int | None = Field(None, ge=0, description="With world size > 1: this rank fails half-way through writing its part of a checkpoint (at `fail_save_step`, or at every save), to test that no rank commits then.")
     fail_save_step: int | None = Field(None, ge=0, description="The step at which `fail_save_rank` fails its save; unset = every save.")
+    hang_at_step: int | None = Field(None, ge=1, description="Hang forever (once: a marker in the log dir) while working on this step, where `hang_in` says: the step itself, or the data loading of it (in a loader worker when data.num_workers > 0).")
+    hang_in: Literal["step", "data"] = Field("step", description="Where `hang_at_step` hangs.")
+    hang_rank: int = Field(0, ge=0, description="The rank that hangs (`hang_at_step`).")
+    nan_at_steps: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list, description="Poison the batches that these steps draw in a run without skips (step N's worth of batches): their loss becomes NaN on `nan_rank`. A rollback that skips such a batch does not meet it again.")
+    spike_at_steps: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list, description="Like `nan_at_steps`, but the loss of those batches is multiplied by 100 (a loss spike; the gradients are unchanged).")
+    nan_rank: int = Field(0, ge=0, description="The rank whose loss `nan_at_steps` and `spike_at_steps` poison.")
     sample_log: bool = Field(False, description="Each rank appends the sample ids of every batch to LOG_DIR/samples-rank-NNNNN.jsonl, to test the data split across ranks and world sizes.")
 
 
@@ -133,6 +162,8 @@ class RunConfig(Section):
     optim: OptimConfig = Field(default_factory=lambda: _default_optim(), description="Optimizer bundle; `type` selects the arm (default adamw).")
     train: TrainSection = Field(default_factory=TrainSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    health: HealthSection = Field(default_factory=HealthSection)
+    log: LogSection = Field(default_factory=LogSection)
     debug: DebugSection = Field(default_factory=DebugSection)
 
     @model_validator(mode="after")
@@ -179,10 +210,14 @@ def _redact(tree: Any) -> Any:
 # among them (a text file's URL is part of its identity); `data.sources` holds URLs of token shards,
 # which may move: what the numbers depend on (each index's sha256 and the weights) is recorded and
 # checked as the data identity instead (harness/data/identity.py, harness/data/sources.py).
-FREE_FIELDS = ("run_dir", "log_dir", "checkpoint", "debug", "data.num_workers", "data.storage_options",
+FREE_FIELDS = ("run_dir", "log_dir", "checkpoint", "health", "log", "debug", "data.num_workers", "data.storage_options",
                "data.sources", "data.eval_sources", "data.hash_check", "train.eval_every", "train.eval_batches",
                "train.log_every", "train.device", "train.cpu_threads",
-               "train.fingerprint_every", "train.on_divergence", "train.unregistered_state")
+               "train.fingerprint_every", "train.on_divergence", "train.unregistered_state",
+               # Anomaly handling changes the numbers only at an anomaly, and what it did then (the
+               # skipped batches) is checkpointed state: a resume repeats it under any of these.
+               "train.on_anomaly", "train.spike_threshold", "train.spike_window", "train.rollback_skip",
+               "train.max_rollbacks", "train.rollback_window")
 
 
 def batch_shape(cfg: RunConfig, world_size: int) -> tuple[int, int]:

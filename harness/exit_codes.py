@@ -10,6 +10,8 @@
 | 75   | PREEMPTED              | a stop signal was honoured: checkpoint committed, then exit | requeue   |
 | 76   | SAVE_DEADLINE_MISSED   | a stop signal arrived but the save overran its deadline;  | requeue   |
 |      |                        | the previous checkpoint is still the newest good one       |                 |
+| 79   | HUNG                   | the hang watchdog saw a step, save or collective pass its | restart, bounded |
+|      |                        | limit; stacks dumped to the log dir (harness/health)       | (as a crash)    |
 | any other | (crash)           | a bug or an infrastructure failure                         | restart (the supervisor does) |
 
 75 is EX_TEMPFAIL from sysexits.h: "try again later", the conventional "safe to requeue".
@@ -24,6 +26,12 @@ third kind: not a crash (restarting at once would only hammer an endpoint that i
 user error (exit 2 tells a launcher "do not retry", which would end a week-long job over a
 minute's outage). Every launcher retries it after a backoff (`RETRY_LATER`); the checkpoint
 commit is atomic and the lease is left for the next attempt, so nothing is lost.
+
+HUNG is 79, outside sysexits.h's range (64-78) so it means one thing only. A hang is most often
+the infrastructure's (a dead mount, a lost peer, a bad node): restarting from the last checkpoint
+is the remedy, as for a crash, and like a crash it is bounded: the supervisor counts it toward
+its crash-loop limit, torchrun toward --max-restarts, the k8s Job toward backoffLimit, and the
+SLURM script requeues it at most HANG_REQUEUES times (a requeue may land on other nodes).
 
 `record(code)`: when `HARNESS_EXIT_CODE_DIR` is set (ops/torchrun/train.sh sets it), the process
 writes its exit code to `restart-R.rank-N` there, so a launcher can learn the trainers' codes
@@ -41,6 +49,7 @@ SAVE_DEADLINE_MISSED = 76
 STORAGE_UNAVAILABLE = 69
 # What `debug.crash_at_step` dies with (os._exit, no cleanup): a crash the supervisor restarts.
 CRASH_EXIT_CODE = 13
+HUNG = 79
 
 # Exit codes after which the run is consistent on storage and simply has to be started again.
 REQUEUE = frozenset({PREEMPTED, SAVE_DEADLINE_MISSED})
@@ -55,6 +64,7 @@ NAMES = {
     PREEMPTED: "preempted",
     SAVE_DEADLINE_MISSED: "save_deadline_missed",
     STORAGE_UNAVAILABLE: "storage_unavailable",
+    HUNG: "hung",
 }
 
 

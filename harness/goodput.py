@@ -5,12 +5,14 @@ the trainer (rank 0 only) unless marked supervisor:
 
 | event      | fields                                   | when |
 |------------|------------------------------------------|------|
-| start      | resumed_from: int or null, previous_reached: int or null, startup_s, restore_s | once per process, after the state is restored and checked, just before the first step; previous_reached = the last step the interrupted process logged to metrics.jsonl (every step is logged there), null when it logged none past resumed_from; startup_s = seconds since the process started (imports, config, restore); restore_s = the part spent finding, verifying, loading and checking the checkpoint |
+| start      | resumed_from: int or null, previous_reached: int or null, startup_s, restore_s, total_steps | once per process, after the state is restored and checked, just before the first step; previous_reached = the last step the interrupted process logged to metrics.jsonl (every step is logged there), null when it logged none past resumed_from; startup_s = seconds since the process started (imports, config, restore); restore_s = the part spent finding, verifying, loading and checking the checkpoint |
 | progress   | step, train_s                            | every few steps (e.g. each console log line) and after each checkpoint; step = steps completed so far; train_s = seconds this process has spent inside training steps so far (cumulative, blocking saves excluded) |
 | checkpoint | step, blocking_s                         | after each commit; blocking_s = seconds the step loop was blocked by this save |
 | save_slow  | step, seconds                            | while a background save has been persisting longer than expected (checkpoint.save_deadline_s), repeated each slow interval |
 | exit       | reason, step, train_s, exit_code, error | when the process ends by itself: "finished" (0), "preempted" (75), "save_deadline_missed" (76, from the deadline watchdog), "user_error" (2) or "crashed" (an exception; error = its type and message); train_s as in progress. A process that is killed writes none |
 | restart    | cause, exit_code, step, restart, backoff_s | supervisor, before each restart; step = newest committed checkpoint |
+| anomaly    | action, step, batch, cause, value, to_step, skip, error | an anomaly (harness/health/anomaly.py) at `step` (not applied): action "rollback" (back to checkpoint `to_step`, step-batches `skip` skipped) or "stop" (error = the message) |
+| hang       | phase, step, limit_s, waited_s, stacks, nccl_trace | the hang watchdog fired (harness/health/watchdog.py), followed by exit reason "hung" (79) |
 | gave_up    | cause, step, restarts, streak, stderr_tail | supervisor, when it stops retrying |
 
 Accounting (`account(events)`), with one "process" = the events from one "start" to the next:
@@ -21,8 +23,8 @@ Accounting (`account(events)`), with one "process" = the events from one "start"
 - recomputing: steps run twice. When process P is followed by Q, the steps from Q's
   resumed_from (0 if null) up to the last step P is known to have reached (progress,
   checkpoint or exit events, and Q's previous_reached, read from every step P logged) were
-  lost and re-run; they are costed at the run's mean step time (training time / steps it
-  covered).
+  lost and re-run; so were the steps from a rollback's `to_step` to its anomaly's step. They
+  are costed at the run's mean step time (training time / steps it covered).
 - other: wall clock minus the above (evaluation, logging, data stalls, time between a crash and
   the next start that no supervisor accounted for, queueing of a requeued job).
 - wall clock: from the first process's start (its start time minus startup_s) to the last event.
@@ -31,7 +33,7 @@ Accounting (`account(events)`), with one "process" = the events from one "start"
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Goodput:
     restarts: int = 0
     last_step: int | None = None
     exit_reason: str | None = None  # of the last process: an "exit" reason, "gave_up" or None
+    rollbacks: list[dict] = field(default_factory=list)  # distinct "anomaly" events with action "rollback"
 
     @property
     def other_s(self) -> float:
@@ -80,6 +83,7 @@ def account(events: Iterable[dict]) -> Goodput:
     g = Goodput()
     procs: list[_Process] = []
     first_time = last_time = None
+    rolled_back = 0  # steps computed again after rollbacks
     for e in events:
         kind, t = e.get("event"), float(e.get("time", 0.0))
         last_time = t
@@ -99,6 +103,13 @@ def account(events: Iterable[dict]) -> Goodput:
             continue
         if kind == "gave_up":
             g.exit_reason = "gave_up"
+            continue
+        if kind == "anomaly" and e.get("action") == "rollback":
+            # A run resumed from before a rollback meets the same anomaly again: the same rollback.
+            seen = {(r["step"], r["batch"], r["to_step"]) for r in g.rollbacks}
+            if (e["step"], e["batch"], e["to_step"]) not in seen:
+                g.rollbacks.append(e)
+            rolled_back += max(0, int(e["step"]) - int(e["to_step"]))
             continue
         if kind not in ("progress", "checkpoint", "exit"):
             continue
@@ -121,9 +132,10 @@ def account(events: Iterable[dict]) -> Goodput:
     total_train = sum(p.train_s for p in procs)
     covered = sum(max(0, p.train_s_step - p.first_step)
                   for p in procs if p.train_s_step is not None)
+    covered += rolled_back
     mean_step_s = total_train / covered if covered else 0.0
-    g.recompute_steps = sum(max(0, (prev.last_step or 0) - nxt.first_step)
-                            for prev, nxt in zip(procs, procs[1:]))
+    g.recompute_steps = rolled_back + sum(max(0, (prev.last_step or 0) - nxt.first_step)
+                                          for prev, nxt in zip(procs, procs[1:]))
     g.recompute_s = g.recompute_steps * mean_step_s
     g.training_s = total_train - g.recompute_s
     return g

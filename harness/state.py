@@ -19,6 +19,8 @@ import struct
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
+from harness.health.anomaly import AnomalyLedger
+
 
 @runtime_checkable
 class Stateful(Protocol):
@@ -74,10 +76,12 @@ class TrainState:
 
 
 class TrainerCounters:
-    """The trainer's own progress: the step, tokens seen, and a digest of every loss so far.
+    """The trainer's own progress: the step, tokens seen, a digest of every loss so far, and the
+    anomaly ledger (skipped batches and rollbacks, harness/health/anomaly.py).
 
     `loss_digest` chains the exact bits of each step's loss (sha256), so two runs that agree on
-    the digest at step N logged the same losses at steps 1..N.
+    the digest at step N logged the same losses at steps 1..N. The ledger is saved only once it
+    holds something, so runs without rollbacks or spike checks keep the state dict they had.
     """
 
     def __init__(self) -> None:
@@ -85,6 +89,7 @@ class TrainerCounters:
         self.tokens_seen = 0
         self.loss_digest = hashlib.sha256(b"harness").hexdigest()
         self.finished = False
+        self.anomalies = AnomalyLedger()
 
     def record(self, loss: float, tokens: int) -> None:
         self.step += 1
@@ -94,11 +99,15 @@ class TrainerCounters:
         self.loss_digest = h.hexdigest()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "loss_digest": self.loss_digest,
-                "finished": self.finished}
+        state = {"step": self.step, "tokens_seen": self.tokens_seen, "loss_digest": self.loss_digest,
+                 "finished": self.finished}
+        if self.anomalies:
+            state["anomalies"] = self.anomalies.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.tokens_seen = int(state["tokens_seen"])
         self.loss_digest = str(state["loss_digest"])
         self.finished = bool(state["finished"])
+        self.anomalies.load_state_dict(state.get("anomalies", {}))

@@ -54,7 +54,7 @@ import tenacity
 from harness.events import EventLog
 from harness.run.files import events_url
 from harness.errors import Unavailable, UserError
-from harness.exit_codes import FINISHED, GAVE_UP, PREEMPTED, REQUEUE, RETRY_LATER, USER_ERROR
+from harness.exit_codes import FINISHED, GAVE_UP, NAMES, PREEMPTED, REQUEUE, RETRY_LATER, USER_ERROR
 from harness.log import get_logger
 from harness.signals import DEFAULT_SIGNALS, PreemptionWatch
 
@@ -221,7 +221,7 @@ def describe_exit(code: int) -> str:
             return f"killed by {signal.Signals(-code).name}"
         except ValueError:
             return f"killed by signal {-code}"
-    return f"exit code {code}"
+    return f"exit code {code} ({NAMES[code]})" if code in NAMES else f"exit code {code}"
 
 
 def _sleep_unless(watch: PreemptionWatch, seconds: float) -> bool:

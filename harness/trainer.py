@@ -28,6 +28,7 @@ from harness.buffer_probe import BufferProbe, non_persistent_buffers
 from harness.completeness import check_buffers, check_registered
 from harness.errors import UserError
 from harness.fingerprint import FingerprintLog
+from harness.health.anomaly import Anomaly, detect
 from harness.log import get_logger
 from harness.models.contract import build_model, split_output
 from harness.rng import RNGState, seed_everything
@@ -39,8 +40,13 @@ log = get_logger(__name__)
 
 
 class TrainingDiverged(UserError):
-    """The loss, the gradient norm or the state became NaN/inf; no checkpoint of the poisoned
-    state is written."""
+    """The loss, the gradient norm or the state became NaN/inf (or the loss spiked); no checkpoint
+    of the poisoned state is written. `anomaly`: what a rollback can step over (a loss or gradient
+    anomaly before the optimizer step), None for a poisoned state."""
+
+    def __init__(self, message: str, anomaly: Anomaly | None = None) -> None:
+        super().__init__(message)
+        self.anomaly = anomaly
 
 
 DIVERGED_ADVICE = "Lower the learning rate, enable train.grad_clip, or resume from the last checkpoint"
@@ -73,6 +79,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, *, rank: int = 0, world_size: int = 1, data: TrainData | None = None) -> None:
         """`data`: the datasets, when the caller opened them already (`open_data`)."""
         self.cfg = cfg
+        self.rank = rank
         self.world_size = world_size
         self.batch_size, self.grad_accum = batch_shape(cfg, world_size)
         self.data = data if data is not None else open_data(cfg.data, cfg.train.seed)
@@ -143,7 +150,8 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         tokens = 0
         sample_ids = []
-        data_s = 0.0
+        data_s = self._skip_rolled_back_batches()
+        batch_no = self.counters.anomalies.next_batch(self.step)
         for i in range(accum):
             t_data = time.perf_counter()
             batch = next(self.stream)
@@ -161,6 +169,11 @@ class Trainer:
                 self.scaler.scale(loss / accum).backward()
             total += loss.detach().float()
             tokens += x.numel()
+        if self.cfg.debug.nan_rank == self.rank:  # debug: a poisoned batch; the all-reduce spreads it
+            if batch_no in self.cfg.debug.nan_at_steps:
+                total = total * math.nan
+            elif batch_no in self.cfg.debug.spike_at_steps:
+                total = total * 100.0
         if self.world_size > 1:  # every rank logs, digests and checks the mean over all ranks
             torch.distributed.all_reduce(total)
             tokens *= self.world_size
@@ -172,13 +185,15 @@ class Trainer:
         if math.isfinite(loss_value):
             self.scaler.unscale_(self.optim)
             grad_norm = self._clip_gradients()
-        self._stop_if_diverged(loss_value, grad_norm)
+        self._stop_if_diverged(loss_value, grad_norm, batch_no)
         self.scaler.step(self.optim)
         self.scaler.update()
         self.sched.step()
         self.optim.zero_grad(set_to_none=True)
         t_end = time.perf_counter()
         self.counters.record(loss_value, tokens)
+        if self.cfg.train.spike_threshold is not None:
+            self.counters.anomalies.observe(loss_value, self.cfg.train.spike_window)
         lr = self.sched.get_last_lr()
         fingerprint = self.fingerprints.take(self.step, loss_value, {"sample_ids": self._global_ids(sample_ids)}, lr)
         return StepResult(self.step, loss_value, grad_norm, lr, tokens, t_end - t0, t_end - t_optim,
@@ -209,19 +224,36 @@ class Trainer:
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip is not None else math.inf
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
-    def _stop_if_diverged(self, loss: float, grad_norm: float) -> None:
+    def _skip_rolled_back_batches(self) -> float:
+        """Draw and discard the step-batches a rollback marked to skip (harness/health/anomaly.py)
+        when the next step would train on them; returns the seconds spent drawing them."""
+        ledger = self.counters.anomalies
+        t0 = time.perf_counter()
+        while ledger.next_batch(self.step) in ledger.skip:
+            for _ in range(self.grad_accum):
+                next(self.stream)
+            ledger.skipped += 1
+        return time.perf_counter() - t0
+
+    def _stop_if_diverged(self, loss: float, grad_norm: float, batch_no: int) -> None:
         """Raise TrainingDiverged, on every rank, before the optimizer step when the loss or the
-        gradient norm is NaN/inf on any rank. With fp16 the grad scaler owns non-finite gradients:
-        it skips such a step and lowers its scale, as dynamic loss scaling intends."""
-        bad_grads = not math.isfinite(grad_norm) and not self.scaler.is_enabled()
+        gradient norm is NaN/inf on any rank, or the loss is a spike (`train.spike_threshold`).
+        With fp16 the grad scaler owns non-finite gradients: it skips such a step and lowers its
+        scale, as dynamic loss scaling intends. The error carries the `Anomaly` (the loop rolls
+        back on it with `train.on_anomaly = "rollback"`)."""
         # Already agreed across ranks without a collective of its own: `loss` is the all-reduced
         # mean and DDP all-reduced the gradients, so a NaN/inf on one rank is on every rank here.
-        if math.isfinite(loss) and not bad_grads:
+        t = self.cfg.train
+        anomaly = detect(self.counters.anomalies, self.step + 1, batch_no, loss, grad_norm,
+                         grads_checked=not self.scaler.is_enabled(), spike_threshold=t.spike_threshold,
+                         spike_window=t.spike_window)
+        if anomaly is None:
             return
         self.optim.zero_grad(set_to_none=True)
-        what = f"loss is {loss}" if not math.isfinite(loss) else f"gradient norm is {grad_norm} (loss {loss:.6g})"
-        raise TrainingDiverged(f"{what} at step {self.step + 1}; the step was not applied and no checkpoint of it "
-                               f"was written. {DIVERGED_ADVICE}")
+        what = anomaly.describe() if anomaly.cause != "nonfinite_grad" else \
+            f"gradient norm is {grad_norm} (loss {loss:.6g}) at step {anomaly.step}"
+        raise TrainingDiverged(f"{what}; the step was not applied and no checkpoint of it was written. "
+                               f"{DIVERGED_ADVICE}", anomaly)
 
     def check_finite_state(self) -> None:
         """Raise TrainingDiverged, on every rank, when a parameter, buffer or optimizer tensor holds

@@ -37,6 +37,7 @@ COMMAND_MODULES = (
     "harness.cli.data",
     "harness.cli.supervise",
     "harness.cli.report",
+    "harness.cli.status",
     "harness.cli.torture",
     "harness.cli.sweep",
     "harness.cli.compare",

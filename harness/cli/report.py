@@ -43,4 +43,15 @@ def format_report(run_dir: str, g: Goodput) -> str:
         row("other", g.other_s, "eval, logging, data stalls, untracked gaps"),
         row("wall clock", g.wall_s),
         f"  goodput {100 * g.goodput:.1f} %",
+        *([f"  rollbacks: {len(g.rollbacks)} ({describe_rollbacks(g.rollbacks)})"] if g.rollbacks else []),
     ])
+
+
+def describe_rollbacks(rollbacks: list[dict]) -> str:
+    """"step 7 -> 4, skipped batch 7; ..." from `anomaly` events with action "rollback"."""
+    def one(r: dict) -> str:
+        skip = r.get("skip") or []
+        what = f"skipped batch{'es' if len(skip) > 1 else ''} {', '.join(map(str, skip))}" if skip else "nothing skipped"
+        return f"step {r['step']} -> {r['to_step']}, {what}"
+
+    return "; ".join(one(r) for r in rollbacks)

@@ -1,13 +1,16 @@
 """The step loop around the trainer (`Loop`): metrics, evaluation, checkpoints at the cadence
 `CheckpointClock` decides (synchronously, in the background, local-first), preemption within its
-deadline, and the fault hooks of `[debug]` (crash_at_step, sample_log, step_sleep_s)."""
+deadline, the fault hooks of `[debug]` (crash_at_step, sample_log, step_sleep_s), and the health hooks
+(harness/health: the hang watchdog, rollback on an anomaly, the trackers)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -18,22 +21,28 @@ from harness.checkpoint.saver import open_saver
 from harness.config import RunConfig, public_config
 from harness.events import EventLog
 from harness.fingerprint import fingerprint_fields
+from harness.health import faults
+from harness.health.rollback import roll_back
+from harness.health.watchdog import HangReport, HangWatchdog
 from harness.log import get_logger
 from harness.metrics import MetricsLog
 from harness.run.cadence import CheckpointClock
 from harness.run.environment import environment_fingerprint
 from harness.signals import PreemptionWatch, SaveDeadline
-from harness.trainer import Trainer
+from harness.trainer import Trainer, TrainingDiverged
 
 log = get_logger(__name__)
 
 
 class Loop:
-    """The outer loop: steps, metrics, evaluation, checkpoint cadence, preemption, fault hooks."""
+    """The outer loop: steps, metrics, evaluation, checkpoint cadence, preemption, fault hooks, and
+    the health hooks (harness/health): the hang watchdog around every blocking phase (`watch`),
+    rollback on an anomaly (`anomaly`), the trackers next to metrics.jsonl."""
 
     def __init__(self, cfg: RunConfig, trainer: Trainer, store: CheckpointStore, metrics: MetricsLog,
-                 events: EventLog, log_dir: Path, last_committed: int | None = None) -> None:
+                 events: EventLog, log_dir: Path, last_committed: int | None = None, trackers: Any = None) -> None:
         self.cfg, self.trainer, self.store, self.metrics, self.events = cfg, trainer, store, metrics, events
+        self.trackers = trackers if trackers is not None else distributed.Silent()
         self.log_dir = log_dir
         c = cfg.checkpoint
         self.clock = CheckpointClock(c.every_steps, c.every_minutes, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
@@ -47,6 +56,27 @@ class Loop:
         self.last_saved = trainer.step
         self.train_s = 0.0
         self.save_s = 0.0
+        h = cfg.health
+        self.watchdog = HangWatchdog(log_dir, factor=h.hang_factor, floor_s=h.hang_floor_s, first_step_s=h.first_step_s,
+                                     rank=distributed.rank(), on_hang=self.hung) if h.hang_watchdog else None
+        if cfg.debug.hang_at_step is not None and cfg.debug.hang_in == "data":
+            trainer.stream.dataset = faults.StallingSource(trainer.stream.dataset, log_dir, cfg.debug)
+
+    def watch(self, phase: str, **limits: float) -> contextlib.AbstractContextManager:
+        """The hang watchdog's deadline around one blocking phase of the next step (or nothing)."""
+        if self.watchdog is None:
+            return contextlib.nullcontext()
+        return self.watchdog.watch(phase, self.trainer.step + 1, **limits)
+
+    def save_limits(self) -> dict[str, float]:
+        """A background save has its own deadline (exit 69, clearer), and a local-first upload
+        (waited for by the final save) of a large checkpoint may rightly take long: for both the
+        limit is at least `checkpoint.save_deadline_s` + the floor."""
+        c = self.cfg.checkpoint
+        return {"at_least": c.save_deadline_s + self.cfg.health.hang_floor_s} if c.async_save or c.local_dir else {}
+
+    def eval_limits(self) -> dict[str, float]:
+        return {"scale": max(1.0, self.cfg.train.eval_batches / self.trainer.grad_accum)}
 
     def run(self) -> int:
         cfg, trainer = self.cfg, self.trainer
@@ -55,9 +85,20 @@ class Loop:
         with PreemptionWatch(cfg.checkpoint.preempt_signals) as watch:
             try:
                 while trainer.step < cfg.train.steps:
-                    if distributed.all_reduce_flag(watch.requested):  # one rank's signal stops all at this step
+                    with self.watch("collective"):
+                        stop = distributed.all_reduce_flag(watch.requested)  # one rank's signal stops all at this step
+                    if stop:
                         return self.preempt(watch)
-                    result = trainer.train_step()
+                    faults.arm_data_hang(cfg.debug, self.log_dir, distributed.rank(), trainer.step + 1)
+                    try:
+                        with self.watch("step"):
+                            faults.hang_in_step(cfg.debug, self.log_dir, distributed.rank(), trainer.step + 1)
+                            result = trainer.train_step()
+                    except TrainingDiverged as e:
+                        self.anomaly(e)
+                        continue
+                    if self.watchdog is not None:
+                        self.watchdog.observe_step(result.seconds)
                     self.poll()
                     self.train_s += result.seconds
                     self.clock.observe_step(result.seconds)
@@ -66,28 +107,35 @@ class Loop:
                     bar.set_postfix(loss=f"{result.loss:.4f}")
                     self.crash_hook()
                     if cfg.train.eval_every and trainer.step % cfg.train.eval_every == 0:
-                        self.metrics.write({"step": trainer.step, "eval_loss": trainer.evaluate()})
+                        with self.watch("eval", **self.eval_limits()):
+                            self.write_metrics({"step": trainer.step, "eval_loss": trainer.evaluate()})
                     # Not sticky: a finished run extended with a larger train.steps is unfinished again.
                     trainer.counters.finished = trainer.step >= cfg.train.steps
                     if distributed.rank0_flag(self.clock.due(trainer.step)):
-                        self.save()
+                        with self.watch("save", **self.save_limits()):
+                            self.save()
                     if cfg.debug.step_sleep_s:
                         time.sleep(cfg.debug.step_sleep_s)
                 if distributed.all_reduce_flag(watch.requested) and self.last_saved != trainer.step:
                     return self.preempt(watch)
-                final_eval = trainer.evaluate()  # overlaps the final persist: the snapshot is a copy
-                self.metrics.write({"step": trainer.step, "eval_loss": final_eval})
-                self.finish_saves()  # "finished" means the final checkpoint is committed
+                with self.watch("eval", **self.eval_limits()):
+                    final_eval = trainer.evaluate()  # overlaps the final persist: the snapshot is a copy
+                self.write_metrics({"step": trainer.step, "eval_loss": final_eval})
+                with self.watch("save", **self.save_limits()):
+                    self.finish_saves()  # "finished" means the final checkpoint is committed
             finally:
                 bar.close()
+                if self.watchdog is not None:
+                    self.watchdog.close()
                 self.metrics.close()
+                self.trackers.close()
                 self.saver.close()  # on an error exit: let a good in-flight save (and upload) end first
         self.events.emit("exit", reason="finished", step=trainer.step, train_s=self.train_s, save_s=self.save_s)
         log.info("finished", step=trainer.step, eval_loss=round(final_eval, 4), run_dir=cfg.run_dir)
         return exit_codes.FINISHED
 
     def record(self, r) -> None:
-        self.metrics.write({"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
+        self.write_metrics({"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
                             "tokens_per_s": r.tokens / r.seconds if r.seconds else None, "optim_s": r.optim_seconds,
                             "data_s": r.data_seconds,
                             "time": time.time(), **fingerprint_fields(r.fingerprint)})
@@ -95,6 +143,40 @@ class Loop:
             log.info("step", step=r.step, loss=round(r.loss, 4), grad_norm=round(r.grad_norm, 3))
             # Goodput needs the last step reached before a crash to count recomputed steps.
             self.events.emit("progress", step=r.step, train_s=self.train_s, save_s=self.save_s)
+
+    def write_metrics(self, record: dict[str, Any]) -> None:
+        """metrics.jsonl (the source of truth), then the trackers (a copy; never raise)."""
+        self.metrics.write(record)
+        self.trackers.write(record)
+
+    def anomaly(self, error: TrainingDiverged) -> None:
+        """A step stopped on an anomaly: roll back past it (`train.on_anomaly = "rollback"`,
+        harness/health/rollback.py), or record it and raise `error` (a poisoned state, "stop", or
+        past the rollback cap)."""
+        a = error.anomaly
+        try:
+            if a is None or self.cfg.train.on_anomaly != "rollback":
+                raise error
+            roll_back(self, a)
+        except TrainingDiverged as e:
+            if a is not None:
+                self.events.emit("anomaly", action="stop", step=a.step, batch=a.batch, cause=a.cause,
+                                 value=str(a.value), error=str(e)[:500])
+            raise
+
+    def rolled_back(self, step: int) -> None:
+        """The live state is the checkpoint of `step` again (harness/health/rollback.py)."""
+        self.last_saved = step
+        self.clock.saved(step)
+        self.trackers.rewind(step)
+
+    def hung(self, report: HangReport) -> None:
+        """The hang watchdog fires (from its thread, just before it exits the process)."""
+        exit_codes.record(exit_codes.HUNG)  # launchers behind torchrun learn the code from it
+        self.events.emit("hang", phase=report.phase, step=report.step, limit_s=report.limit_s,
+                         waited_s=report.waited_s, stacks=report.stacks, nccl_trace=report.nccl_trace)
+        self.events.emit("exit", reason="hung", exit_code=exit_codes.HUNG, step=self.trainer.step,
+                         train_s=self.train_s, save_s=self.save_s)
 
     def poll(self) -> None:
         """Between steps: raise a background save's or upload's failure, keep the writer lease fresh."""

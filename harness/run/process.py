@@ -33,6 +33,7 @@ from harness.checkpoint import CheckpointStore
 from harness.config import RunConfig
 from harness.errors import Unavailable, UserError
 from harness.events import EVENTS_FILE, EventLog
+from harness.health.trackers import open_trackers
 from harness.log import get_logger
 from harness.metrics import MetricsLog
 from harness.run.environment import environment_fingerprint
@@ -78,15 +79,17 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             if ref is not None and lead:  # check the restored state, then each re-run step, against the run's own history
                 trainer.fingerprints.watch(events, [] if allow_config_change else ran_past)
             restore_s += time.perf_counter() - t_check
-            events.emit("start", step=trainer.step, resumed_from=ref.step if ref else None, previous_reached=reached,
-                        run_dir=cfg.run_dir,
+            events.emit("start", step=trainer.step, total_steps=cfg.train.steps, resumed_from=ref.step if ref else None,
+                        previous_reached=reached, run_dir=cfg.run_dir,
                         host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time(),
                         restore_s=restore_s)
             if changes:
                 events.emit("config_changed", step=trainer.step, changes={k: {"old": a, "new": b} for k, (a, b) in changes.items()},
                             schedule=trainer.sched.replanned)
             resumed_here = ref is not None and source is store
-            loop = Loop(cfg, trainer, store, metrics, events, log_dir, last_committed=ref.step if resumed_here else None)
+            trackers = open_trackers(cfg.log, log_dir, trainer.step, run_id) if lead else distributed.Silent()
+            loop = Loop(cfg, trainer, store, metrics, events, log_dir, last_committed=ref.step if resumed_here else None,
+                        trackers=trackers)
             try:
                 return loop.run()
             except BaseException as e:

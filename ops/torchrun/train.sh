@@ -7,8 +7,9 @@
 #
 # Exit code: the trainers' own when torchrun cannot pass it on (it reports any failed worker
 # group as its exit 1): 75/76 when every trainer of this node stopped at a checkpoint, 69 when one
-# found the storage unavailable (after UNAVAILABLE_RETRIES retries here, with backoff), 2 on a
-# user error; otherwise torchrun's. See ops/README.md.
+# found the storage unavailable (after UNAVAILABLE_RETRIES retries here, with backoff), 79 when
+# one hung (its watchdog dumped the stacks; torchrun's own restarts are spent), 2 on a user
+# error; otherwise torchrun's. See ops/README.md.
 set -uo pipefail
 
 CONFIG=${1:?usage: ops/torchrun/train.sh CONFIG [extra harness train arguments]}
@@ -27,6 +28,11 @@ UNAVAILABLE_BACKOFF_S=${UNAVAILABLE_BACKOFF_S:-30}
 # A restarted group must not read the previous group's addresses from a shared rendezvous
 # store (pytorch/pytorch#135712): each group gets its own store.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+# NCCL's flight recorder: the last collectives of every rank, dumped by the hang watchdog
+# (harness/health/watchdog.py, into the log dir) and by NCCL's own timeout (to the file below).
+export TORCH_NCCL_TRACE_BUFFER_SIZE=${TORCH_NCCL_TRACE_BUFFER_SIZE:-2000}
+export TORCH_NCCL_DUMP_ON_TIMEOUT=${TORCH_NCCL_DUMP_ON_TIMEOUT:-1}
+export TORCH_NCCL_DEBUG_INFO_TEMP_FILE=${TORCH_NCCL_DEBUG_INFO_TEMP_FILE:-${TMPDIR:-/tmp}/harness-nccl-trace-rank-}
 # Every trainer writes its exit code here (harness/exit_codes.py: record).
 HARNESS_EXIT_CODE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/harness-exit.XXXXXX")
 export HARNESS_EXIT_CODE_DIR
@@ -86,6 +92,7 @@ run_group() {
   case " $codes" in
     *" 2 "*) rc=2 ;;    # a user error: retrying cannot help
     *" 69 "*) rc=69 ;;  # storage unavailable: retry after a backoff
+    *" 79 "*) rc=79 ;;  # a trainer hung: the launcher above may requeue (elsewhere)
     " 75 " | " 76 " | " 75 76 ")
       # every trainer of this node stopped at a checkpoint (76 if one missed its deadline)
       [ "$count" -eq "$NPROC" ] && rc=$(echo "$codes" | tr ' ' '\n' | sort -n | tail -n 1) ;;

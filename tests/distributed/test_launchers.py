@@ -174,3 +174,17 @@ def test_sbatch_run_directly_creates_the_log_folder_and_submits_itself(tmp_path,
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "logs").is_dir()
     assert (stub_log / "sbatch").read_text().split() == ["--nodes=2", str(SBATCH)]
+
+
+def test_sbatch_requeues_a_hung_run(tmp_path, stubs):
+    """A trainer hangs at step 6 (torchrun has no restarts left here): its watchdog exits 79,
+    train.sh passes 79 on through torchrun's exit 1, and the job is requeued (below
+    HANG_REQUEUES)."""
+    env, stub_log = stubs
+    run_dir, log = tmp_path / "run", tmp_path / "job.log"
+    config = tmp_path / "hang.toml"
+    config.write_text(f'extends = "{TINY}"\n[health]\nhang_floor_s = 3\n[debug]\nhang_at_step = 6\n')
+    proc = launch(["bash", str(SBATCH)], log, {**env, **slurm_env(11, run_dir, config)})
+    assert finish(proc, log) == exit_codes.HUNG, tail(log)
+    assert requeued(stub_log) == ["11"] and "a trainer hung (exit 79" in tail(log)
+    assert list(run_dir.glob("hang-rank-00000-pid-*.txt"))

@@ -1,0 +1,48 @@
+"""TensorBoard: scalars of every step in `LOG_DIR/tensorboard`, continuing the same curves after restarts.
+
+Each process opens a `SummaryWriter(purge_step=resumed_step + 1)`: TensorBoard then drops the
+points at and after that step that an earlier process wrote (the steps a crash re-runs), so
+every step is shown once. A rollback re-opens the writer the same way (`rewind`). Each write is
+flushed: a point that sits in the writer's queue when the process is killed would be lost for
+good if its step is before the checkpoint the run resumes from.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from harness.health.trackers import require
+
+SCALARS = ("loss", "grad_norm", "tokens_per_s", "eval_loss")
+SUBDIR = "tensorboard"
+
+
+class TensorBoardTracker:
+    def __init__(self, log_dir: Path, resumed_step: int) -> None:
+        require("tensorboard", "tensorboard", "tensorboard")
+        self.dir = Path(log_dir) / SUBDIR
+        self.writer = None
+        self.rewind(resumed_step)
+
+    def rewind(self, step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        if self.writer is not None:
+            self.writer.close()
+        self.writer = SummaryWriter(str(self.dir), purge_step=step + 1)
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = int(record["step"])
+        for key in SCALARS:
+            value = record.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.writer.add_scalar(key, value, step)
+        for group, values in (record.get("lr") or {}).items():
+            for i, value in enumerate(values):
+                self.writer.add_scalar(f"lr/{group}/{i}", value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()

@@ -1,0 +1,48 @@
+"""`harness status RUN_DIR` on real runs: a live one, and a stopped one with a rollback and a hang."""
+
+import signal
+import subprocess
+import sys
+
+from procs import ENV, ROOT, TINY, harness, start, wait_for_step
+
+
+def test_status_of_a_running_run_then_of_its_finish_with_a_rollback_and_a_hang(tmp_path):
+    run = tmp_path / "run"
+    args = ["train", str(TINY), "--run-dir", str(run), "--max-restarts", "2", "--set", "debug.step_sleep_s=0.3",
+            "--set", 'train.on_anomaly="rollback"', "--set", "debug.nan_at_steps=[7]",
+            "--set", "health.hang_floor_s=3", "--set", "health.hang_factor=2", "--set", "debug.hang_at_step=10"]
+    proc = start(*args)
+    wait_for_step(proc, run, 2)
+    live = harness("status", str(run), check=True).stdout
+    assert "  step " in live and "/12 (" in live and "running, or killed: last record" in live, live
+    assert "tokens/s" in live and "ETA " in live, live
+    proc.communicate(timeout=300)
+    assert proc.returncode == 0
+
+    done = harness("status", str(run), check=True).stdout
+    lines = done.splitlines()
+    assert lines[1] == "  step 12/12 (100.0 %)", done
+    assert "  state       stopped: finished" in lines, done
+    assert "  checkpoint  step 12, committed " in done
+    assert "  processes   2, 1 supervisor restart(s); goodput " in done
+    assert "  anomaly     step 7: nonfinite_loss (nan), rolled back to step 4; 1 rollback(s) in all" in lines, done
+    assert any(line.startswith("  hang        step 10 in step (limit ") for line in lines), done
+
+
+def test_watch_redraws_until_interrupted(tmp_path):
+    run = tmp_path / "run"
+    harness("train", str(TINY), "--run-dir", str(run), "--set", "train.steps=2", check=True)
+    watch = subprocess.Popen([sys.executable, "-m", "harness.cli", "status", str(run), "--watch", "0.05"],
+                             stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    frames = 0
+    while frames < 2:
+        frames += watch.stdout.readline().count("\033[2J")
+    watch.send_signal(signal.SIGINT)
+    watch.communicate(timeout=30)
+    assert watch.returncode == 0
+
+
+def test_status_of_a_folder_without_a_run_is_a_one_line_error(tmp_path):
+    proc = harness("status", str(tmp_path))
+    assert proc.returncode == 2 and proc.stderr.startswith("error: no events file at ") and "Traceback" not in proc.stderr
