@@ -21,11 +21,11 @@ Multiplying by an exact 1.0 when no clipping is due leaves the result bitwise th
 
 import torch
 
+from optim.base import MatrixOptimizer
 from optim.closure import run_closure
-from optim.newton_schulz import require_matrices
 
 
-class Adafactor2D(torch.optim.Optimizer):
+class Adafactor2D(MatrixOptimizer):
     """Adafactor2D over 2D parameters. State per (rows, cols) parameter: `r` (rows,) and
     `c` (cols,), always float32 whatever the parameter dtype.
 
@@ -36,10 +36,6 @@ class Adafactor2D(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, beta2: float = 0.999, eps: float = 1e-30,
                  clip: float = 1.0, wd: float = 0.0):
         super().__init__(params, dict(lr=lr, beta2=beta2, eps=eps, clip=clip, wd=wd))
-
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        require_matrices(self, self.param_groups[-1])
 
     @staticmethod
     def state_shapes(p: torch.Tensor) -> dict[str, tuple[int, ...]]:

@@ -11,22 +11,20 @@ Update, per parameter p with gradient g (the team's reference rule; any shape):
 
 import torch
 
+from optim.base import Optimizer
 from optim.closure import run_closure
 
 
-class Lion(torch.optim.Optimizer):
+class Lion(Optimizer):
     """Lion over parameters of any shape. State per parameter: `m` (momentum, shape of p).
 
     Args: lr (3e-4), betas ((0.9, 0.99); a list is accepted), wd (0.0, decoupled).
     """
 
+    STATE = ("m",)
+
     def __init__(self, params, lr: float = 3e-4, betas=(0.9, 0.99), wd: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), wd=wd))
-
-    @staticmethod
-    def state_shapes(p: torch.Tensor) -> dict[str, tuple[int, ...]]:
-        """The state kept per parameter once it has stepped (the bundle checks loads against it)."""
-        return {"m": tuple(p.shape)}
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -33,11 +33,12 @@ Only 2D parameters are accepted (the reference's non-2D fallback is AdamW's job 
 
 import torch
 
+from optim.base import MatrixOptimizer
 from optim.closure import run_closure
-from optim.newton_schulz import NS_DTYPE_CHOICES, ns_batches, ns_dtype, orthogonalize, require_matrices
+from optim.newton_schulz import NS_DTYPE_CHOICES, ns_batches, ns_dtype, orthogonalize
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(MatrixOptimizer):
     """Muon over 2D parameters. State per parameter: `mom` (momentum buffer, shape of p).
 
     Args: lr (0.02), momentum (0.95), ns_steps (5), nesterov (True), consistent_rms (None: the
@@ -47,6 +48,8 @@ class Muon(torch.optim.Optimizer):
     results agree within float tolerance, bitwise in float32 on CPU).
     Raises ValueError for a non-2D parameter (named) or an unknown ns_dtype.
     """
+
+    STATE = ("mom",)
 
     def __init__(
         self,
@@ -73,15 +76,6 @@ class Muon(torch.optim.Optimizer):
             ns_batched=ns_batched,
         )
         super().__init__(params, defaults)
-
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        require_matrices(self, self.param_groups[-1])
-
-    @staticmethod
-    def state_shapes(p: torch.Tensor) -> dict[str, tuple[int, ...]]:
-        """The state kept per parameter once it has stepped (the bundle checks loads against it)."""
-        return {"mom": tuple(p.shape)}
 
     @staticmethod
     def update_scale(shape: torch.Size, consistent_rms: float | None) -> float:

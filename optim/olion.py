@@ -15,11 +15,12 @@ Update, per 2D parameter p with gradient g (the team's reference rule):
 
 import torch
 
+from optim.base import MatrixOptimizer
 from optim.closure import run_closure
-from optim.newton_schulz import ns_batches, orthogonalize, require_matrices
+from optim.newton_schulz import ns_batches, orthogonalize
 
 
-class OLion(torch.optim.Optimizer):
+class OLion(MatrixOptimizer):
     """OLion over 2D parameters. State per parameter: `m` (momentum, shape of p).
 
     Args: lr (1e-3), betas ((0.9, 0.99)), gamma (0.2), ns_steps (5), wd (0.0, decoupled),
@@ -29,6 +30,8 @@ class OLion(torch.optim.Optimizer):
     its sign, differs only where an entry of Q near zero changes sign.
     Raises ValueError for a non-2D parameter, naming it.
     """
+
+    STATE = ("m",)
 
     def __init__(
         self,
@@ -44,15 +47,6 @@ class OLion(torch.optim.Optimizer):
             lr=lr, betas=tuple(betas), gamma=gamma, ns_steps=ns_steps, wd=wd, ns_batched=ns_batched
         )
         super().__init__(params, defaults)
-
-    def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
-        require_matrices(self, self.param_groups[-1])
-
-    @staticmethod
-    def state_shapes(p: torch.Tensor) -> dict[str, tuple[int, ...]]:
-        """The state kept per parameter once it has stepped (the bundle checks loads against it)."""
-        return {"m": tuple(p.shape)}
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -19,7 +19,6 @@ from pathlib import Path
 
 from harness.errors import UserError
 from harness.events import EVENTS_FILE, EventLog
-from harness.run.files import log_dir_for
 from harness.goodput import account
 from harness.jsonlines import parse_line
 
