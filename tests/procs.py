@@ -63,10 +63,11 @@ def wait_for_step(proc: subprocess.Popen, log_dir: Path, step: int, timeout: flo
 
 
 def kill_at_step(args: list[str], log_dir: Path, step: int, sig: int = signal.SIGKILL,
-                 env: dict | None = None) -> int:
-    """Start `harness ARGS`, send `sig` once step `step` is logged, return the exit code."""
+                 env: dict | None = None, timeout: float = 120) -> int:
+    """Start `harness ARGS`, send `sig` once step `step` is logged (a process that has not logged
+    it within `timeout` seconds is taken for hung), return the exit code."""
     proc = start(*args, env=env)
-    wait_for_step(proc, log_dir, step)
+    wait_for_step(proc, log_dir, step, timeout)
     proc.send_signal(sig)
     proc.communicate(timeout=120)
     return proc.returncode

@@ -183,7 +183,7 @@ def test_sbatch_requeues_a_hung_run(tmp_path, stubs):
     env, stub_log = stubs
     run_dir, log = tmp_path / "run", tmp_path / "job.log"
     config = tmp_path / "hang.toml"
-    config.write_text(f'extends = "{TINY}"\n[health]\nhang_floor_s = 3\n[debug]\nhang_at_step = 6\n')
+    config.write_text(f'extends = "{TINY}"\n[health]\nhang_floor_s = 10\n[debug]\nhang_at_step = 6\n')
     proc = launch(["bash", str(SBATCH)], log, {**env, **slurm_env(11, run_dir, config)})
     assert finish(proc, log) == exit_codes.HUNG, tail(log)
     assert requeued(stub_log) == ["11"] and "a trainer hung (exit 79" in tail(log)

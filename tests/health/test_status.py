@@ -11,7 +11,7 @@ def test_status_of_a_running_run_then_of_its_finish_with_a_rollback_and_a_hang(t
     run = tmp_path / "run"
     args = ["train", str(TINY), "--run-dir", str(run), "--max-restarts", "2", "--set", "debug.step_sleep_s=0.3",
             "--set", 'train.on_anomaly="rollback"', "--set", "debug.nan_at_steps=[7]",
-            "--set", "health.hang_floor_s=3", "--set", "health.hang_factor=2", "--set", "debug.hang_at_step=10"]
+            "--set", "health.hang_floor_s=10", "--set", "health.hang_factor=2", "--set", "debug.hang_at_step=10"]
     proc = start(*args)
     wait_for_step(proc, run, 2)
     live = harness("status", str(run), check=True).stdout
@@ -24,8 +24,8 @@ def test_status_of_a_running_run_then_of_its_finish_with_a_rollback_and_a_hang(t
     lines = done.splitlines()
     assert lines[1] == "  step 12/12 (100.0 %)", done
     assert "  state       stopped: finished" in lines, done
-    assert "  checkpoint  step 12, committed " in done
-    assert "  processes   2, 1 supervisor restart(s); goodput " in done
+    assert "  checkpoint  step 12, committed " in done, done
+    assert "  processes   2, 1 supervisor restart(s); goodput " in done, done
     assert "  anomaly     step 7: nonfinite_loss (nan), rolled back to step 4; 1 rollback(s) in all" in lines, done
     assert any(line.startswith("  hang        step 10 in step (limit ") for line in lines), done
 
