@@ -33,8 +33,11 @@ def test_status_of_a_running_run_then_of_its_finish_with_a_rollback_and_a_hang(t
 def test_watch_redraws_until_interrupted(tmp_path):
     run = tmp_path / "run"
     harness("train", str(TINY), "--run-dir", str(run), "--set", "train.steps=2", check=True)
+    # Ctrl-C as a terminal delivers it: a test runner started in the background (a CI script's
+    # `cmd &`) ignores SIGINT, and its children would inherit that.
     watch = subprocess.Popen([sys.executable, "-m", "harness.cli", "status", str(run), "--watch", "0.05"],
-                             stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+                             stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     frames = 0
     while frames < 2:
         frames += watch.stdout.readline().count("\033[2J")
