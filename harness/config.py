@@ -128,9 +128,11 @@ class HealthSection(Section):
 class LogSection(Section):
     """Where metrics go besides metrics.jsonl (which stays the source of truth)."""
 
-    trackers: list[Literal["tensorboard", "wandb"]] = Field(default_factory=list, description="Experiment trackers fed by rank 0 with every step's metrics: \"tensorboard\" (pip install 'harness[tensorboard]'; event files in LOG_DIR/tensorboard, re-run steps replace the old points), \"wandb\" (pip install 'harness[wandb]'; one W&B run per harness run, its id the run id, continued by every restart). A tracker that fails warns and never stops training.")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list, description="Experiment trackers fed by rank 0 with every step's metrics: \"tensorboard\" (pip install 'harness[tensorboard]'; event files in LOG_DIR/tensorboard, re-run steps replace the old points), \"wandb\" (pip install 'harness[wandb]'; one W&B run per harness run, its id the run id, continued by every restart), \"mlflow\" (pip install 'harness[mlflow]'; one MLflow run per harness run, found again by its tag harness.run_id). A tracker that fails warns and never stops training.")
     wandb_mode: Literal["offline", "online"] = Field("offline", description="W&B: offline = write LOG_DIR/wandb only (no network; `wandb sync` uploads it), online = stream to the W&B server.")
     wandb_project: str = Field("harness", description="W&B project of the run.")
+    mlflow_tracking_uri: str | None = Field(None, description="MLflow: the tracking server or store (e.g. http://mlflow:5000); unset = MLFLOW_TRACKING_URI from the environment, else a local store in LOG_DIR/mlruns.")
+    mlflow_experiment: str = Field("harness", description="MLflow experiment of the run (created when missing).")
 
 
 class DebugSection(Section):

@@ -1,6 +1,6 @@
-"""Trackers: TensorBoard event files read back after two SIGKILLs hold each step once, with the
-loss metrics.jsonl has; a failing tracker warns and training goes on; an unknown one is a
-one-line config error."""
+"""Trackers: TensorBoard event files and the MLflow run read back after SIGKILLs hold each step
+once, with the loss metrics.jsonl has; W&B keeps one run id; a failing tracker warns and training
+goes on; an unknown one is a one-line config error."""
 
 import json
 import math
@@ -54,6 +54,28 @@ def test_wandb_offline_continues_one_run_across_kills(tmp_path):
     assert len(folders) == 2 and all(name.endswith("-" + run_id) for name in folders), (run_id, folders)
 
 
+def test_mlflow_after_two_kills_and_a_rollback_holds_one_run_with_every_step_once(tmp_path, monkeypatch):
+    """Three processes (two SIGKILLs), then a rollback in the last: one MLflow run in the local
+    store, found again by its tag, its loss history each step once with metrics.jsonl's values."""
+    from mlflow.tracking import MlflowClient
+
+    run = tmp_path / "run"
+    args = ["train", str(TINY), "--run-dir", str(run), "--set", 'log.trackers=["mlflow"]',
+            "--set", 'train.on_anomaly="rollback"', "--set", "debug.nan_at_steps=[11]"]
+    for step in (6, 10):  # after checkpoints 4 and 8: steps 5-6 and 9-10 are run twice
+        assert kill_at_step(args, run, step) != 0
+    harness(*args, check=True)
+    run_id = json.loads((run / "run.json").read_text())["run_id"]
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the tracker does for this local store
+    client = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
+    (found,) = client.search_runs([client.get_experiment_by_name("harness").experiment_id])
+    assert found.data.tags["harness.run_id"] == run_id and found.info.status == "FINISHED"
+    history = client.get_metric_history(found.info.run_id, "loss")
+    assert [m.step for m in history] == list(range(1, 13))
+    logged = losses(run)
+    assert all(math.isclose(m.value, logged[m.step], rel_tol=1e-12) for m in history)
+
+
 class Broken:
     def write(self, record):
         raise ConnectionError("tracker server unreachable")
@@ -89,4 +111,4 @@ def test_a_failing_tracker_warns_once_per_streak_and_the_others_go_on():
 
 def test_an_unknown_tracker_is_a_one_line_config_error(tmp_path):
     proc = harness("train", str(TINY), "--run-dir", str(tmp_path / "run"), "--set", 'log.trackers=["wandb2"]')
-    assert_one_line_error(proc, "log.trackers.0: Input should be 'tensorboard' or 'wandb'")
+    assert_one_line_error(proc, "log.trackers.0: Input should be 'tensorboard', 'wandb' or 'mlflow'")

@@ -33,6 +33,10 @@ def open_trackers(cfg: LogSection, log_dir: Path, resumed_step: int, run_id: str
             from harness.health.trackers.wandb import WandbTracker
 
             opened.append(WandbTracker(log_dir, run_id, cfg.wandb_mode, cfg.wandb_project))
+        if name == "mlflow":
+            from harness.health.trackers.mlflow import MlflowTracker
+
+            opened.append(MlflowTracker(log_dir, run_id, cfg.mlflow_tracking_uri, cfg.mlflow_experiment))
     return Trackers(opened)
 
 
