@@ -5,7 +5,8 @@ asserts on it.
 
 The shapes are chosen to reach every path: a 49-row matrix (uneven shards: 25 and 24 rows), a
 1-row matrix (rank 1's shard is empty), and block 1 sharded along columns (`Shard(1)`) where its
-column count is even. Every rank trains on the same batch, so FSDP's averaged gradient is the
+column count is even. `muon@hsdp` and `adafactor@hsdp` run the same on a 2D mesh (replicate x
+shard, HSDP's placements (Replicate(), Shard(d))). Every rank trains on the same batch, so FSDP's averaged gradient is the
 one-process gradient bit for bit ((g + g) / 2 == g) and a difference in the parameters can only
 come from the optimizer.
 """
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from optim.build import build_bundle, parse_optim_config
@@ -59,11 +61,13 @@ class Model(torch.nn.Module):
         return self.head(self.ln_f(x))
 
 
-def sharded_model() -> Model:
+def sharded_model(hsdp: bool) -> Model:
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard")) if hsdp else None
     model = Model()
-    fully_shard(model.blocks[0])
-    fully_shard(model.blocks[1], shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % 2 == 0 else Shard(0))
-    fully_shard(model)
+    fully_shard(model.blocks[0], mesh=mesh)
+    fully_shard(model.blocks[1], mesh=mesh,
+                shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % 2 == 0 else Shard(0))
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -93,11 +97,12 @@ def whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def differences(sharded: dict, reference: dict) -> dict:
-    """name -> [bitwise equal, max abs difference] of two trees of tensors with the same keys."""
+    """name -> [bitwise equal, max abs difference, max abs reference value] of two dicts of tensors
+    with the same keys (the sharded ones gathered)."""
     out = {}
     for name, t in sharded.items():
-        a, b = whole(t).detach(), reference[name].detach()
-        out[name] = [torch.equal(a, b), (a.double() - b.double()).abs().max().item() if a.numel() else 0.0]
+        a, b = whole(t).detach().double(), reference[name].detach().double()
+        out[name] = [torch.equal(a, b), (a - b).abs().max().item(), b.abs().max().item()]
     return out
 
 
@@ -106,9 +111,10 @@ def flat_state(opt) -> dict:
             for n, entry in sd["state"].items() for k, t in entry.items() if isinstance(t, torch.Tensor)}
 
 
-def run_arm(arm: str) -> dict:
+def run_arm(variant: str) -> dict:
+    arm = variant.split("@")[0]
     cfg = parse_optim_config({"type": arm, "lr": 1e-2, **ARMS[arm]})
-    reference, model = Model(), sharded_model()
+    reference, model = Model(), sharded_model(hsdp=variant.endswith("@hsdp"))
     ref_opt, ref_sched = build_bundle(cfg, reference, STEPS + 1)
     opt, sched = build_bundle(cfg, model, STEPS + 1)
     report = {"before": layout(opt),
@@ -138,7 +144,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
     torch.use_deterministic_algorithms(True)
-    report = {arm: run_arm(arm) for arm in ARMS}
+    report = {variant: run_arm(variant) for variant in [*ARMS, "muon@hsdp", "adafactor@hsdp"]}
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(report, indent=1))
     dist.destroy_process_group()
 
