@@ -7,7 +7,10 @@ parameter the loaded state lacks), not at the first step: a parameter sharded as
 DTensor state with its placement (optim/sharded.py), so `torch.distributed.checkpoint` sees the
 same keys on every rank before the first step (microsoft/dion#18, pytorch/pytorch#140898), and
 its `get_state_dict` never initialises state with a zero-gradient step of its own (which would
-move Adafactor's statistics). Zeros are what the lazy creation made, so the math is unchanged.
+move Adafactor's statistics), for sharded and plain parameters alike. Zeros are what the lazy
+creation made, so the math is unchanged. The state is placed where the parameter is when the
+optimizer is built: build it after moving the model to its device and after `fully_shard` (which
+replaces the parameters), as torch's FSDP2 documentation asks for every optimizer.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from optim import Adafactor2D, Lion, Muon, OLion
 from optim.sharded import chunk_sizes, layout_of, local
 
 HERE = Path(__file__).parent
@@ -104,3 +105,15 @@ def test_chunk_sizes_cut_as_torch_chunk_and_dtensor_shard():
 def test_plain_tensors_have_no_layout_and_are_their_own_local_part():
     t = torch.zeros(3, 4)
     assert layout_of(t) is None and local(t) is t
+
+
+@pytest.mark.parametrize("cls", [Muon, Lion, OLion, Adafactor2D])
+def test_state_is_created_with_the_optimizer_and_again_after_a_load_that_lacks_it(cls):
+    """Eager state (optim/base.py) on plain tensors too: the same zeros the first step used to make."""
+    p = torch.nn.Parameter(torch.randn(6, 4))
+    opt = cls([p])
+    shapes = opt.state_shapes(p)
+    assert {k: tuple(v.shape) for k, v in opt.state[p].items()} == shapes
+    assert all(not v.any() for v in opt.state[p].values())
+    opt.load_state_dict({"state": {}, "param_groups": opt.state_dict()["param_groups"]})
+    assert {k: tuple(v.shape) for k, v in opt.state[p].items()} == shapes
