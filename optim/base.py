@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from optim.newton_schulz import require_matrices
+from optim.sharded import layout_of
 
 
 class Optimizer(torch.optim.Optimizer):
@@ -60,7 +61,11 @@ class Optimizer(torch.optim.Optimizer):
 
 
 class MatrixOptimizer(Optimizer):
-    """Takes 2D parameters only: every group added is checked (`require_matrices`)."""
+    """Takes 2D parameters only, plain or sharded on one mesh dimension: every group added is
+    checked (`require_matrices`, `optim.sharded.layout_of`)."""
 
     def check_group(self, group: dict) -> None:
         require_matrices(self, group)
+        names = group.get("param_names") or [f"params[{i}]" for i in range(len(group["params"]))]
+        for name, p in zip(names, group["params"]):
+            layout_of(p, f"{type(self).__name__} parameter {name!r}")

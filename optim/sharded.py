@@ -19,7 +19,8 @@ What is supported: a parameter sharded on one dimension of its device mesh (`Sha
 default, or `Shard(1)`, e.g. from `shard_placement_fn`), replicated on the others (HSDP); chunks as
 `torch.chunk` cuts them (uneven ones included). Anything else (`Partial`, two sharded mesh
 dimensions, strided shards of tensor parallelism) is refused by `layout_of` with a ValueError that
-names the placements. A DTensor replicated on every mesh dimension is, for the math, a plain tensor
+names the parameter and its placements (Muon, OLion and Adafactor2D check when a group is added;
+Lion, elementwise, takes any placement). A DTensor replicated on every mesh dimension is, for the math, a plain tensor
 (`local` is the whole of it).
 
 Every rank of a shard group must step the same parameters in the same order (FSDP gives every rank
@@ -76,24 +77,26 @@ class ShardLayout:
         return int(torch.Size(self.piece_shape(shape, k)).numel())
 
 
-def layout_of(p: torch.Tensor) -> ShardLayout | None:
+def layout_of(p: torch.Tensor, name: str = "a parameter") -> ShardLayout | None:
     """The layout of a sharded DTensor `p`; None for a plain tensor or a fully replicated DTensor.
-    Raises ValueError for placements the optimizers here cannot step (module docstring)."""
+    Raises ValueError, naming `name`, for placements Newton-Schulz and Adafactor's statistics
+    cannot take (module docstring)."""
     if not isinstance(p, DTensor):
         return None
     sharded = [(mesh_dim, pl) for mesh_dim, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
     if not sharded:
         return None
     if len(sharded) > 1 or type(sharded[0][1]) is not Shard:
-        raise ValueError(f"a parameter of shape {tuple(p.shape)} has placements {p.placements}; the "
-                         "optimizers in optim step parameters sharded on one mesh dimension (Shard(d), "
-                         "as FSDP2's fully_shard makes them) and replicated on the others")
+        raise ValueError(f"{name} of shape {tuple(p.shape)} has placements {p.placements}; the matrix "
+                         "optimizers in optim take parameters sharded on one mesh dimension (Shard(d), "
+                         "as FSDP2's fully_shard makes them) and replicated on the others; route it to "
+                         "AdamW or Lion (see optim.build matrix_patterns)")
     mesh_dim, placement = sharded[0]
     mesh = p.device_mesh
     layout = ShardLayout(mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), placement.dim,
                          chunk_sizes(p.shape[placement.dim], mesh.size(mesh_dim)))
     if p.to_local().shape[layout.dim] != layout.sizes[layout.rank]:
-        raise ValueError(f"a parameter of shape {tuple(p.shape)} has a local shard of shape "
+        raise ValueError(f"{name} of shape {tuple(p.shape)} has a local shard of shape "
                          f"{tuple(p.to_local().shape)}, not torch.chunk's cut {layout.sizes}: an "
                          "unsupported sharding")
     return layout

@@ -22,9 +22,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Partial, Shard
 
 from optim.build import build_bundle, parse_optim_config
+from optim.muon import Muon
 
 VOCAB, D, HIDDEN, STEPS = 32, 16, 49, 3
 ARMS = {"muon": {"muon_weight_decay": 0.1}, "olion": {"wd": 0.1}, "lion": {"wd": 0.1},
@@ -140,11 +141,26 @@ def run_arm(variant: str) -> dict:
     return report
 
 
+def refusals() -> list[str]:
+    """What Muon says when built over placements it cannot step: a partial sum, two sharded mesh
+    dimensions."""
+    out = []
+    for shape, placements in (((2,), [Partial()]), ((1, 2), [Shard(0), Shard(1)])):
+        mesh = init_device_mesh("cpu", shape)
+        w = torch.nn.Parameter(DTensor.from_local(torch.zeros(4, 4), mesh, placements))
+        try:
+            Muon([("blocks.0.w", w)])
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
     torch.use_deterministic_algorithms(True)
     report = {variant: run_arm(variant) for variant in [*ARMS, "muon@hsdp", "adafactor@hsdp"]}
+    report["refused"] = refusals()
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(report, indent=1))
     dist.destroy_process_group()
 

@@ -29,6 +29,7 @@ HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 MATRIX_ARMS = ("muon", "olion", "lion", "adafactor", "muon@hsdp", "adafactor@hsdp")
 BITWISE_ARMS = ("muon", "olion", "lion", "sgdm", "adamw", "muon@hsdp")
+ARMS_RUN = (*BITWISE_ARMS, "adafactor", "adafactor@hsdp")
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +67,14 @@ def test_state_exists_before_the_first_step_in_the_parameters_placement(reports)
     assert "(Replicate(), Shard(dim=0))" in reports[0]["muon@hsdp"]["params"].values()
 
 
+def test_placements_a_matrix_optimizer_cannot_step_are_refused_naming_the_parameter(reports):
+    partial, two_dims = reports[0]["refused"]
+    assert "Muon parameter 'blocks.0.w' of shape (4, 4) has placements (Partial(sum),)" in partial
+    assert "(Shard(dim=0), Shard(dim=1))" in two_dims and "route it to AdamW or Lion" in two_dims
+
+
 def test_every_rank_holds_the_same_state_keys_before_and_after_steps_and_a_load(reports):
-    for arm in reports[0]:
+    for arm in ARMS_RUN:
         for when in ("before", "after", "loaded"):
             assert reports[0][arm][when] == reports[1][arm][when], (arm, when)
         assert reports[0][arm]["after"] == reports[0][arm]["loaded"], arm
