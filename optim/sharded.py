@@ -114,9 +114,12 @@ def factor_zeros(p: torch.Tensor, dim: int) -> torch.Tensor:
 def matrix_rounds(params: list[torch.Tensor], batched: bool | None,
                   dtype: torch.dtype) -> list[list[torch.Tensor]]:
     """`params` split into the lists `orthogonalize_matrices` takes: plain (and fully replicated)
-    matrices in `ns_batches`' batches; sharded ones, per shard group and dtype, in rounds whose
-    whole matrices total at most world x `MAX_STACK_BYTES` (each owner then holds about one
-    batch's worth), in the order given, which must be the same on every rank."""
+    matrices in `ns_batches`' batches; sharded ones, per shard group and dtype, in the order given
+    (which must be the same on every rank), in rounds of a multiple of world matrices (but the
+    last), closed once their whole matrices pass world x `MAX_STACK_BYTES`. Each owner then holds
+    about one batch's worth, and since owners are round-robin within a round, they are round-robin
+    over the whole group: a model of huge matrices, one per round, would leave all the work to
+    the first rank otherwise."""
     plain = [p for p in params if layout_of(p) is None]
     rounds = ns_batches(plain, batched, dtype)
     groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
@@ -125,11 +128,12 @@ def matrix_rounds(params: list[torch.Tensor], batched: bool | None,
         if layout is not None:
             groups[(layout.group, p.dtype)].append(p)
     for (group, _), members in groups.items():
-        budget = dist.get_world_size(group) * MAX_STACK_BYTES
+        world = dist.get_world_size(group)
+        budget = world * MAX_STACK_BYTES
         current, used = [], 0
         for p in members:
             size = p.numel() * max(p.element_size(), dtype.itemsize)
-            if current and used + size > budget:
+            if current and len(current) % world == 0 and used + size > budget:
                 rounds.append(current)
                 current, used = [], 0
             current.append(p)

@@ -6,7 +6,8 @@ asserts on it.
 The shapes are chosen to reach every path: a 49-row matrix (uneven shards: 25 and 24 rows), a
 1-row matrix (rank 1's shard is empty), and block 1 sharded along columns (`Shard(1)`) where its
 column count is even. `muon@hsdp` and `adafactor@hsdp` run the same on a 2D mesh (replicate x
-shard, HSDP's placements (Replicate(), Shard(d))). Every rank trains on the same batch, so FSDP's averaged gradient is the
+shard, HSDP's placements (Replicate(), Shard(d))); `olion@rounds` with Newton-Schulz rounds cut
+small, so the matrices take several rounds. Every rank trains on the same batch, so FSDP's averaged gradient is the
 one-process gradient bit for bit ((g + g) / 2 == g) and a difference in the parameters can only
 come from the optimizer.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -24,8 +26,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 
+import optim.sharded
 from optim.build import build_bundle, parse_optim_config
 from optim.muon import Muon
+from optim.sharded import matrix_rounds
 
 VOCAB, D, HIDDEN, STEPS = 32, 16, 49, 3
 ARMS = {"muon": {"muon_weight_decay": 0.1}, "olion": {"wd": 0.1}, "lion": {"wd": 0.1},
@@ -112,14 +116,34 @@ def flat_state(opt) -> dict:
             for n, entry in sd["state"].items() for k, t in entry.items() if isinstance(t, torch.Tensor)}
 
 
+@contextmanager
+def round_budget(variant: str):
+    """`@rounds`: Newton-Schulz rounds of a few hundred bytes, so the sharded matrices take
+    several rounds (each a pair of all-to-alls) instead of one."""
+    stock = optim.sharded.MAX_STACK_BYTES
+    if variant.endswith("@rounds"):
+        optim.sharded.MAX_STACK_BYTES = 256
+    try:
+        yield
+    finally:
+        optim.sharded.MAX_STACK_BYTES = stock
+
+
 def run_arm(variant: str) -> dict:
+    with round_budget(variant):
+        return run_variant(variant)
+
+
+def run_variant(variant: str) -> dict:
     arm = variant.split("@")[0]
     cfg = parse_optim_config({"type": arm, "lr": 1e-2, **ARMS[arm]})
     reference, model = Model(), sharded_model(hsdp=variant.endswith("@hsdp"))
     ref_opt, ref_sched = build_bundle(cfg, reference, STEPS + 1)
     opt, sched = build_bundle(cfg, model, STEPS + 1)
     report = {"before": layout(opt),
-              "params": {n: str(p.placements) for n, p in model.named_parameters()}}
+              "params": {n: str(p.placements) for n, p in model.named_parameters()},
+              "rounds": [len(r) for r in matrix_rounds(opt.optimizers[arm].param_groups[0]["params"], None,
+                                                       torch.float32)] if arm in ("muon", "olion") else []}
     if arm in ("muon", "olion", "lion", "adafactor"):
         # torch.distributed.checkpoint's view: it must find the state (and so not initialise it with
         # a zero-gradient step of its own, which would move Adafactor's statistics).
@@ -159,7 +183,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
     torch.use_deterministic_algorithms(True)
-    report = {variant: run_arm(variant) for variant in [*ARMS, "muon@hsdp", "adafactor@hsdp"]}
+    report = {variant: run_arm(variant) for variant in [*ARMS, "muon@hsdp", "adafactor@hsdp", "olion@rounds"]}
     report["refused"] = refusals()
     (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(report, indent=1))
     dist.destroy_process_group()

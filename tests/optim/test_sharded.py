@@ -6,7 +6,7 @@ One torchrun group (world size 2, gloo, real processes) runs every arm of optim.
 shards; and on a 2D HSDP mesh for muon and adafactor) against the same model unsharded in the same process, on the same batches, for 3 steps,
 then a fresh bundle loads the name-keyed state and takes a 4th.
 
-Bitwise: muon (also on HSDP), olion, lion (ours), sgdm and adamw (torch's, on DTensors),
+Bitwise: muon (also on HSDP), olion (also in several rounds), lion (ours), sgdm and adamw (torch's, on DTensors),
 parameters and state.
 Adafactor to float rounding: its column statistic, mean(r) and rms(u) are sums over the shards.
 """
@@ -27,8 +27,8 @@ from optim.sharded import chunk_sizes, layout_of, local
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
-MATRIX_ARMS = ("muon", "olion", "lion", "adafactor", "muon@hsdp", "adafactor@hsdp")
-BITWISE_ARMS = ("muon", "olion", "lion", "sgdm", "adamw", "muon@hsdp")
+MATRIX_ARMS = ("muon", "olion", "lion", "adafactor", "muon@hsdp", "adafactor@hsdp", "olion@rounds")
+BITWISE_ARMS = ("muon", "olion", "lion", "sgdm", "adamw", "muon@hsdp", "olion@rounds")
 ARMS_RUN = (*BITWISE_ARMS, "adafactor", "adafactor@hsdp")
 
 
@@ -65,6 +65,10 @@ def test_state_exists_before_the_first_step_in_the_parameters_placement(reports)
     # The models reached every path: row shards, column shards, a 2D (HSDP) mesh.
     assert {"(Shard(dim=0),)", "(Shard(dim=1),)"} <= set(reports[0]["muon"]["params"].values())
     assert "(Replicate(), Shard(dim=0))" in reports[0]["muon@hsdp"]["params"].values()
+    # One round of all 8 matrices by default; with the budget cut, rounds of a multiple of the
+    # world size (so the owners stay round-robin over the group), but the last.
+    assert reports[0]["muon"]["rounds"] == [8]
+    assert reports[0]["olion@rounds"]["rounds"] == [2, 2, 2, 2]
 
 
 def test_placements_a_matrix_optimizer_cannot_step_are_refused_naming_the_parameter(reports):
