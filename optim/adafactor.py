@@ -17,19 +17,30 @@ Update, per 2D parameter p with gradient g (the reference rule):
 Departure from the reference: the max and the clip are tensor ops, not `float(...)` branches, so
 a step never waits on the device (the reference synchronised twice per parameter per step).
 Multiplying by an exact 1.0 when no clipping is due leaves the result bitwise the reference's.
+
+Sharded parameters (DTensors, FSDP2; optim/sharded.py): the statistic along the sharded dimension
+is sharded like it (r for row shards, FSDP2's default) and computed from local rows; the other is
+replicated, and its mean over the sharded dimension, mean(r) and rms(u) are sums of the ranks'
+partial sums. Those reductions are in another order than one process's, so the step equals the
+one-process step to float rounding, not bitwise. The collectives are batched over the group's
+parameters: one all-reduce of every partial statistic, one of every sum of squares of u.
 """
 
 import torch
+import torch.distributed as dist
 
 from optim.base import MatrixOptimizer
 from optim.closure import run_closure
+from optim.sharded import factor_zeros, layout_of, local
 
 
 class Adafactor2D(MatrixOptimizer):
     """Adafactor2D over 2D parameters. State per (rows, cols) parameter: `r` (rows,) and
     `c` (cols,), always float32 whatever the parameter dtype.
 
-    Args: lr (1e-3), beta2 (0.999), eps (1e-30), clip (1.0), wd (0.0, decoupled).
+    Args: lr (1e-3), beta2 (0.999), eps (1e-30), clip (1.0), wd (0.0, decoupled). A sharded
+    parameter's `r`/`c` is sharded where the parameter is sharded along that dimension,
+    replicated otherwise.
     Raises ValueError for a non-2D parameter, naming it.
     """
 
@@ -42,6 +53,9 @@ class Adafactor2D(MatrixOptimizer):
         """The state kept per parameter once it has stepped, with its shapes (the bundle checks
         loads against it)."""
         return {"r": (p.shape[0],), "c": (p.shape[1],)}
+
+    def initial_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"r": factor_zeros(p, 0), "c": factor_zeros(p, 1)}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's loader casts floating state to the parameter dtype; the statistics are kept
@@ -60,26 +74,76 @@ class Adafactor2D(MatrixOptimizer):
     def step(self, closure=None):
         loss = run_closure(closure)
         for group in self.param_groups:
-            beta2, eps, lr, wd = group["beta2"], group["eps"], group["lr"], group["wd"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                state = self.state[p]
-                if "r" not in state:
-                    state["r"] = torch.zeros(g.shape[0], device=g.device, dtype=torch.float32)
-                    state["c"] = torch.zeros(g.shape[1], device=g.device, dtype=torch.float32)
-                r, c = state["r"], state["c"]
-                g2 = g.float().pow(2) + eps
-                r.mul_(beta2).add_(g2.mean(1), alpha=1 - beta2)
-                c.mul_(beta2).add_(g2.mean(0), alpha=1 - beta2)
-                v = r[:, None] * c[None, :] / r.mean().clamp(min=eps)
-                u = g / v.sqrt().to(g.dtype)
-                rms = u.pow(2).mean().sqrt()
-                # clip / rms is computed as clip * (1 / rms): bitwise the reference's for the
-                # default clip 1.0, within one float32 rounding for other clips.
-                u = u * (group["clip"] / rms).clamp(max=1.0)
-                if wd > 0:
-                    p.mul_(1 - lr * wd)
-                p.add_(u, alpha=-lr)
+            params = [p for p in group["params"] if p.grad is not None]
+            sharded = [p for p in params if layout_of(p) is not None]
+            for p in params:
+                if layout_of(p) is None:
+                    self._step_whole(p, group)
+            if sharded:
+                self._step_sharded(sharded, group)
         return loss
+
+    def _step_whole(self, p: torch.Tensor, group: dict) -> None:
+        """The reference rule on a matrix this rank holds whole."""
+        beta2, eps = group["beta2"], group["eps"]
+        g = local(p.grad)
+        state = self.state_of(p)
+        r, c = local(state["r"]), local(state["c"])
+        g2 = g.float().pow(2) + eps
+        r.mul_(beta2).add_(g2.mean(1), alpha=1 - beta2)
+        c.mul_(beta2).add_(g2.mean(0), alpha=1 - beta2)
+        u = g / _root_second_moment(r, c, r.mean(), eps).to(g.dtype)
+        rms = u.pow(2).mean().sqrt()
+        _apply(local(p), u, rms, group)
+
+    def _step_sharded(self, params: list[torch.Tensor], group: dict) -> None:
+        """The same rule on sharded matrices: local statistics, then the cross-rank sums, batched
+        over `params` per shard group (every rank calls this with the same parameters)."""
+        by_group: dict = {}
+        for p in params:
+            by_group.setdefault(layout_of(p).group, []).append(p)
+        beta2, eps = group["beta2"], group["eps"]
+        for process_group, members in by_group.items():
+            partial = []
+            for p in members:
+                g, dim = local(p.grad), layout_of(p).dim
+                state = self.state_of(p)
+                g2 = g.float().pow(2) + eps
+                # The statistic along the sharded dimension is complete on this rank.
+                mine = local(state["r"] if dim == 0 else state["c"])
+                mine.mul_(beta2).add_(g2.mean(1 - dim), alpha=1 - beta2)
+                partial += [g2.sum(dim), mine.sum().reshape(1) if dim == 0 else g2.new_zeros(1)]
+            sums = torch.cat(partial)
+            dist.all_reduce(sums, group=process_group)
+            updates, squares, offset = [], [], 0
+            for p in members:
+                g, dim = local(p.grad), layout_of(p).dim
+                state = self.state_of(p)
+                r, c = local(state["r"]), local(state["c"])
+                n = p.shape[1 - dim]
+                other = r if dim == 1 else c
+                other.mul_(beta2).add_(sums[offset:offset + n] / p.shape[dim], alpha=1 - beta2)
+                r_mean = sums[offset + n] / p.shape[0] if dim == 0 else r.mean()
+                offset += n + 1
+                u = g / _root_second_moment(r, c, r_mean, eps).to(g.dtype)
+                updates.append(u)
+                squares.append(u.float().pow(2).sum())
+            squares = torch.stack(squares)
+            dist.all_reduce(squares, group=process_group)
+            for p, u, square in zip(members, updates, squares):
+                _apply(local(p), u, (square / p.numel()).sqrt().to(u.dtype), group)
+
+
+def _root_second_moment(r: torch.Tensor, c: torch.Tensor, r_mean: torch.Tensor, eps: float) -> torch.Tensor:
+    """sqrt(v), v = r c^T / max(mean(r), eps): the factored second moment (of this rank's block)."""
+    return (r[:, None] * c[None, :] / r_mean.clamp(min=eps)).sqrt()
+
+
+def _apply(w: torch.Tensor, u: torch.Tensor, rms: torch.Tensor, group: dict) -> None:
+    """Clip u to RMS `clip`, decay, step."""
+    # clip / rms is computed as clip * (1 / rms): bitwise the reference's for the default clip
+    # 1.0, within one float32 rounding for other clips.
+    u = u * (group["clip"] / rms).clamp(max=1.0)
+    if group["wd"] > 0:
+        w.mul_(1 - group["lr"] * group["wd"])
+    w.add_(u, alpha=-group["lr"])

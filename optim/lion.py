@@ -7,12 +7,16 @@ Update, per parameter p with gradient g (the team's reference rule; any shape):
     p <- p * (1 - lr * wd)                      (only when wd > 0)
     p <- p - lr * u
     m <- beta2 * m + (1 - beta2) * g            (after the update: the interpolation uses m_{t-1})
+
+Elementwise, so a sharded parameter (DTensor) steps on its local shard with its local state:
+bitwise the one-process step, no communication (optim/sharded.py).
 """
 
 import torch
 
 from optim.base import Optimizer
 from optim.closure import run_closure
+from optim.sharded import local
 
 
 class Lion(Optimizer):
@@ -35,13 +39,10 @@ class Lion(Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if "m" not in state:
-                    state["m"] = torch.zeros_like(p)
-                m = state["m"]
-                u = (b1 * m + (1 - b1) * p.grad).sign_()
+                w, g, m = local(p), local(p.grad), local(self.state_of(p)["m"])
+                u = (b1 * m + (1 - b1) * g).sign_()
                 if wd > 0:
-                    p.mul_(1 - lr * wd)
-                p.add_(u, alpha=-lr)
-                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+                    w.mul_(1 - lr * wd)
+                w.add_(u, alpha=-lr)
+                m.mul_(b2).add_(g, alpha=1 - b2)
         return loss

@@ -29,13 +29,18 @@ per op on accelerators; on CPU the same per-tensor ops, hence the same roundings
 same-shape matrices, transposed pairs included, share one batched Newton-Schulz where that is
 faster (optim.newton_schulz.ns_batches).
 Only 2D parameters are accepted (the reference's non-2D fallback is AdamW's job in optim.build).
+
+Sharded parameters (DTensors, FSDP2): the momentum and the update run on local shards; each whole
+update matrix is orthogonalised once, on one rank, and its shards sent back (optim.sharded), so
+the result is the one-process step's, bitwise on a CPU in float32 (tests/optim/test_sharded.py).
 """
 
 import torch
 
 from optim.base import MatrixOptimizer
 from optim.closure import run_closure
-from optim.newton_schulz import NS_DTYPE_CHOICES, ns_batches, ns_dtype, orthogonalize
+from optim.newton_schulz import NS_DTYPE_CHOICES, ns_dtype
+from optim.sharded import local, matrix_rounds, orthogonalize_matrices
 
 
 class Muon(MatrixOptimizer):
@@ -94,26 +99,21 @@ class Muon(MatrixOptimizer):
             if not params:
                 continue
             dtype = ns_dtype(group["ns_dtype"], params[0].device)
-            for batch in ns_batches(params, group["ns_batched"], dtype):
-                grads = [p.grad for p in batch]
-                bufs = [self._momentum_buffer(p) for p in batch]
+            for batch in matrix_rounds(params, group["ns_batched"], dtype):
+                grads = [local(p.grad) for p in batch]
+                bufs = [local(self.state_of(p)["mom"]) for p in batch]
                 torch._foreach_mul_(bufs, momentum)
                 torch._foreach_add_(bufs, grads)
                 updates = torch._foreach_add(grads, bufs, alpha=momentum) if group["nesterov"] else bufs
-                ortho = orthogonalize(updates, group["ns_steps"], dtype)
+                ortho = orthogonalize_matrices(batch, updates, group["ns_steps"], dtype, group["ns_batched"])
                 del updates  # the transient memory of a step is one batch
+                weights = [local(p) for p in batch]
                 if wd > 0:
-                    torch._foreach_mul_(batch, 1 - lr * wd)
+                    torch._foreach_mul_(weights, 1 - lr * wd)
                 # x * 1.0 == x exactly: skipping it saves a pass over wide and square matrices.
                 scaled = [(o, s) for o, s in zip(ortho, (self.update_scale(p.shape, group["consistent_rms"])
                                                          for p in batch)) if s != 1.0]
                 if scaled:
                     torch._foreach_mul_([o for o, _ in scaled], [s for _, s in scaled])
-                torch._foreach_add_(batch, ortho, alpha=-lr)
+                torch._foreach_add_(weights, ortho, alpha=-lr)
         return loss
-
-    def _momentum_buffer(self, p: torch.Tensor) -> torch.Tensor:
-        state = self.state[p]
-        if "mom" not in state:
-            state["mom"] = torch.zeros_like(p.grad)
-        return state["mom"]

@@ -12,7 +12,8 @@ Contracts:
   result is bitwise the reference's. In bfloat16 (`NS_DTYPES`) the two sums are fused into the
   products (`addmm`, as torch.optim.Muon and modded-nanogpt do): one kernel instead of three per
   sum, and rounding differences far below bfloat16's own precision.
-- `ns_batches(params)` + `orthogonalize(batch)` are what Muon and OLion call. A batch holds
+- `ns_batches(params)` + `orthogonalize(batch)` are what Muon and OLion use (through
+  optim.sharded, which adds the sharded-parameter path). A batch holds
   matrices of one *wide* shape: a (4d, d) and a (d, 4d) matrix share one, the tall one transposed
   (the iteration runs on the wide orientation anyway). Each matrix is normalised in its own
   orientation before the stack, so in float32 on CPU every batched result is bitwise the

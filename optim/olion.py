@@ -11,13 +11,17 @@ Update, per 2D parameter p with gradient g (the team's reference rule):
     Q  <- NewtonSchulz(gt)                      (optim.newton_schulz, shared with Muon; float32)
     p  <- p * (1 - lr * wd)                     (only when wd > 0)
     p  <- p - lr * gamma * sign(Q)
+
+Sharded parameters (DTensors, FSDP2): the momentum and the mix run on local shards, each whole
+mixed matrix is orthogonalised once, on one rank, and its shards sent back (optim.sharded, as
+for Muon): bitwise the one-process step on a CPU.
 """
 
 import torch
 
 from optim.base import MatrixOptimizer
 from optim.closure import run_closure
-from optim.newton_schulz import ns_batches, orthogonalize
+from optim.sharded import local, matrix_rounds, orthogonalize_matrices
 
 
 class OLion(MatrixOptimizer):
@@ -54,17 +58,16 @@ class OLion(MatrixOptimizer):
         for group in self.param_groups:
             (b1, b2), lr, wd = group["betas"], group["lr"], group["wd"]
             params = [p for p in group["params"] if p.grad is not None]
-            for batch in ns_batches(params, group["ns_batched"]):
+            for batch in matrix_rounds(params, group["ns_batched"], torch.float32):
                 mixed = []
                 for p in batch:
-                    state = self.state[p]
-                    if "m" not in state:
-                        state["m"] = torch.zeros_like(p)
-                    m = state["m"]
-                    m.mul_(b2).add_(p.grad, alpha=1 - b2)
-                    mixed.append((1 - b1) * p.grad + b1 * m)
-                for p, q in zip(batch, orthogonalize(mixed, group["ns_steps"])):
+                    g, m = local(p.grad), local(self.state_of(p)["m"])
+                    m.mul_(b2).add_(g, alpha=1 - b2)
+                    mixed.append((1 - b1) * g + b1 * m)
+                for p, q in zip(batch, orthogonalize_matrices(batch, mixed, group["ns_steps"], torch.float32,
+                                                              group["ns_batched"])):
+                    w = local(p)
                     if wd > 0:
-                        p.mul_(1 - lr * wd)
-                    p.add_(q.sign_(), alpha=-lr * group["gamma"])
+                        w.mul_(1 - lr * wd)
+                    w.add_(q.sign_(), alpha=-lr * group["gamma"])
         return loss

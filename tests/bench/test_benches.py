@@ -1,5 +1,6 @@
-"""ops/bench/optim_step.py and harness_overhead.py still run (tiny sizes) and print every figure
-docs/bench-optim.md and README quote. They time nothing here: no figure is asserted."""
+"""ops/bench/optim_step.py, sharded_muon.py (under torchrun) and harness_overhead.py still run (tiny
+sizes) and print every figure docs/bench-optim.md and README quote. They time nothing here: no
+figure is asserted."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def bench(name: str, *args: str) -> str:
+def bench(name: str, *args: str, launcher: tuple[str, ...] = (sys.executable,)) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(ROOT / "ops" / "bench" / name), *args], cwd=ROOT, env=env,
+    return subprocess.run([*launcher, str(ROOT / "ops" / "bench" / name), *args], cwd=ROOT, env=env,
                           check=True, capture_output=True, text=True, timeout=300).stdout
 
 
@@ -28,3 +29,11 @@ def test_harness_overhead_reports_both_clocks():
     out = bench("harness_overhead.py", "--steps", "4", "--warmup", "1", "--rounds", "1")
     assert "round 1: CPU ms/step bare" in out
     assert "median harness / bare, cpu:" in out and "median harness / bare, wall:" in out
+
+
+def test_sharded_muon_bench_runs_both_contenders_and_they_agree():
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    out = bench("sharded_muon.py", "--dim", "32", "--blocks", "1", "--reps", "1", launcher=torchrun)
+    assert "first step bitwise equal: True" in out
+    for row in ("| ours (owner per matrix) |", "| gather everything |", "ours / gather-everything: wall"):
+        assert row in out, row

@@ -63,15 +63,18 @@ def test_loading_adopts_tensors_without_copying_and_restores_tuples(trained, rou
      r"tensor optim/adamw/emb.weight/exp_avg has shape \(2, 2\)"),
     (lambda sd: sd["adamw"]["state"].update(ghost={}), "state for 'ghost'"),
 ])
-def test_loading_refuses_a_mismatch_and_names_it(trained, edit, message):
+def test_loading_refuses_a_mismatch_and_names_it(trained, edit, message, tree_equal):
     opt, _, fresh = trained
     sd = opt.state_dict()
     edit(sd)
     new_opt, _ = fresh()
+    before = new_opt.state_dict()
     with pytest.raises(OptimError, match=message):
         new_opt.load_state_dict(sd)
-    # Refused before anything was loaded: no optimizer of the bundle took the partial state.
-    assert all(not o.state for o in new_opt.optimizers.values())
+    # Refused before anything was loaded: no optimizer of the bundle took the partial state (its
+    # own optimizers hold their fresh, eagerly created zeros; AdamW none yet).
+    tree_equal(new_opt.state_dict(), before)
+    assert not new_opt.optimizers["adamw"].state
 
 
 def test_the_reference_list_format_is_refused_with_a_clear_error(trained):
@@ -105,7 +108,9 @@ def test_a_muon_checkpoint_without_momentum_or_a_group_key_is_refused(tiny_gpt, 
         new_opt, _ = build_bundle(cfg, tiny_gpt(), 10)
         with pytest.raises(OptimError, match=message):
             new_opt.load_state_dict(sd)
-        assert all(not o.state for o in new_opt.optimizers.values())
+        # Nothing loaded: Muon's momentum is still its fresh zeros, AdamW has no state yet.
+        assert not new_opt.optimizers["adamw"].state
+        assert all(not v.any() for st in new_opt.optimizers["muon"].state.values() for v in st.values())
 
 
 def test_hyperparameters_and_grouping_come_from_the_bundle_not_the_checkpoint(trained, roundtrip, tiny_gpt):
