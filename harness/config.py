@@ -14,6 +14,7 @@ Contract:
 from __future__ import annotations
 
 import copy
+import math
 import tomllib
 from collections.abc import Iterable
 from pathlib import Path
@@ -238,11 +239,43 @@ def batch_shape(cfg: RunConfig, world_size: int) -> tuple[int, int]:
     else:
         left = target - batch_size * accum * world_size
     if left or accum < 1 or batch_size < 1 or batch_size * accum * world_size != target:
+        valid = valid_world_sizes(cfg)
         raise UserError(
             f"train.global_batch = {target} is not data.batch_size ({batch_size}) x train.grad_accum ({accum}) x "
-            f"world size ({world_size}); choose a global_batch divisible by batch_size x world size, or leave "
-            f"one of batch_size / grad_accum unset so it is derived")
+            f"world size ({world_size}); the valid world sizes for this config are {_listed(valid)}: run at one of "
+            f"those, or choose a global_batch divisible by batch_size x world size, or leave one of batch_size / "
+            f"grad_accum unset so it is derived")
     return batch_size, accum
+
+
+def valid_world_sizes(cfg: RunConfig) -> list[int]:
+    """Every world size `batch_shape` accepts for `cfg` (with `train.global_batch` set: the
+    divisors of the global batch that leave an integer micro-batch x accumulation split)."""
+    target = cfg.train.global_batch
+    if target is None:
+        return []  # any world size: the global batch grows with it
+    divisors = {w for d in range(1, math.isqrt(target) + 1) if target % d == 0 for w in (d, target // d)}
+    return sorted(w for w in divisors if _split_exists(cfg, target, w))
+
+
+def _split_exists(cfg: RunConfig, target: int, world: int) -> bool:
+    """Whether global_batch = batch_size x grad_accum x `world` has an integer solution with the
+    factors the config sets held fixed (as `batch_shape` derives the other)."""
+    accum_set = "grad_accum" in cfg.train.model_fields_set
+    batch_set = "batch_size" in cfg.data.model_fields_set
+    per_rank = target // world
+    if not accum_set:
+        return per_rank % cfg.data.batch_size == 0
+    if not batch_set:
+        return per_rank % cfg.train.grad_accum == 0
+    return per_rank == cfg.data.batch_size * cfg.train.grad_accum
+
+
+def _listed(sizes: list[int], most: int = 12) -> str:
+    if not sizes:
+        return "none (global_batch is not a multiple of the set batch_size / grad_accum)"
+    shown = ", ".join(map(str, sizes[:most]))
+    return shown if len(sizes) <= most else f"{shown}, ... ({len(sizes)} sizes)"
 
 
 def math_fields(cfg: RunConfig) -> dict[str, Any]:

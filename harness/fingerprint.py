@@ -51,6 +51,7 @@ log = get_logger(__name__)
 
 HISTORY_LIMIT = 20_000
 FIELDS = ("step", "loss", "lr", "batch_hash", "state_hash")
+INPUT_FIELDS = ("batch", "lr")  # what `differing_fields` names for a step's inputs
 
 # Parts named first when several differ at once: the model differs as a consequence of almost
 # anything, the counters as a consequence of the loss, so they come last.
@@ -264,6 +265,7 @@ class FingerprintLog:
         self._saved_state: dict[str, str] | None = None
         self._expected: dict[int, dict[str, Any]] = {}
         self._events = None
+        self._inputs_only = False
         self.unsaved: list[str] = []  # non-persistent buffers that carry state ("model.ema"), see note_unsaved
 
     def take(self, step: int, loss: float, batch: Any, lr: Any) -> dict[str, Any]:
@@ -278,23 +280,29 @@ class FingerprintLog:
         expected = self._expected.pop(step, None)
         if expected is not None:
             fields = differing_fields(expected, rec)
+            if self._inputs_only:
+                fields = [f for f in fields if f in INPUT_FIELDS]
             if fields:
                 self._diverged(step, fields, "a re-run step differs from the record the interrupted process wrote")
         return rec
 
-    def watch(self, events: Any, ran_past: Iterable[Mapping[str, Any]]) -> None:
+    def watch(self, events: Any, ran_past: Iterable[Mapping[str, Any]], *, inputs_only: bool = False,
+              unchecked: Iterable[str] = ()) -> None:
         """After a resume: check the restored parts against their hash at save time, then expect
         the re-run steps to match `ran_past` (records of steps after the checkpoint that the
         interrupted process logged). `events` gets `resume_mismatch` events. A part whose
         `restored_with_changes` is non-empty is not checked: its load changed the state on
-        purpose (the optimizer bundle under a changed config)."""
+        purpose (the optimizer bundle under a changed config), nor are the `unchecked` parts.
+        `inputs_only`: a re-run step is compared on what it consumed (batch, lr) only, where its
+        numbers may differ on purpose (a resume at another world size)."""
         self._events = events
+        self._inputs_only = inputs_only
         self._expected = {int(r["step"]): dict(r) for r in ran_past if "batch_hash" in r and "loss" in r}
         if self._saved_state is None:
             return
         parts = self._parts()
         now = part_hashes(state_digests(parts, saved_only=True))
-        skip = {name for name, part in parts.items() if getattr(part, "restored_with_changes", None)}
+        skip = {name for name, part in parts.items() if getattr(part, "restored_with_changes", None)} | set(unchecked)
         fields = [f"restored:{p}" for p in ordered_parts(p for p in self._saved_state
                                                          if p not in skip and now.get(p) != self._saved_state[p])]
         self._saved_state = None

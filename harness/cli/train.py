@@ -11,6 +11,7 @@ import sys
 
 from harness.checkpoint.errors import USER_FIXABLE_ERRNOS, storage_errno
 from harness.cli.args import add_allow_config_change, add_config_args, add_restart_args, config_of
+from harness.config import batch_shape
 from harness.distributed import process_group, topology_from_env
 from harness.errors import UserError
 
@@ -30,6 +31,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = config_of(args)
     topology = topology_from_env()
+    batch_shape(cfg, topology.world_size)  # a world size the global batch cannot split: refused before joining a group
     if args.max_restarts > 0 and topology.world_size > 1:
         raise UserError(f"--max-restarts supervises one process, but this is rank {topology.rank} of "
                         f"{topology.world_size}: let the launcher restart the group (torchrun --max-restarts N)")

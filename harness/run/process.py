@@ -12,6 +12,9 @@ Contract of `train(cfg, ...)` (what `harness train` does):
   optim/bundle.py) and a `config_changed` event records old -> new per key and any re-planned
   schedule. Warns when the torch version, device type or numerical settings (harness.numerics)
   differ from the checkpoint's (bitwise equality is not promised there).
+- Resumes at another world size than the checkpoint's (harness/run/elastic.py): the global batch
+  is kept (a world size it cannot split is refused before anything is written, naming the valid
+  ones) and a `world_size_changed` event records old -> new world size and batch shape.
 - A finished run started again says so and returns FINISHED without training.
 - Checkpoints at the configured cadence and always at the last step; on a preemption signal,
   finishes the current step, saves within the deadline and returns PREEMPTED.
@@ -30,7 +33,7 @@ import psutil
 
 from harness import distributed, exit_codes, numerics
 from harness.checkpoint import CheckpointStore
-from harness.config import RunConfig
+from harness.config import RunConfig, batch_shape
 from harness.errors import Unavailable, UserError
 from harness.events import EVENTS_FILE, EventLog
 from harness.health.trackers import open_trackers
@@ -51,6 +54,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
     if fsspec.utils.get_protocol(cfg.run_dir) == "memory":
         log.warning("run_dir is memory://: checkpoints and run.json live in this process only and are gone when it "
                     "exits; nothing can resume from them. Use a local path or s3:// for a real run", run_dir=cfg.run_dir)
+    batch_shape(cfg, distributed.world())  # a world size the global batch cannot split is refused before any write
     store = open_store(cfg)
     try:
         distributed.on_rank0(store.acquire_lease, takeover=takeover)  # rank 0 is the run dir's one writer
@@ -61,7 +65,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
         started = resume_newest(cfg, source, candidates, verify, allow_config_change)
         if started is None:
             return exit_codes.FINISHED
-        trainer, ref, restore_s, changes = started
+        trainer, ref, restore_s, changes, resized = started
         try:
             run_id = distributed.on_rank0(write_run_json, cfg, trainer.data.identity,
                                           environment_fingerprint(trainer.device))
@@ -77,12 +81,18 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             # Where the interrupted process got to: every step it logged, not only its last progress event.
             reached = max((int(r["step"]) for r in ran_past if "loss" in r), default=None)
             if ref is not None and lead:  # check the restored state, then each re-run step, against the run's own history
-                trainer.fingerprints.watch(events, [] if allow_config_change else ran_past)
+                # At another world size the re-run steps must see the same batches, not the same bits:
+                # the reduction order changed and the random streams were restarted (run/elastic.py).
+                trainer.fingerprints.watch(events, [] if allow_config_change else ran_past,
+                                           inputs_only=resized is not None,
+                                           unchecked=("rng",) if resized is not None else ())
             restore_s += time.perf_counter() - t_check
             events.emit("start", step=trainer.step, total_steps=cfg.train.steps, resumed_from=ref.step if ref else None,
                         previous_reached=reached, run_dir=cfg.run_dir,
                         host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time(),
                         restore_s=restore_s)
+            if resized is not None:
+                events.emit("world_size_changed", **resized.event())
             if changes:
                 events.emit("config_changed", step=trainer.step, changes={k: {"old": a, "new": b} for k, (a, b) in changes.items()},
                             schedule=trainer.sched.replanned)

@@ -21,6 +21,7 @@ from harness.config import RunConfig, config_changes
 from harness.data.sources import identity_changes, open_data
 from harness.errors import UserError
 from harness.log import get_logger
+from harness.run.elastic import WorldChange, reseed, world_change
 from harness.run.environment import warn_if_changed
 from harness.trainer import Trainer, resolve_device
 
@@ -28,11 +29,13 @@ log = get_logger(__name__)
 
 
 def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[CheckpointRef], verify: Verify,
-                  allow_config_change: bool) -> tuple[Trainer, CheckpointRef | None, float, dict] | None:
+                  allow_config_change: bool) -> tuple[Trainer, CheckpointRef | None, float, dict,
+                                                      WorldChange | None] | None:
     """(trainer, the checkpoint it was restored from or None for a fresh start, seconds spent
     reading, loading and verifying checkpoints, the config changes since that checkpoint as
-    `config_changes` gives them), or None when the newest checkpoint is of a finished run (it
-    says so on stderr).
+    `config_changes` gives them, the world-size change since it or None), or None when the
+    newest checkpoint is of a finished run (it says so on stderr). At another world size than
+    the checkpoint's, every rank's random streams are restarted (harness/run/elastic.py).
 
     `candidates` are tried newest first, each read once (`source.open`: manifest and state.json)
     and passed down. With `Verify.WHILE` each is hashed as it loads (one read of every byte); one
@@ -58,7 +61,10 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             t0 = time.perf_counter()
             load_checkpoint(source, checkpoint, trainer.state.parts(), verify=verify,
                             kept_on_new_rank=trainer.state.kept_on_new_rank)
-            return trainer, ref, restore_s + time.perf_counter() - t0, changes
+            resized = world_change(saved["meta"], cfg, distributed.world(), ref.step)
+            if resized is not None:
+                reseed(resized, cfg.train.seed, distributed.rank())
+            return trainer, ref, restore_s + time.perf_counter() - t0, changes, resized
         except BaseException as e:
             if trainer is not None:
                 trainer.close()
@@ -68,7 +74,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             restore_s += time.perf_counter() - t0
     if candidates:
         raise all_damaged(cfg, candidates)
-    return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data), None, restore_s, {}
+    return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data), None, restore_s, {}, None
 
 
 def all_damaged(cfg: RunConfig, damaged: list[CheckpointRef]) -> UserError:

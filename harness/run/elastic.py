@@ -1,0 +1,97 @@
+"""A resume at another world size (an elastic restart): what is derived anew, what continues.
+
+Contract (docs/distributed.md, "Changing the world size"). It does not depend on the parallel
+strategy: all it reads is the world size the checkpoint recorded (`WORLD_SIZE_KEY` in its meta;
+none = one process) and the config, so a sharded strategy plugs in by recording the same key.
+- The global batch is the config's: `config.batch_shape` derives the factor the config leaves
+  unset (grad_accum, or batch_size) so micro-batch x grad_accum x world = train.global_batch, and
+  refuses a world size with no integer split, naming the valid ones. `harness train` calls it
+  before it takes the lease, so a refused world size writes nothing.
+- The data cursor counts global samples (harness/data/order.py), and replicated state (model,
+  optimizer, schedulers, counters) loads as saved: neither needs anything here.
+- Random streams: at the saving run's world size every rank gets its own streams back (bitwise
+  resume). At another one, every rank restarts its generators from (seed, resumed step, rank,
+  new world size) (`reseed`): a pure function of the checkpoint and the new world size, the same
+  for every rank layout the checkpoint came from. Dropout masks are drawn per rank over that
+  rank's micro-batch, so they depend on the world size (deriving them from the global sample id
+  would need every model's dropout to draw per sample).
+- `WorldChange.event()`: the fields of the `world_size_changed` event (old/new world size, the
+  batch shape at each, the global batch at each).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from harness.checkpoint.distributed_commit import WORLD_SIZE_KEY
+from harness.config import RunConfig, batch_shape
+from harness.data.prng import derive_seed
+from harness.errors import UserError
+from harness.log import get_logger
+from harness.rng import seed_everything
+
+log = get_logger(__name__)
+
+# derive_seed's first part for the streams a world-size change restarts: apart from every other
+# use of the run seed (the rank streams of a fresh start, the data order).
+_RESEED_DOMAIN = 0x454C4153  # "ELAS"
+
+
+@dataclass(frozen=True)
+class WorldChange:
+    """A resume at `new_world` ranks from a checkpoint written at step `step` by `old_world`.
+    `old_shape` / `new_shape`: (micro-batch, grad_accum) at each world size; `old_shape` is None
+    when the current config cannot run at the old size (a config changed since, under
+    --allow-config-change)."""
+
+    step: int
+    old_world: int
+    new_world: int
+    old_shape: tuple[int, int] | None
+    new_shape: tuple[int, int]
+
+    @property
+    def global_batch(self) -> tuple[int | None, int]:
+        """(old, new) samples per optimizer step; they differ only without train.global_batch."""
+        old = self.old_shape[0] * self.old_shape[1] * self.old_world if self.old_shape else None
+        return old, self.new_shape[0] * self.new_shape[1] * self.new_world
+
+    def event(self) -> dict[str, Any]:
+        old, new = self.global_batch
+        return {"step": self.step, "old_world_size": self.old_world, "new_world_size": self.new_world,
+                "old": _shape(self.old_shape, old), "new": _shape(self.new_shape, new)}
+
+
+def _shape(shape: tuple[int, int] | None, global_batch: int | None) -> dict[str, int | None] | None:
+    if shape is None:
+        return None
+    return {"batch_size": shape[0], "grad_accum": shape[1], "global_batch": global_batch}
+
+
+def saved_world_size(meta: dict[str, Any]) -> int:
+    """The world size that wrote a checkpoint (1 when its meta names none: one process)."""
+    return int(meta.get(WORLD_SIZE_KEY, 1))
+
+
+def world_change(meta: dict[str, Any], cfg: RunConfig, world: int, step: int) -> WorldChange | None:
+    """The change from the checkpoint's world size (its `meta`) to `world`, or None when equal."""
+    old = saved_world_size(meta)
+    if old == world:
+        return None
+    try:
+        old_shape = batch_shape(cfg, old)
+    except UserError:
+        old_shape = None
+    change = WorldChange(step, old, world, old_shape, batch_shape(cfg, world))
+    before, after = change.global_batch
+    if before is not None and before != after:
+        log.warning("train.global_batch is not set, so the global batch changes with the world size; set it to "
+                    "keep the sequence of global batches (docs/distributed.md)", step=step, old_global_batch=before,
+                    new_global_batch=after)
+    return change
+
+
+def reseed(change: WorldChange, seed: int, rank: int) -> None:
+    """Restart this rank's random streams for the new world size (module docstring)."""
+    seed_everything(derive_seed(_RESEED_DOMAIN, seed, change.step, rank, change.new_world))
