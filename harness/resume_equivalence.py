@@ -136,7 +136,7 @@ def run_pair(config: str, steps: int, work: Path, sets: list[str], points: list[
         if path.exists():
             shutil.rmtree(path)
     print(f"A: continuous in {runs['A']}; B: interrupted ({sig.name.removeprefix('SIG')}) in {runs['B']}", flush=True)
-    proc_a = _start(config, runs["A"], sets, work / "continuous.log")
+    proc_a = start_train(config, runs["A"], sets, work / "continuous.log")
     try:
         story, landed = _interrupted(config, runs["B"], sets, work / "interrupted.log", points, sig)
     except BaseException:
@@ -144,7 +144,7 @@ def run_pair(config: str, steps: int, work: Path, sets: list[str], points: list[
         raise
     if proc_a.wait() != 0:
         raise UserError(f"the continuous run failed (exit {proc_a.returncode}); see {work / 'continuous.log'}:\n"
-                        + _tail(work / "continuous.log"))
+                        + log_tail(work / "continuous.log"))
     print("B: " + "; ".join(story), flush=True)
     verdict = compare_runs(runs["A"], runs["B"], steps, landed)
     if landed != points:
@@ -152,8 +152,14 @@ def run_pair(config: str, steps: int, work: Path, sets: list[str], points: list[
     return verdict
 
 
-def _start(config: str, run_dir: Path, sets: list[str], log_path: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "harness.cli", "--log-level", "warning", "train", config, "--run-dir", str(run_dir),
+def start_train(config: str, run_dir: Path, sets: list[str], log_path: Path, world: int = 1) -> subprocess.Popen:
+    """`harness train` with its logs in the run dir: one process, or `world` under torchrun
+    (standalone rendezvous, so several groups can run side by side)."""
+    launcher = [sys.executable, "-m", "harness.cli"]
+    if world > 1:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+                    "--max-restarts", "0", "-m", "harness.cli"]
+    cmd = [*launcher, "--log-level", "warning", "train", config, "--run-dir", str(run_dir),
            "--set", f'log_dir="{run_dir}"', *[x for s in sets for x in ("--set", s)]]
     with log_path.open("a") as log_file:
         return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
@@ -166,37 +172,37 @@ def _interrupted(config: str, run_dir: Path, sets: list[str], log_path: Path, po
     training between the point being logged and the signal arriving)."""
     story, landed = [], []
     for point in points:
-        starts = len(_events(run_dir, "start"))
-        proc = _start(config, run_dir, sets, log_path)
-        resumed = _wait(proc, run_dir, starts, point, log_path)
+        starts = len(events_of(run_dir, "start"))
+        proc = start_train(config, run_dir, sets, log_path)
+        resumed = wait_for_step(proc, run_dir, starts, point, log_path)
         if proc.poll() is None:
             proc.send_signal(sig)
         code = proc.wait()
-        landed.append(_last_step(run_dir))
+        landed.append(last_step(run_dir))
         story.append(f"{resumed} -> {sig.name} landed at step {landed[-1]} (planned {point}, exit {code})")
-    starts = len(_events(run_dir, "start"))
-    proc = _start(config, run_dir, sets, log_path)
+    starts = len(events_of(run_dir, "start"))
+    proc = start_train(config, run_dir, sets, log_path)
     code = proc.wait()
-    begun = _events(run_dir, "start")[starts:]
+    begun = events_of(run_dir, "start")[starts:]
     story.append(f"resumed from {begun[0].get('resumed_from') if begun else '?'} -> finished (exit {code})")
     if code != 0:
         raise UserError(f"the interrupted run failed after its last restart (exit {code}); see {log_path}:\n"
-                        + _tail(log_path))
+                        + log_tail(log_path))
     return story, landed
 
 
-def _wait(proc: subprocess.Popen, run_dir: Path, starts: int, point: int, log_path: Path) -> str:
+def wait_for_step(proc: subprocess.Popen, run_dir: Path, starts: int, point: int, log_path: Path) -> str:
     """Wait until this process started (its start event) and logged step `point`."""
     deadline = time.monotonic() + START_TIMEOUT_S
     begun: list[dict] = []
     while proc.poll() is None and time.monotonic() < deadline:
-        begun = _events(run_dir, "start")[starts:]
-        if begun and _last_step(run_dir) >= point:
+        begun = events_of(run_dir, "start")[starts:]
+        if begun and last_step(run_dir) >= point:
             break
         time.sleep(0.02)
     if proc.poll() not in (None, 0):
         raise UserError(f"the interrupted run failed before step {point} (exit {proc.returncode}); see "
-                        f"{log_path}:\n" + _tail(log_path))
+                        f"{log_path}:\n" + log_tail(log_path))
     start = begun[0].get("resumed_from") if begun else None
     return "started fresh" if start is None else f"resumed from {start}"
 
@@ -206,19 +212,20 @@ def _read(path: Path) -> list[dict[str, Any]]:
     return list(records(path)) if path.exists() else []
 
 
-def _events(run_dir: Path, kind: str) -> list[dict]:
-    return [e for e in _read(run_dir / EVENTS_FILE) if e.get("event") == kind]
+def events_of(run_dir: Path, *kinds: str) -> list[dict]:
+    """The run's events of these kinds so far, in order."""
+    return [e for e in _read(run_dir / EVENTS_FILE) if e.get("event") in kinds]
 
 
-def _records(run_dir: Path) -> list[dict[str, Any]]:
+def step_records(run_dir: Path) -> list[dict[str, Any]]:
     return [{k: r[k] for k in FIELDS if k in r} for r in _read(run_dir / METRICS_FILE) if "batch_hash" in r]
 
 
-def _last_step(run_dir: Path) -> int:
+def last_step(run_dir: Path) -> int:
     return max((int(r.get("step", 0)) for r in _read(run_dir / METRICS_FILE)), default=0)
 
 
-def _tail(path: Path, n: int = 3000) -> str:
+def log_tail(path: Path, n: int = 3000) -> str:
     return path.read_text()[-n:] if path.exists() else ""
 
 
@@ -227,11 +234,11 @@ def compare_runs(a: Path, b: Path, steps: int, points: list[int]) -> Verdict:
     from harness.checkpoint.diff import compare_checkpoints
     from harness.checkpoint.store import CheckpointStore
 
-    rec_a, rec_b = _records(a), _records(b)
+    rec_a, rec_b = step_records(a), step_records(b)
     found = first_divergence(rec_a, rec_b)
     store_a, store_b = CheckpointStore(str(a)), CheckpointStore(str(b))
     final = compare_checkpoints((store_a, store_a.ref(steps)), (store_b, store_b.ref(steps)))
-    noticed = _events(b, "resume_mismatch")
+    noticed = events_of(b, "resume_mismatch")
     restored = [e for e in noticed if any(f.startswith("restored:") for f in e["fields"])]
     verdict = Verdict(identical=False, steps=steps, interrupt_at=points)
     verdict.details += [f"B's resumed process reported at step {e['step']}: {', '.join(e['fields'])}" for e in noticed]
@@ -247,7 +254,7 @@ def compare_runs(a: Path, b: Path, steps: int, points: list[int]) -> Verdict:
     else:
         verdict.identical = True
         return verdict
-    unsaved = sorted({b for e in _events(b, "unsaved_buffers") for b in e["buffers"]})
+    unsaved = sorted({b for e in events_of(b, "unsaved_buffers") for b in e["buffers"]})
     verdict.fields += [f"unsaved:{name}" for name in unsaved]
     verdict.part, verdict.hint = diagnose(verdict.fields)
     if verdict.when == "final":

@@ -11,10 +11,21 @@ import tempfile
 from pathlib import Path
 
 from harness.cli.args import add_config_args
-from harness.config import load_config
+from harness.config import RunConfig, batch_shape, load_config
 from harness.errors import UserError
 from harness.resume_equivalence import __doc__ as equivalence_doc
 from harness.resume_equivalence import run_pair
+from harness.world_equivalence import DEFAULT_TOLERANCE, even_points, run_worlds
+
+
+def parse_world_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected world sizes like 2,1,4") from None
+    if len(sizes) < 2 or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected at least two world sizes >= 1, like 2,1")
+    return sizes
 
 
 def parse_steps(text: str) -> list[int]:
@@ -40,6 +51,12 @@ def register(commands: argparse._SubParsersAction) -> None:
                    help="KILL: die at once, resume from the last checkpoint; TERM: preemption, save and exit")
     p.add_argument("--fingerprint-every", type=int, default=1, metavar="N",
                    help="state hash every N steps (default 1: the divergent step and part are exact)")
+    p.add_argument("--world-sizes", type=parse_world_sizes, metavar="N,M[,K]",
+                   help="run A at world size N and B at N, then resumed at M (and K...): the batches must be "
+                        "identical, the losses and state within --tolerance (world_equivalence.py); one "
+                        "interruption per size after the first (--interrupt-at, default evenly spaced)")
+    p.add_argument("--tolerance", type=float, metavar="X",
+                   help=f"with --world-sizes: the largest deviation accepted (default {DEFAULT_TOLERANCE:g})")
     p.add_argument("--work-dir", metavar="DIR", help="keep both runs here (default: a temporary folder, "
                                                      "removed when identical)")
     p.set_defaults(func=run)
@@ -47,8 +64,13 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps else [])
-    steps = load_config(args.config, overrides).train.steps
-    if args.interrupt_at:
+    cfg = load_config(args.config, overrides)
+    steps = cfg.train.steps
+    if args.tolerance is not None and not args.world_sizes:
+        raise UserError("--tolerance applies to --world-sizes only: a resume at the same world size must be identical")
+    if args.world_sizes:
+        points = worlds_points(args, cfg)
+    elif args.interrupt_at:
         points = args.interrupt_at
     else:
         seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
@@ -64,10 +86,29 @@ def run(args: argparse.Namespace) -> int:
     work.mkdir(parents=True, exist_ok=True)
     sets = [*overrides, f"train.fingerprint_every={args.fingerprint_every}", 'train.on_divergence="warn"']
     sig = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}[args.signal]
-    verdict = run_pair(args.config, steps, work, sets, points, sig)
+    if args.world_sizes:
+        tolerance = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+        verdict = run_worlds(args.config, steps, work, sets, args.world_sizes, points, sig, tolerance)
+    else:
+        verdict = run_pair(args.config, steps, work, sets, points, sig)
     print(verdict, flush=True)
     if verdict and not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)
     elif not verdict:
         print(f"runs kept in {work} (logs: continuous.log, interrupted.log)")
     return 0 if verdict else 1
+
+
+def worlds_points(args: argparse.Namespace, cfg: RunConfig) -> list[int]:
+    """The interruption steps of a --world-sizes check (one per size after the first), after
+    refusing a world size the config's global batch cannot split (before anything runs)."""
+    for world in args.world_sizes:
+        batch_shape(cfg, world)
+    if args.random is not None:
+        raise UserError("--world-sizes interrupts once per size after the first: give those steps with "
+                        "--interrupt-at, or leave them evenly spaced (without --random)")
+    points = args.interrupt_at or even_points(cfg.train.steps, args.world_sizes)
+    if len(points) != len(args.world_sizes) - 1:
+        raise UserError(f"--interrupt-at {','.join(map(str, points))}: give {len(args.world_sizes) - 1} step(s), one "
+                        f"per world size after the first of --world-sizes {','.join(map(str, args.world_sizes))}")
+    return points

@@ -1,0 +1,61 @@
+"""Elastic resume with real processes (gloo, torchrun): a run that comes back at another world size
+keeps its global batches and continues within float rounding; a world size the global batch
+cannot split is refused before anything is written (docs/distributed.md, "Changing the world size")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from launch import run, tail
+from procs import ROOT, harness
+
+ELASTIC = ROOT / "tests" / "data" / "elastic.toml"  # global_batch 8, micro-batch 2: world 1, 2 or 4
+NO_DROPOUT = ["--set", "model.args.dropout=0.0"]  # dropout masks depend on the world size (documented)
+
+
+def _records(run_dir: Path, kind: str) -> list[dict]:
+    lines = (run_dir / kind).read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def test_world_size_2_killed_resumed_at_1_killed_resumed_at_2_keeps_every_global_batch(tmp_path):
+    """verify-resume --world-sizes 2,1,2: B is SIGKILLed (torchrun and both ranks) after step 6,
+    resumed by one process, SIGKILLed after step 10, resumed by two ranks, finished."""
+    work = tmp_path / "work"
+    proc = harness("verify-resume", str(ELASTIC), "--world-sizes", "2,1,2", "--interrupt-at", "6,10",
+                   "--work-dir", str(work), *NO_DROPOUT, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "batches: identical sample ids at every step" in proc.stdout, proc.stdout
+    # The same checks again from the run dirs themselves, not from the runner's verdict.
+    continuous, elastic = work / "continuous", work / "interrupted"
+    steps_a = {r["step"]: r for r in _records(continuous, "metrics.jsonl") if "batch_hash" in r}
+    steps_b = {r["step"]: r for r in _records(elastic, "metrics.jsonl") if "batch_hash" in r}
+    assert sorted(steps_a) == sorted(steps_b) == list(range(1, 13))
+    assert [steps_a[s]["batch_hash"] for s in steps_a] == [steps_b[s]["batch_hash"] for s in steps_a]
+    assert abs(steps_a[12]["loss"] - steps_b[12]["loss"]) <= 1e-4 * max(1.0, abs(steps_a[12]["loss"]))
+    changes = [e for e in _records(elastic, "events.jsonl") if e["event"] == "world_size_changed"]
+    assert [(e["old_world_size"], e["new_world_size"]) for e in changes] == [(2, 1), (1, 2)]
+    assert [(e["old"]["grad_accum"], e["new"]["grad_accum"]) for e in changes] == [(2, 4), (4, 2)]
+    assert {e["new"]["global_batch"] for e in changes} == {8}
+    # Within the run, the re-run steps were checked on their batches: none differed.
+    assert not [e for e in _records(elastic, "events.jsonl") if e["event"] == "resume_mismatch"]
+
+
+def _snapshot(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() if p.is_file() else b"<dir>"
+            for p in sorted(run_dir.rglob("*"))}
+
+
+def test_a_world_size_the_global_batch_cannot_split_is_refused_and_nothing_written(tmp_path):
+    run_dir = tmp_path / "run"
+    harness("train", str(ELASTIC), "--run-dir", str(run_dir), "--set", "train.steps=4", check=True)
+    before = _snapshot(run_dir)
+    log = tmp_path / "three.log"
+    code = run([str(ROOT / "ops/torchrun/train.sh"), str(ELASTIC), "--set", "train.steps=4"], log,
+               env={"NPROC": "3", "MAX_RESTARTS": "0", "RUN_DIR": str(run_dir)})
+    assert code == 2, tail(log)
+    errors = [line for line in tail(log).splitlines() if line.startswith("error: ")]
+    assert errors and "the valid world sizes for this config are 1, 2, 4" in errors[0], tail(log)
+    assert "harness/" not in tail(log), "a traceback from the harness"
+    assert _snapshot(run_dir) == before

@@ -1,0 +1,71 @@
+"""The world-size change of a resume, in-process: the valid world sizes, what the event records, the
+restarted random streams, and the verdict of `verify-resume --world-sizes` (the runs themselves:
+tests/distributed/test_elastic.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from harness.config import RunConfig, batch_shape, valid_world_sizes
+from harness.errors import UserError
+from harness.run.elastic import reseed, world_change
+from harness.world_equivalence import WorldVerdict, even_points
+
+
+def _cfg(data: dict, train: dict) -> RunConfig:
+    return RunConfig.model_validate({"data": data, "train": train})
+
+
+def test_valid_world_sizes_hold_the_set_factor_and_derive_the_other():
+    assert valid_world_sizes(_cfg({"batch_size": 2}, {"global_batch": 8})) == [1, 2, 4]
+    assert valid_world_sizes(_cfg({}, {"global_batch": 24, "grad_accum": 3})) == [1, 2, 4, 8]
+    assert valid_world_sizes(_cfg({"batch_size": 4}, {"global_batch": 16, "grad_accum": 2})) == [2]
+    assert valid_world_sizes(_cfg({"batch_size": 5}, {"global_batch": 16, "grad_accum": 2})) == []
+    assert valid_world_sizes(RunConfig()) == []  # no global_batch: every world size, the batch grows with it
+
+
+def test_a_world_size_without_a_split_names_the_valid_ones():
+    with pytest.raises(UserError, match="the valid world sizes for this config are 1, 2, 4: run at one of those"):
+        batch_shape(_cfg({"batch_size": 2}, {"global_batch": 8}), 3)
+
+
+def test_world_change_records_the_derived_accumulation():
+    cfg = _cfg({"batch_size": 2}, {"global_batch": 8})
+    assert world_change({"world_size": 2}, cfg, 2, step=4) is None
+    assert world_change({}, cfg, 1, step=4) is None  # no key: written by one process
+    change = world_change({"world_size": 2}, cfg, 1, step=4)
+    assert change.event() == {"step": 4, "old_world_size": 2, "new_world_size": 1,
+                              "old": {"batch_size": 2, "grad_accum": 2, "global_batch": 8},
+                              "new": {"batch_size": 2, "grad_accum": 4, "global_batch": 8}}
+    # Without global_batch the global batch follows the world size (warned, recorded).
+    grown = world_change({}, _cfg({"batch_size": 2}, {}), 2, step=4)
+    assert grown.global_batch == (2, 4)
+
+
+def test_restarted_streams_depend_on_step_rank_and_world_only():
+    cfg = _cfg({"batch_size": 2}, {"global_batch": 8})
+
+    def draws(meta: dict, world: int, rank: int) -> list:
+        torch.manual_seed(123)  # whatever the streams were before
+        random.seed(5)
+        reseed(world_change(meta, cfg, world, step=8), seed=1, rank=rank)
+        return [torch.rand(3).tolist(), random.random()]
+
+    assert draws({"world_size": 1}, 2, 1) == draws({"world_size": 4}, 2, 1)  # not the saving layout's
+    assert draws({"world_size": 1}, 2, 0) != draws({"world_size": 1}, 2, 1)
+    assert draws({"world_size": 1}, 2, 0) != draws({"world_size": 1}, 4, 0)
+
+
+def test_world_verdict_fails_on_any_check():
+    ok = dict(sizes=[2, 1], steps=12, tolerance=1e-4, interrupt_at=[6], state_dev={"model": 1e-8})
+    assert WorldVerdict(**ok)
+    assert not WorldVerdict(**ok, batch_step=7)
+    assert not WorldVerdict(**{**ok, "state_dev": {"model": 1e-3}})
+    assert not WorldVerdict(**ok, loss_dev=2e-4, loss_step=9)
+    assert not WorldVerdict(**ok, unequal=["parts/data/position: A=8 B=16"])
+    verdict = WorldVerdict(**ok, missing_changes=["world size 2 -> 1: no resume made that change"])
+    assert not verdict and "not exercised: world size 2 -> 1" in str(verdict)
+    assert even_points(12, [2, 1, 2]) == [4, 8]
