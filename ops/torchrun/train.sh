@@ -3,6 +3,8 @@
 # group after any worker failure, up to MAX_RESTARTS times, and each restart auto-resumes.
 # One node:  NPROC=8 MAX_RESTARTS=3 RUN_DIR=runs/a ops/torchrun/train.sh CONFIG [harness train args]
 # Several:   run on every node with NNODES=4 RDZV_ENDPOINT=head-node:PORT RDZV_ID=run-a (same on all).
+# Elastic:   NNODES=2:4 (MIN:MAX nodes), with RDZV_CONF=is_host=false and RDZV_ENDPOINT a rendezvous
+#            store that no node hosts (ops/torchrun/rendezvous_store.py).
 # RUN_DIR must be storage every node sees (s3://..., or a shared filesystem).
 #
 # Exit code: the trainers' own when torchrun cannot pass it on (it reports any failed worker
@@ -38,9 +40,15 @@ HARNESS_EXIT_CODE_DIR=$(mktemp -d "${TMPDIR:-/tmp}/harness-exit.XXXXXX")
 export HARNESS_EXIT_CODE_DIR
 trap 'rm -rf "$HARNESS_EXIT_CODE_DIR"' EXIT
 
-if [ "$NNODES" -gt 1 ]; then
+# NNODES=MIN:MAX is an elastic group: torchrun starts once MIN nodes joined, admits up to MAX, and
+# after a node is lost (or one joins) restarts the workers at the new world size, which resume
+# with the global batch kept (docs/distributed.md, "Changing the world size"). RDZV_CONF passes
+# --rdzv-conf, e.g. is_host=false when the endpoint is a store of its own
+# (ops/torchrun/rendezvous_store.py) that outlives any node.
+if [ "$NNODES" != 1 ]; then
   rendezvous=(--nnodes "$NNODES" --rdzv-backend c10d --rdzv-endpoint "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port}"
               --rdzv-id "${RDZV_ID:?set RDZV_ID to the same id on every node}")
+  [ -n "${RDZV_CONF:-}" ] && rendezvous+=(--rdzv-conf "$RDZV_CONF")
 else
   rendezvous=(--standalone)
 fi

@@ -4,10 +4,17 @@ cannot split is refused before anything is written (docs/distributed.md, "Changi
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
-from launch import run, tail
+import psutil
+
+from harness.world_equivalence import DEFAULT_TOLERANCE
+from launch import kill_tree, run, start, tail, wait_step
 from procs import ROOT, harness
 
 ELASTIC = ROOT / "tests" / "data" / "elastic.toml"  # global_batch 8, micro-batch 2: world 1, 2 or 4
@@ -59,3 +66,59 @@ def test_a_world_size_the_global_batch_cannot_split_is_refused_and_nothing_writt
     assert errors and "the valid world sizes for this config are 1, 2, 4" in errors[0], tail(log)
     assert "harness/" not in tail(log), "a traceback from the harness"
     assert _snapshot(run_dir) == before
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agent_of_rank(agents: list[subprocess.Popen], rank: int) -> subprocess.Popen:
+    for agent in agents:
+        for child in psutil.Process(agent.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                if child.environ().get("RANK") == str(rank) and "TORCHELASTIC_RUN_ID" in child.environ():
+                    return agent
+    raise AssertionError(f"no agent runs rank {rank}")
+
+
+def test_torchrun_elastic_group_loses_a_node_and_finishes_at_world_size_1(tmp_path):
+    """Two torchrun agents (two "nodes" of one process each, NNODES=1:2) meet at a rendezvous store
+    no node hosts; the node of rank 0 is lost (SIGKILL of its agent and worker) after step 6; the
+    survivor's torchrun restarts its worker in a group of one, which resumes at world size 1 with
+    the global batch kept. Compared with one process run straight through: the same batch at every
+    step, the final loss within verify-resume's tolerance."""
+    port = _free_port()
+    store = subprocess.Popen([sys.executable, str(ROOT / "ops/torchrun/rendezvous_store.py"), "--host", "127.0.0.1",
+                              "--port", str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "listening" in store.stdout.readline()
+        run_dir = tmp_path / "elastic"
+        env = {"NNODES": "1:2", "NPROC": "1", "MAX_RESTARTS": "3", "RUN_DIR": str(run_dir),
+               "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": "elastic-test",
+               "RDZV_CONF": "is_host=false,last_call_timeout=2"}
+        launcher = [str(ROOT / "ops/torchrun/train.sh"), str(ELASTIC), *NO_DROPOUT]
+        agents = [start(launcher, tmp_path / f"node{i}.log", env) for i in range(2)]
+        try:
+            wait_step(agents[0], run_dir, 6, tmp_path / "node0.log")
+            lost = _agent_of_rank(agents, 0)
+            kill_tree(lost.pid)
+            survivor = agents[1 - agents.index(lost)]
+            assert survivor.wait(300) == 0, tail(tmp_path / f"node{agents.index(survivor)}.log")
+        finally:
+            for agent in agents:
+                if agent.poll() is None:
+                    kill_tree(agent.pid)
+    finally:
+        store.kill()
+        store.wait()
+    straight = tmp_path / "straight"
+    harness("train", str(ELASTIC), "--run-dir", str(straight), *NO_DROPOUT, check=True)
+    steps_a = {r["step"]: r for r in _records(straight, "metrics.jsonl") if "batch_hash" in r}
+    steps_b = {r["step"]: r for r in _records(run_dir, "metrics.jsonl") if "batch_hash" in r}
+    assert sorted(steps_b) == list(range(1, 13))
+    assert [steps_a[s]["batch_hash"] for s in steps_a] == [steps_b[s]["batch_hash"] for s in steps_a]
+    assert abs(steps_a[12]["loss"] - steps_b[12]["loss"]) <= DEFAULT_TOLERANCE * max(1.0, abs(steps_a[12]["loss"]))
+    changes = [e for e in _records(run_dir, "events.jsonl") if e["event"] == "world_size_changed"]
+    assert [(e["old_world_size"], e["new_world_size"], e["new"]["grad_accum"]) for e in changes] == [(2, 1, 4)]
