@@ -56,10 +56,11 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
 
 def test_a_world_size_the_global_batch_cannot_split_is_refused_and_nothing_written(tmp_path):
     run_dir = tmp_path / "run"
-    harness("train", str(ELASTIC), "--run-dir", str(run_dir), "--set", "train.steps=4", check=True)
+    crashed = harness("train", str(ELASTIC), "--run-dir", str(run_dir), "--set", "debug.crash_at_step=6")
+    assert crashed.returncode != 0 and (run_dir / "checkpoints" / "step-00000004").is_dir(), crashed.stderr
     before = _snapshot(run_dir)
     log = tmp_path / "three.log"
-    code = run([str(ROOT / "ops/torchrun/train.sh"), str(ELASTIC), "--set", "train.steps=4"], log,
+    code = run([str(ROOT / "ops/torchrun/train.sh"), str(ELASTIC)], log,
                env={"NPROC": "3", "MAX_RESTARTS": "0", "RUN_DIR": str(run_dir)})
     assert code == 2, tail(log)
     errors = [line for line in tail(log).splitlines() if line.startswith("error: ")]

@@ -26,6 +26,7 @@ from procs import ROOT, TINY, assert_same_run, final_checkpoint
 
 TRAIN_SH = ROOT / "ops/torchrun/train.sh"
 SBATCH = ROOT / "ops/slurm/train.sbatch"
+ELASTIC = ROOT / "tests/data/elastic.toml"  # train.global_batch 8 at world size 1, 2 or 4
 SLOW_STEPS = ["--set", "debug.step_sleep_s=0.3"]  # a window to signal in; not part of the math
 
 STUBS = {
@@ -114,11 +115,13 @@ def requeued(stub_log: Path) -> list[str]:
     return path.read_text().split() if path.exists() else []
 
 
-def test_sbatch_preempted_run_exits_75_and_is_requeued(tmp_path, stubs):
+def test_sbatch_preempted_run_exits_75_is_requeued_and_resumes_at_another_size(tmp_path, stubs):
+    """The requeued job gets another allocation (2 GPUs instead of 1: the world size changes as
+    it would with another node count) and resumes there with the global batch kept."""
     env, stub_log = stubs
     run_dir, log = tmp_path / "run", tmp_path / "job.log"
     config = tmp_path / "slow.toml"
-    config.write_text(f'extends = "{TINY}"\n[debug]\nstep_sleep_s = 0.3\n')
+    config.write_text(f'extends = "{ELASTIC}"\n[debug]\nstep_sleep_s = 0.3\n')
     proc = launch(["bash", str(SBATCH)], log, {**env, **slurm_env(4242, run_dir, config)})
     wait_step(proc, run_dir, 3, log)
     proc.send_signal(signal.SIGUSR1)
@@ -126,6 +129,12 @@ def test_sbatch_preempted_run_exits_75_and_is_requeued(tmp_path, stubs):
     assert requeued(stub_log) == ["4242"]
     assert CheckpointStore(str(run_dir)).latest_good().step == preempted_step(run_dir)
     assert f"RDZV_ENDPOINT=node-a:{20000 + 4242 % 12000}" in (stub_log / "srun").read_text()
+    requeue = launch(["bash", str(SBATCH)], log, {**env, **slurm_env(4242, run_dir, config, GPUS_PER_NODE="2")})
+    assert finish(requeue, log) == exit_codes.FINISHED, tail(log)
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    [change] = [e for e in events if e["event"] == "world_size_changed"]
+    assert (change["old_world_size"], change["new_world_size"]) == (1, 2)
+    assert (change["old"]["grad_accum"], change["new"]["grad_accum"], change["new"]["global_batch"]) == (4, 2, 8)
 
 
 def test_sbatch_does_not_requeue_a_user_error(tmp_path, stubs):
