@@ -29,6 +29,7 @@ from typing import Any
 from harness import distributed
 from harness.checkpoint.distributed_commit import load_checkpoint
 from harness.health.anomaly import Anomaly
+from harness.run.elastic import after_load, fingerprint_checks
 from harness.log import get_logger
 from harness.trainer import DIVERGED_ADVICE, TrainingDiverged
 
@@ -52,11 +53,15 @@ def roll_back(loop: Any, anomaly: Anomaly) -> None:
                                f"before step {anomaly.step} to roll back to. {DIVERGED_ADVICE}")
     ref = loop.store.ref(step)
     before = copy.deepcopy(ledger)
-    load_checkpoint(loop.store, loop.store.open(ref), trainer.state.parts(),  # rank 0 verified it
+    checkpoint = loop.store.open(ref)
+    load_checkpoint(loop.store, checkpoint, trainer.state.parts(),  # rank 0 verified it
                     kept_on_new_rank=trainer.state.kept_on_new_rank)
+    # A checkpoint of another world size (from before an elastic resume): as a resume does.
+    resized = after_load(checkpoint.state["meta"], loop.cfg, step)
     ran_past = loop.metrics.truncate_after(step) or []
     if distributed.rank() == 0:  # before the ledger changes: the restored parts match their saved hashes
-        trainer.fingerprints.watch(loop.events, [r for r in ran_past if int(r["step"]) < anomaly.step])
+        trainer.fingerprints.watch(loop.events, [r for r in ran_past if int(r["step"]) < anomaly.step],
+                                   **fingerprint_checks(resized))
     ledger.keep_after_reload(before)
     consumed = ledger.next_batch(step) - 1  # the last step-batch before the checkpoint's cursor
     skip = [b for b in range(anomaly.batch - t.rollback_skip + 1, anomaly.batch + 1) if b > consumed]

@@ -2,6 +2,7 @@
 
 process.py      lease, resume, run files and logs, the loop; the exit code
 resume.py       which checkpoint to start from (`--resume`), loading it, compatibility checks
+elastic.py      a resume (or rollback) at another world size: batch shape, event, random streams
 loop.py         the step loop: metrics, evaluation, saves, preemption, `[debug]` fault hooks
 cadence.py      when to save (`CheckpointClock`)
 files.py        run.json and the one rule for where a run's logs live (`log_dir_for`)

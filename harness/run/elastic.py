@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from harness import distributed
 from harness.checkpoint.distributed_commit import WORLD_SIZE_KEY
 from harness.config import RunConfig, batch_shape
 from harness.data.prng import derive_seed
@@ -95,3 +96,22 @@ def world_change(meta: dict[str, Any], cfg: RunConfig, world: int, step: int) ->
 def reseed(change: WorldChange, seed: int, rank: int) -> None:
     """Restart this rank's random streams for the new world size (module docstring)."""
     seed_everything(derive_seed(_RESEED_DOMAIN, seed, change.step, rank, change.new_world))
+
+
+def after_load(meta: dict[str, Any], cfg: RunConfig, step: int) -> WorldChange | None:
+    """On every rank, right after a checkpoint (its `meta`, written at `step`) was loaded into the
+    live parts, by a resume or a rollback: the world-size change since it, with this rank's
+    random streams restarted for the new world size; None (and nothing done) at the same size."""
+    change = world_change(meta, cfg, distributed.world(), step)
+    if change is not None:
+        reseed(change, cfg.train.seed, distributed.rank())
+    return change
+
+
+def fingerprint_checks(change: WorldChange | None) -> dict[str, Any]:
+    """The arguments of `FingerprintLog.watch` after loading across `change`: at another world
+    size a re-run step must see the same batch and lr, not the same bits (the reduction order
+    changed), and the restarted random streams are not the saved ones."""
+    if change is None:
+        return {}
+    return {"inputs_only": True, "unchecked": ("rng",)}

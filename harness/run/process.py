@@ -39,6 +39,7 @@ from harness.events import EVENTS_FILE, EventLog
 from harness.health.trackers import open_trackers
 from harness.log import get_logger
 from harness.metrics import MetricsLog
+from harness.run.elastic import fingerprint_checks
 from harness.run.environment import environment_fingerprint
 from harness.run.files import METRICS_FILE, log_dir_for, write_run_json
 from harness.run.loop import Loop
@@ -81,11 +82,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             # Where the interrupted process got to: every step it logged, not only its last progress event.
             reached = max((int(r["step"]) for r in ran_past if "loss" in r), default=None)
             if ref is not None and lead:  # check the restored state, then each re-run step, against the run's own history
-                # At another world size the re-run steps must see the same batches, not the same bits:
-                # the reduction order changed and the random streams were restarted (run/elastic.py).
-                trainer.fingerprints.watch(events, [] if allow_config_change else ran_past,
-                                           inputs_only=resized is not None,
-                                           unchecked=("rng",) if resized is not None else ())
+                trainer.fingerprints.watch(events, [] if allow_config_change else ran_past, **fingerprint_checks(resized))
             restore_s += time.perf_counter() - t_check
             events.emit("start", step=trainer.step, total_steps=cfg.train.steps, resumed_from=ref.step if ref else None,
                         previous_reached=reached, run_dir=cfg.run_dir,

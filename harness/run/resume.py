@@ -21,7 +21,7 @@ from harness.config import RunConfig, config_changes
 from harness.data.sources import identity_changes, open_data
 from harness.errors import UserError
 from harness.log import get_logger
-from harness.run.elastic import WorldChange, reseed, world_change
+from harness.run.elastic import WorldChange, after_load
 from harness.run.environment import warn_if_changed
 from harness.trainer import Trainer, resolve_device
 
@@ -61,9 +61,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             t0 = time.perf_counter()
             load_checkpoint(source, checkpoint, trainer.state.parts(), verify=verify,
                             kept_on_new_rank=trainer.state.kept_on_new_rank)
-            resized = world_change(saved["meta"], cfg, distributed.world(), ref.step)
-            if resized is not None:
-                reseed(resized, cfg.train.seed, distributed.rank())
+            resized = after_load(saved["meta"], cfg, ref.step)
             return trainer, ref, restore_s + time.perf_counter() - t0, changes, resized
         except BaseException as e:
             if trainer is not None:

@@ -123,3 +123,23 @@ def test_torchrun_elastic_group_loses_a_node_and_finishes_at_world_size_1(tmp_pa
     assert abs(steps_a[12]["loss"] - steps_b[12]["loss"]) <= DEFAULT_TOLERANCE * max(1.0, abs(steps_a[12]["loss"]))
     changes = [e for e in _records(run_dir, "events.jsonl") if e["event"] == "world_size_changed"]
     assert [(e["old_world_size"], e["new_world_size"], e["new"]["grad_accum"]) for e in changes] == [(2, 1, 4)]
+
+
+def test_a_rollback_after_a_resume_at_another_world_size_repeats_the_resumed_steps(tmp_path):
+    """One process writes checkpoint 4 and crashes at step 6; two ranks resume from it, and a NaN at
+    step 7 rolls them back to checkpoint 4 (written at world size 1). The rollback restarts the
+    random streams as the resume did, so the re-run steps 5 and 6 repeat the first pass bit for bit
+    (on_divergence = "error" stops the run otherwise)."""
+    run_dir = tmp_path / "run"
+    crashed = harness("train", str(ELASTIC), "--run-dir", str(run_dir), "--set", "debug.crash_at_step=6")
+    assert crashed.returncode != 0 and (run_dir / "checkpoints" / "step-00000004").is_dir(), crashed.stderr
+    log = tmp_path / "two.log"
+    code = run([str(ROOT / "ops/torchrun/train.sh"), str(ELASTIC), "--set", 'train.on_anomaly="rollback"',
+                "--set", "debug.nan_at_steps=[7]", "--set", 'train.on_divergence="error"'], log,
+               env={"NPROC": "2", "MAX_RESTARTS": "0", "RUN_DIR": str(run_dir)})
+    assert code == 0, tail(log)
+    events = _records(run_dir, "events.jsonl")
+    [rollback] = [e for e in events if e["event"] == "anomaly"]
+    assert (rollback["step"], rollback["to_step"]) == (7, 4)
+    assert [e["new_world_size"] for e in events if e["event"] == "world_size_changed"] == [2]
+    assert not [e for e in events if e["event"] == "resume_mismatch"]
