@@ -29,8 +29,8 @@ from typing import Any
 from harness import distributed
 from harness.checkpoint.distributed_commit import load_checkpoint
 from harness.health.anomaly import Anomaly
-from harness.run.elastic import after_load, fingerprint_checks
 from harness.log import get_logger
+from harness.run.elastic import after_load, fingerprint_checks
 from harness.trainer import DIVERGED_ADVICE, TrainingDiverged
 
 log = get_logger(__name__)
