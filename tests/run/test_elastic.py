@@ -13,6 +13,9 @@ from harness.config import RunConfig, batch_shape, valid_world_sizes
 from harness.errors import UserError
 from harness.run.elastic import reseed, world_change
 from harness.world_equivalence import WorldVerdict, even_points
+from procs import ROOT, assert_one_line_error, harness
+
+ELASTIC = ROOT / "tests" / "data" / "elastic.toml"
 
 
 def _cfg(data: dict, train: dict) -> RunConfig:
@@ -69,3 +72,14 @@ def test_world_verdict_fails_on_any_check():
     verdict = WorldVerdict(**ok, missing_changes=["world size 2 -> 1: no resume made that change"])
     assert not verdict and "not exercised: world size 2 -> 1" in str(verdict)
     assert even_points(12, [2, 1, 2]) == [4, 8]
+
+
+def test_verify_resume_refuses_a_world_size_and_a_tolerance_it_cannot_use_before_running(tmp_path):
+    work = tmp_path / "work"
+    proc = harness("verify-resume", str(ELASTIC), "--world-sizes", "2,3", "--work-dir", str(work))
+    assert_one_line_error(proc, "the valid world sizes for this config are 1, 2, 4")
+    proc = harness("verify-resume", str(ELASTIC), "--world-sizes", "2,1,2", "--interrupt-at", "6", "--work-dir", str(work))
+    assert_one_line_error(proc, "give 2 step(s), one per world size after the first")
+    proc = harness("verify-resume", str(ELASTIC), "--tolerance", "1e-3", "--work-dir", str(work))
+    assert_one_line_error(proc, "--tolerance applies to --world-sizes only")
+    assert not work.exists()
