@@ -112,8 +112,10 @@ def _elastic(config: str, run_dir: Path, sets: list[str], log_path: Path, sizes:
         starts = len(events_of(run_dir, "start"))
         proc = start_train(config, run_dir, sets, log_path, world=world)
         wait_for_step(proc, run_dir, starts, point, log_path)
-        if proc.poll() is None:
-            _kill_tree(proc) if sig is signal.SIGKILL else proc.send_signal(sig)  # torchrun forwards TERM
+        if proc.poll() is None and sig is signal.SIGKILL:
+            _kill_tree(proc)
+        elif proc.poll() is None:
+            proc.send_signal(sig)  # torchrun passes it on to every rank
         proc.wait()
         landed.append(last_step(run_dir))
     proc = start_train(config, run_dir, sets, log_path, world=sizes[-1])
