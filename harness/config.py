@@ -84,6 +84,7 @@ class TrainSection(Section):
     grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value; unset = no clipping.")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Autocast dtype for forward/backward; fp16 uses a saved grad scaler.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train; auto = cuda when available.")
+    compile: bool = Field(False, description="torch.compile the training forward and backward (inductor; evaluation stays eager). Checkpoints keep the plain parameter names, so compiled and eager runs read each other's checkpoints; compiled kernels round differently from eager ones, so the setting is part of the run's math: resuming under the other one needs --allow-config-change.")
     cpu_threads: int | None = Field(None, gt=0, description="torch's intra-op CPU threads, fixed for the run and recorded in run.json and every checkpoint (harness/numerics.py); unset = torch's default for this machine. A resume with another count warns: some kernels split their sums by it.")
     eval_every: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0 = only at the end).")
     eval_batches: int = Field(4, gt=0, description="Batches per evaluation.")

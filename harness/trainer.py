@@ -111,6 +111,10 @@ class Trainer:
             self.net = DistributedDataParallel(self.model, device_ids=[self.device] if self.device.type == "cuda" else None)
             # Dropout differs by rank (as the samples do); each rank's stream is its `rng` part.
             seed_everything(derive_seed(cfg.train.seed, rank))
+        if cfg.train.compile:
+            # Compiles what the step calls; `self.model` stays the plain module, so the state part
+            # (and every checkpoint) keeps unprefixed parameter names (no `_orig_mod.`).
+            self.net = torch.compile(self.net)
         self.batch_hook: Callable[[int, Any], None] | None = None  # debug.sample_log
 
         self.train_set, self.eval_set = self.data.train, self.data.eval

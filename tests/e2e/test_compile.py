@@ -1,0 +1,30 @@
+"""`train.compile`: a compiled run SIGKILLed and resumed (compiled) ends bitwise equal to the same
+compiled run uninterrupted; its checkpoints keep the plain parameter names, so an eager process
+resumes from them; since compiled kernels round differently, only with --allow-config-change."""
+
+import json
+
+from safetensors import safe_open
+
+from procs import TINY, assert_same_run, final_checkpoint, harness, kill_at_step
+
+COMPILED = ["--set", "train.compile=true"]
+
+
+def test_a_compiled_run_killed_and_resumed_is_bitwise_equal_and_eager_reads_its_checkpoints(tmp_path):
+    straight, killed, eager = (tmp_path / name for name in ("straight", "killed", "eager"))
+    harness("train", str(TINY), "--run-dir", str(straight), *COMPILED, check=True, timeout=900)
+    assert kill_at_step(["train", str(TINY), "--run-dir", str(killed), *COMPILED], killed, 6, timeout=900) != 0
+    harness("train", str(TINY), "--run-dir", str(killed), *COMPILED, check=True, timeout=900)
+    assert_same_run(straight, killed, 12)
+    assert json.loads((straight / "run.json").read_text())["config"]["train"]["compile"] is True
+
+    with safe_open(str(final_checkpoint(straight, 12) / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    assert names and not any("_orig_mod" in name for name in names), names
+
+    kill_at_step(["train", str(TINY), "--run-dir", str(eager), *COMPILED], eager, 6, timeout=900)
+    refused = harness("train", str(TINY), "--run-dir", str(eager))
+    assert refused.returncode == 2 and "train.compile" in refused.stderr, refused.stderr[-3000:]
+    resumed = harness("train", str(TINY), "--run-dir", str(eager), "--allow-config-change", check=True, timeout=900)
+    assert "resuming with a changed config" in resumed.stderr and "train.compile" in resumed.stderr
