@@ -1,32 +1,62 @@
-"""`harness sweep CONFIG...`: train several experiment arms one after another.
+"""`harness sweep CONFIG... [--grid KEY=V1,V2 ...] [--seeds S1,S2]`: train experiment arms, and
+grids of runs over config keys, one after another on this machine, or print them for a cluster.
 
-Each arm is `harness train CONFIG [--set ...]` in a child process under the auto-retry
-`Supervisor` (harness/supervisor.py), so one arm's crash ends that arm, not the sweep, and the
-restarts and give-ups land in the arm's own events file, where `harness compare` counts them.
-Running the same sweep again is how it resumes: an arm whose run is finished exits at once
-("run already finished"), an interrupted one resumes from its newest good checkpoint.
+Without a grid each CONFIG (an arm) is one run in its own run_dir. With `--grid`/`--seeds`
+(harness/grid.py) each CONFIG's run_dir becomes the sweep dir of that arm and every grid point
+one run under it, `RUN_DIR/lr=3e-3_seed=0`, trained with the point's values as `--set` items.
 
-Before anything trains, every config is loaded and validated (a typo in the last arm fails in
-a second, not after hours) and the arms' run dirs must differ (two arms in one run dir would
-resume each other). A stop signal (SIGTERM, SIGINT, SIGUSR1) is forwarded to the arm that is
-training; that arm saves and exits 75 (PREEMPTED) and the sweep stops with its code instead of
-starting the next arm, so a requeued sweep continues where it was.
+Each run is `harness train CONFIG --set ...` in a child process under the auto-retry
+`Supervisor` (harness/supervisor.py), so one run's crash ends that run, not the sweep, and the
+restarts and give-ups land in the run's own events file, where `harness compare` counts them.
+Running the same sweep again is how it resumes: a run whose newest good checkpoint is its
+finished final one is skipped without starting a process, an interrupted one resumes from its
+newest good checkpoint (a SIGKILLed sweep takes its training child with it: PR_SET_PDEATHSIG).
 
-Exit code: 0 when every arm finished; the requeue code of a preempted arm; else the code of the
-first arm that failed (2 user error, 3 gave up), after the remaining arms were run.
+Before anything trains, every run's config is loaded and validated (a typo or an unknown grid
+key fails in a second, not after hours) and the run dirs must differ (two runs in one run dir
+would resume each other). A stop signal (SIGTERM, SIGINT, SIGUSR1) is forwarded to the run that
+is training; that run saves and exits 75 (PREEMPTED) and the sweep stops with its code instead
+of starting the next, so a requeued sweep continues where it was.
+
+`--print-commands` prints one `harness train` command per run instead of training;
+`--launcher slurm` prints a SLURM array job (one task per run, `sbatch` it), whose tasks resume
+and skip like the local sweep, since each is the same `harness train` command.
+
+Exit code: 0 when every run finished; the requeue code of a preempted run; else the code of the
+first run that failed (2 user error, 3 gave up), after the remaining runs were run.
 """
 
 from __future__ import annotations
 
+import shlex
 import sys
 from dataclasses import dataclass
 
-from harness.config import RunConfig, load_config
+from harness.config import RunConfig, load_config, toml_string
 from harness.errors import UserError
+from harness.grid import Axis, expand
 from harness.events import EventLog
 from harness.run.files import events_url
 from harness.exit_codes import FINISHED, NAMES, REQUEUE
 from harness.supervisor import Supervisor, checkpoint_progress, describe_exit
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """One run of a sweep: `harness train CONFIG --set ...` with its validated config."""
+
+    config: str  # the arm's TOML path
+    name: str  # the grid point's name ("" without a grid)
+    overrides: tuple[str, ...]  # --set items: the sweep's, the grid point's, its run_dir
+    cfg: RunConfig
+
+    @property
+    def label(self) -> str:
+        return f"{self.config} {self.name}" if self.name else self.config
+
+    def command(self, program: list[str]) -> list[str]:
+        """`PROGRAM train CONFIG --set ...` (PROGRAM: how `harness` is started)."""
+        return [*program, "train", self.config, *(arg for item in self.overrides for arg in ("--set", item))]
 
 
 @dataclass
@@ -43,36 +73,62 @@ class ArmResult:
         return NAMES.get(self.exit_code, describe_exit(self.exit_code))
 
 
-def load_arms(configs: list[str], overrides: list[str]) -> list[RunConfig]:
-    """Every arm's validated config; UserError for a bad config or a run dir used twice."""
-    arms = [load_config(path, overrides) for path in configs]
+def plan(configs: list[str], overrides: list[str], axes: list[Axis] = ()) -> list[PlannedRun]:
+    """Every run of the sweep, each config validated; UserError for a bad config, an unknown
+    grid key or a run dir used twice. Without axes, one run per config in its own run_dir; with
+    them, one run per grid point under `RUN_DIR/POINT_NAME` of each config (and its log_dir, if
+    set, under the config's)."""
+    points = expand(list(axes))
+    runs = []
+    for path in configs:
+        base = load_config(path, overrides)
+        for point in points:
+            items = [*overrides, *point.assignments]
+            if point.name:
+                items.append(f"run_dir={toml_string(base.run_dir.rstrip('/') + '/' + point.name)}")
+                if base.log_dir:
+                    items.append(f"log_dir={toml_string(base.log_dir.rstrip('/') + '/' + point.name)}")
+            runs.append(PlannedRun(path, point.name, tuple(items), load_config(path, items)))
     first: dict[str, str] = {}
-    for path, cfg in zip(configs, arms):
-        key = cfg.run_dir.rstrip("/")
+    for run in runs:
+        key = run.cfg.run_dir.rstrip("/")
         if key in first:
-            raise UserError(f"{path} and {first[key]} both train in run_dir {cfg.run_dir}; give each "
+            raise UserError(f"{run.label} and {first[key]} both train in run_dir {run.cfg.run_dir}; give each "
                             f"arm its own run_dir (an --set run_dir=... applies to every arm)")
-        first[key] = path
-    return arms
+        first[key] = run.label
+    return runs
 
 
-def sweep(configs: list[str], overrides: list[str], *, max_restarts: int = 0,
-          crash_loop_limit: int = 3) -> list[ArmResult]:
-    """Train each arm in turn; stops early only after a requeue (stop-signal) exit."""
-    arms = load_arms(configs, overrides)
+def finished(cfg: RunConfig) -> tuple[int | None, bool]:
+    """(step of the newest good checkpoint or None, whether it is the finished run's)."""
+    from harness.checkpoint import CheckpointStore  # torch: not needed to print commands
+
+    store = CheckpointStore(cfg.run_dir, storage_options=cfg.checkpoint.storage_options or None)
+    ref = store.latest_good()
+    if ref is None:
+        return None, False
+    # Whether a run finished is its trainer part's to say (harness.state.TrainerCounters).
+    return ref.step, ref.step >= cfg.train.steps and bool(store.open(ref).state["parts"]["trainer"]["finished"])
+
+
+def sweep(runs: list[PlannedRun], *, max_restarts: int = 0, crash_loop_limit: int = 3) -> list[ArmResult]:
+    """Train each run in turn, skipping finished ones without starting a process; stops early
+    only after a requeue (stop-signal) exit."""
     results = []
-    for path, cfg in zip(configs, arms):
+    for run in runs:
+        cfg = run.cfg
+        step, done = finished(cfg)
+        if done:
+            print(f"== {run.label}: finished at step {step}, skipped", file=sys.stderr, flush=True)
+            results.append(ArmResult(run.label, cfg.run_dir, FINISHED, True))
+            continue
         storage = cfg.checkpoint.storage_options or None
-        progress = checkpoint_progress(cfg.run_dir, storage)
-        before = progress()
-        print(f"== arm {path} -> {cfg.run_dir}", file=sys.stderr, flush=True)
-        cmd = [sys.executable, "-m", "harness.cli", "train", path]
-        for item in overrides:
-            cmd += ["--set", item]
-        code = Supervisor(cmd, max_restarts=max_restarts, crash_loop_limit=crash_loop_limit,
-                          progress=progress, events=EventLog(events_url(cfg.run_dir, cfg.log_dir))).run()
-        skipped = before is not None and before >= cfg.train.steps
-        results.append(ArmResult(path, cfg.run_dir, code, skipped))
+        print(f"== {run.label} -> {cfg.run_dir}" + (f" (resuming from step {step})" if step else ""),
+              file=sys.stderr, flush=True)
+        code = Supervisor(run.command([sys.executable, "-m", "harness.cli"]), max_restarts=max_restarts,
+                          crash_loop_limit=crash_loop_limit, progress=checkpoint_progress(cfg.run_dir, storage),
+                          events=EventLog(events_url(cfg.run_dir, cfg.log_dir))).run()
+        results.append(ArmResult(run.label, cfg.run_dir, code, False))
         if code in REQUEUE:
             break
     return results
@@ -89,3 +145,32 @@ def format_summary(results: list[ArmResult]) -> str:
     width = max(len(r.config) for r in results)
     lines = [f"{r.config:<{width}}  {r.outcome:<28}{r.run_dir}" for r in results]
     return "sweep:\n" + "\n".join("  " + line for line in lines)
+
+
+def command_lines(runs: list[PlannedRun]) -> list[str]:
+    """One shell line per run: `harness train CONFIG --set ...`, quoted for sh."""
+    return [shlex.join(run.command(["harness"])) for run in runs]
+
+
+def slurm_array(runs: list[PlannedRun], *, max_restarts: int) -> str:
+    """A SLURM array job running run i as task i (edit its #SBATCH lines for the cluster)."""
+    lines = [shlex.join(run.command(["harness"]) + ["--max-restarts", str(max_restarts)]) for run in runs]
+    body = "\n".join(f"  {shlex.quote(line)}" for line in lines)
+    return f"""#!/usr/bin/env bash
+# `harness sweep` as a SLURM array job: task i trains run i ({len(runs)} runs). Submit from the
+# directory the sweep was planned in: mkdir -p logs && sbatch THIS_FILE. Submitting it again (or
+# requeueing a task) resumes: a finished run exits at once, an interrupted one resumes.
+#SBATCH --job-name=harness-sweep
+#SBATCH --array=0-{len(runs) - 1}
+#SBATCH --ntasks=1
+#SBATCH --cpus-per-task=8
+#SBATCH --time=04:00:00
+#SBATCH --output=logs/%x-%A_%a.out
+#SBATCH --open-mode=append
+#SBATCH --requeue
+set -uo pipefail
+RUNS=(
+{body}
+)
+eval "exec ${{RUNS[$SLURM_ARRAY_TASK_ID]}}"
+"""

@@ -357,6 +357,11 @@ def apply_assignments(raw: dict[str, Any], items: Iterable[str], flag: str = "--
     return raw
 
 
+def toml_string(text: str) -> str:
+    """`text` as a TOML basic string, for a `--set KEY=VALUE` item built in code."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def _parse_assignment(item: str, flag: str, example: str) -> tuple[str, Any]:
     key, sep, text = item.partition("=")
     key = key.strip()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from harness.config import RunConfig, apply_assignments, load_config
+from harness.config import RunConfig, apply_assignments, load_config, toml_string
 
 
 def add_config_args(p: argparse.ArgumentParser, *, run_dir: bool = True) -> None:
@@ -43,12 +43,8 @@ def config_of(args: argparse.Namespace) -> RunConfig:
     """The run config named by `add_config_args`' arguments, --run-dir applied last."""
     overrides = list(args.overrides)
     if getattr(args, "run_dir", None):
-        overrides.append(f"run_dir={_toml_string(args.run_dir)}")
+        overrides.append(f"run_dir={toml_string(args.run_dir)}")
     return load_config(args.config, overrides)
-
-
-def _toml_string(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def storage_option_parser() -> argparse.ArgumentParser:

@@ -1,20 +1,32 @@
-"""`harness sweep CONFIG...`: train several experiment arms one after another (how: harness/arms.py)."""
+"""`harness sweep CONFIG... [--grid KEY=V1,V2] [--seeds S1,S2]`: train arms and grids of runs one
+after another, or print them for a cluster (how: harness/arms.py, harness/grid.py)."""
 
 from __future__ import annotations
 
 import argparse
 
+from harness.arms import __doc__ as arms_doc
+from harness.arms import command_lines, exit_code, format_summary, plan, slurm_array, sweep
 from harness.cli.args import add_overrides, add_restart_args
 from harness.errors import UserError
-from harness.arms import __doc__ as arms_doc
-from harness.arms import exit_code, format_summary, sweep
+from harness.grid import parse_axes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("sweep", help="train several arms one after another (resumable)",
+    p = subparsers.add_parser("sweep", help="train arms and grids of runs one after another (resumable)",
                               description=arms_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("configs", nargs="+", metavar="CONFIG", help="TOML run configs, one per arm")
-    add_overrides(p, "a key in every arm")
+    add_overrides(p, "a key in every run")
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2,...",
+                   help="vary a config key over these values (repeatable: several grids multiply), "
+                        "e.g. --grid optim.lr=1e-3,3e-3,1e-2; runs go under each config's run_dir")
+    p.add_argument("--seeds", metavar="S1,S2,...", help="the train.seed axis of the grid, e.g. --seeds 0,1,2")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--print-commands", action="store_true",
+                     help="print one `harness train` command per run instead of training")
+    how.add_argument("--launcher", choices=["local", "slurm"], default="local",
+                     help="local: train here, one run after another (default); slurm: print an array job "
+                          "(one task per run) to submit with sbatch")
     add_restart_args(p)
     p.set_defaults(func=run)
 
@@ -22,7 +34,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.max_restarts < 0 or args.crash_loop_limit < 1:
         raise UserError("--max-restarts must be >= 0 and --crash-loop-limit >= 1")
-    results = sweep(args.configs, args.overrides, max_restarts=args.max_restarts,
-                    crash_loop_limit=args.crash_loop_limit)
+    runs = plan(args.configs, args.overrides, parse_axes(args.grid, args.seeds))
+    if args.print_commands:
+        print("\n".join(command_lines(runs)), flush=True)
+        return 0
+    if args.launcher == "slurm":
+        print(slurm_array(runs, max_restarts=args.max_restarts), end="", flush=True)
+        return 0
+    results = sweep(runs, max_restarts=args.max_restarts, crash_loop_limit=args.crash_loop_limit)
     print(format_summary(results), flush=True)
     return exit_code(results)
