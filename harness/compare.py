@@ -1,5 +1,10 @@
 """`harness compare RUN_DIR... [--plot out.png]`: a table of arms and a plot of their loss curves.
 
+A RUN_DIR without run.json whose subfolders have one (a grid's sweep dir, `harness sweep
+--grid`) stands for those runs. When some runs differ only by seed or only by lr, the runs are
+grouped (harness/seed_groups.py) and reported by harness/sweep_report.py instead: mean and
+spread over seeds, each arm's best lr; the per-run table below is for one run per arm.
+
 Everything is computed from each run's files alone: `run.json` in the run dir (its config: the
 arm's optimizer, its log dir, the tokens of one step) and, in the log dir, `metrics.jsonl` and
 `events.jsonl`. Definitions of the columns (the test recomputes each from the files):
@@ -10,6 +15,7 @@ arm's optimizer, its log dir, the tokens of one step) and, in the log dir, `metr
 | final eval    | `eval_loss` of the last evaluation line in the file (the end-of-run one when finished) |
 | best eval     | smallest `eval_loss` in the file |
 | tokens/s      | median of the training lines' `tokens_per_s` (the median, because a shared machine stalls a few steps for seconds) |
+| steps/s       | (grouped report) tokens/s / tokens per step |
 | optim %       | 100 * sum(`optim_s`) / sum(step seconds), over training lines; step seconds = tokens per step / `tokens_per_s`, tokens per step = batch_size * seq_len * grad_accum |
 | ckpt s        | seconds the step loop was blocked by checkpoints (`harness.goodput`: sum of `blocking_s`) |
 | restart s     | restarting + recomputing seconds of `harness.goodput` (backoff, startup of resumed processes, steps run twice) |
@@ -32,6 +38,7 @@ from harness.events import EventLog
 from harness.goodput import account
 from harness.metrics import read_metrics
 from harness.run.files import events_url, metrics_url, read_run_json
+from harness.run_id import RUN_JSON
 
 PLOT_SIZE_IN = (12.0, 4.5)
 PLOT_DPI = 100  # with PLOT_SIZE_IN: a 1200 x 450 pixel PNG
@@ -42,17 +49,30 @@ class ArmSummary:
     """One row of the table, plus the curves for the plot."""
 
     name: str
+    run_dir: str
     optimizer: str
     steps: int
     final_eval: float | None
     best_eval: float | None
     tokens_per_s: float | None
+    steps_per_s: float | None  # tokens_per_s / tokens of one step
     optim_share: float | None  # fraction of step time in the optimizer part
     checkpoint_s: float
     restart_s: float
     wall_s: float
+    config: dict = field(repr=False)  # run.json's config
     train: list[tuple[int, float, float]] = field(repr=False)  # (step, seconds since start, loss)
     evals: list[tuple[int, float, float]] = field(repr=False)  # (step, seconds since start, eval loss)
+
+
+def run_dirs_of(given: str) -> list[str]:
+    """[given] for a run dir (or anything else: summarize names what is missing); for a local
+    folder without run.json, its subfolders that have one (a sweep dir), sorted."""
+    folder = Path(given)
+    if (folder / RUN_JSON).is_file() or not folder.is_dir():
+        return [given]
+    runs = sorted(str(sub) for sub in folder.iterdir() if (sub / RUN_JSON).is_file())
+    return runs or [given]
 
 
 def summarize(run_dir: str) -> ArmSummary:
@@ -80,17 +100,21 @@ def summarize(run_dir: str) -> ArmSummary:
     # An eval line has no time of its own; it follows the training line of its step.
     time_at = {r["step"]: float(r["time"]) - start for r in train}
 
+    tokens_per_s = statistics.median(r["tokens_per_s"] for r in rated) if rated else None
     return ArmSummary(
         name=run_dir.rstrip("/").rsplit("/", 1)[-1],
+        run_dir=run_dir,
         optimizer=config.get("optim", {}).get("type", "adamw"),
         steps=max((r["step"] for r in train), default=0),
         final_eval=evals[-1]["eval_loss"] if evals else None,
         best_eval=min((r["eval_loss"] for r in evals), default=None),
-        tokens_per_s=statistics.median(r["tokens_per_s"] for r in rated) if rated else None,
+        tokens_per_s=tokens_per_s,
+        steps_per_s=tokens_per_s / tokens_per_step if tokens_per_s and tokens_per_step else None,
         optim_share=sum(r["optim_s"] for r in timed) / step_s if step_s else None,
         checkpoint_s=goodput.saving_s,
         restart_s=goodput.restarting_s + goodput.recompute_s,
         wall_s=goodput.wall_s,
+        config=config,
         train=[(r["step"], float(r["time"]) - start, r["loss"]) for r in train],
         evals=[(r["step"], time_at.get(r["step"], 0.0), r["eval_loss"]) for r in evals],
     )
@@ -112,8 +136,12 @@ def table_cells(a: ArmSummary) -> list[str]:
 
 def format_table(arms: list[ArmSummary]) -> str:
     """A Markdown table (readable in a terminal, pasteable into docs)."""
-    rows = [list(COLUMNS)] + [table_cells(a) for a in arms]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    return markdown_table([list(COLUMNS)] + [table_cells(a) for a in arms])
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    """Rows of cells (the first: the header) as a Markdown table with aligned columns."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)

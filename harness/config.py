@@ -283,7 +283,7 @@ def math_fields(cfg: RunConfig) -> dict[str, Any]:
     """Flatten the config to dotted keys, leaving out FREE_FIELDS: what a resume must keep."""
     tree = cfg.model_dump(mode="json")
     tree["model"]["args"] = model_args(cfg)
-    flat = _flatten(tree)
+    flat = flatten(tree)
     return {k: v for k, v in flat.items() if not any(k == f or k.startswith(f + ".") for f in FREE_FIELDS)}
 
 
@@ -385,12 +385,13 @@ def _assign(raw: dict[str, Any], dotted: str, value: Any, flag: str) -> None:
     node[leaf] = value
 
 
-def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config dict as {dotted key: value} (an empty table is a value)."""
     out: dict[str, Any] = {}
     for k, v in tree.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
+            out.update(flatten(v, key + "."))
         else:
             out[key] = v
     return out

@@ -1,5 +1,6 @@
-"""`harness compare RUN_DIR... [--plot out.png]`: a table of arms and a plot of their loss curves
-(the columns and the plot: harness/compare.py)."""
+"""`harness compare RUN_DIR... [--plot out.png]`: a table of arms and a plot of their loss curves,
+or, for runs over seeds and lrs, mean and spread per arm and lr and each arm's best lr (the
+columns and the plots: harness/compare.py, harness/sweep_report.py)."""
 
 from __future__ import annotations
 
@@ -7,27 +8,37 @@ import argparse
 import sys
 
 from harness.compare import __doc__ as compare_doc
-from harness.compare import format_table, summarize, write_plot
+from harness.compare import format_table, run_dirs_of, summarize, write_plot
 from harness.errors import UserError
+from harness.seed_groups import group_runs
+from harness.sweep_report import format_best, format_by_lr, write_sweep_plot
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("compare", help="table and plot of several runs (arms)", description=compare_doc,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run dirs given to `harness train`/`sweep`")
-    p.add_argument("--plot", metavar="OUT.png", help="also write a PNG: loss vs step and vs wall time")
+    p = subparsers.add_parser("compare", help="table and plot of several runs (arms, seeds, lr sweeps)",
+                              description=compare_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
+                   help="run dirs given to `harness train`/`sweep`, or a grid's sweep dir (its runs)")
+    p.add_argument("--plot", metavar="OUT.png", help="also write a PNG: loss vs step and vs wall time; for "
+                   "grouped runs, each arm's best-lr curve with its seed band and final loss vs lr")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    arms = [summarize(run_dir) for run_dir in args.run_dirs]
-    print(format_table(arms), flush=True)
+    runs = [summarize(run_dir) for given in args.run_dirs for run_dir in run_dirs_of(given)]
+    arms = group_runs(runs)
+    grouped = any(len(a.groups) > 1 or len(g.runs) > 1 for a in arms for g in a.groups)
+    if grouped:
+        print("By lr (mean over seeds; * = the arm's best lr by mean final eval loss):\n" + format_by_lr(arms)
+              + "\n\nEach arm at its best lr:\n" + format_best(arms), flush=True)
+    else:
+        print(format_table(runs), flush=True)
     if args.plot:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
             raise UserError(f"matplotlib is not installed, so no plot was written to {args.plot}; "
                             "install it with `pip install 'harness[plot]'` (the table is above)") from None
-        write_plot(arms, args.plot)
+        (write_sweep_plot if grouped else write_plot)(arms if grouped else runs, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr)
     return 0

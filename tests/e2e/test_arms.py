@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import struct
 import tomllib
-import zlib
 from pathlib import Path
 
 import pytest
+
+from png import png_size
 
 from harness import cli
 from harness.compare import summarize
@@ -114,7 +114,7 @@ def test_sweep_then_compare(tmp_path, capsys):
         arm = summarize(run_dir)
         for key, value in expected.items():
             assert getattr(arm, key) == (value if isinstance(value, str) else pytest.approx(value, rel=1e-12)), key
-    assert _png_size(png.read_bytes()) == (1200, 450)
+    assert png_size(png.read_bytes()) == (1200, 450)
 
 
 def _write_arm(folder: Path, name: str, run_dir: Path, optim: str) -> Path:
@@ -149,18 +149,6 @@ def _recompute(run_dir: Path) -> dict:
         "checkpoint_s": sum(blocking),
         "wall_s": events[-1]["time"] - start,
     }
-
-
-def _png_size(data: bytes) -> tuple[int, int]:
-    """(width, height) from the IHDR chunk, after checking the signature, the CRC and IEND."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    length, kind = struct.unpack(">I4s", data[8:16])
-    assert kind == b"IHDR" and length == 13
-    body = data[16:16 + length]
-    (crc,) = struct.unpack(">I", data[16 + length:20 + length])
-    assert crc == zlib.crc32(kind + body)
-    assert data[-12:] == b"\x00\x00\x00\x00IEND\xaeB`\x82"
-    return struct.unpack(">II", body[:8])
 
 
 def test_compare_counts_the_global_batch_when_it_is_set(tmp_path):

@@ -1,0 +1,133 @@
+"""Runs grouped for `harness compare`: seeds of one setting, settings of one arm, the best lr.
+
+Contract (everything from each run's run.json config, never from its name):
+- A seed group is the runs whose configs are equal but for `train.seed` and the keys that do
+  not change the numbers (`harness.config.FREE_FIELDS`: run_dir, log_dir, checkpointing, ...).
+- An arm is the seed groups equal but for their learning rates (LR_KEYS); its lr axis is the
+  first of LR_KEYS that differs between them (the matrix optimizer's lr, else `optim.lr`), or,
+  when none does, the first one the config sets.
+- A run counts when it trained its `train.steps` and its final eval loss is finite; a seed
+  group with a run that does not count (diverged, unfinished) has no mean and is never an
+  arm's best. The best lr is the counted group with the lowest mean final eval loss.
+- Spread of a metric over a group's runs: mean, sample standard deviation (0 for one run),
+  min and max.
+- An arm's name is the folder its runs share (a sweep's run dir), else its first run's name.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+from harness.compare import ArmSummary
+from harness.config import FREE_FIELDS, flatten
+
+SEED_KEY = "train.seed"
+# The lr of the matrix optimizer first: a hybrid arm's `optim.lr` is its AdamW part's.
+LR_KEYS = ("optim.lr_muon", "optim.lr_matrix", "optim.lr")
+
+
+@dataclass(frozen=True)
+class Spread:
+    mean: float
+    std: float
+    min: float
+    max: float
+    n: int
+
+    @staticmethod
+    def of(values: list[float]) -> Spread | None:
+        if not values:
+            return None
+        std = statistics.stdev(values) if len(values) > 1 else 0.0
+        return Spread(statistics.fmean(values), std, min(values), max(values), len(values))
+
+
+@dataclass
+class SeedGroup:
+    """Runs of one setting that differ only by seed."""
+
+    runs: list[ArmSummary]
+    lr: float | None
+
+    @property
+    def counted(self) -> bool:
+        """Every run trained its steps to a finite final eval loss."""
+        return all(counts(r) for r in self.runs)
+
+    def spread(self, metric: Callable[[ArmSummary], float | None]) -> Spread | None:
+        """The metric over the group's runs; None unless every run counts and has it."""
+        values = [metric(r) for r in self.runs]
+        if not self.counted or any(v is None for v in values):
+            return None
+        return Spread.of(values)
+
+    @property
+    def seeds(self) -> list[int]:
+        return sorted(r.config.get("train", {}).get("seed", 0) for r in self.runs)
+
+
+@dataclass
+class Arm:
+    name: str
+    optimizer: str
+    lr_key: str | None
+    groups: list[SeedGroup]  # by lr, ascending
+
+    @property
+    def best(self) -> SeedGroup | None:
+        """The counted group with the lowest mean final eval loss."""
+        scored = [(g.spread(final_eval).mean, i) for i, g in enumerate(self.groups) if g.spread(final_eval)]
+        return self.groups[min(scored)[1]] if scored else None
+
+    @property
+    def best_at_edge(self) -> bool:
+        """The best lr is the grid's smallest or largest: the optimum may lie outside it."""
+        best = self.best
+        return len(self.groups) > 1 and best is not None and best in (self.groups[0], self.groups[-1])
+
+
+def final_eval(r: ArmSummary) -> float | None:
+    return r.final_eval
+
+
+def counts(r: ArmSummary) -> bool:
+    steps = r.config.get("train", {}).get("steps")
+    return (r.final_eval is not None and math.isfinite(r.final_eval)
+            and (steps is None or r.steps >= steps))
+
+
+def _setting(config: dict, leave_out: tuple[str, ...]) -> tuple:
+    flat = flatten(config)
+    return tuple(sorted((k, repr(v)) for k, v in flat.items()
+                        if k not in leave_out and not any(k == f or k.startswith(f + ".") for f in FREE_FIELDS)))
+
+
+def group_runs(runs: list[ArmSummary]) -> list[Arm]:
+    """Arms in the order their first run was given, each with its seed groups by lr."""
+    by_arm: dict[tuple, dict[tuple, list[ArmSummary]]] = {}
+    for r in runs:
+        arm = by_arm.setdefault(_setting(r.config, (SEED_KEY, *LR_KEYS)), {})
+        arm.setdefault(_setting(r.config, (SEED_KEY,)), []).append(r)
+    arms = [_arm(list(groups.values())) for groups in by_arm.values()]
+    seen: dict[str, int] = {}
+    for a in arms:  # two arms from folders of one name stay apart
+        seen[a.name] = seen.get(a.name, 0) + 1
+        if seen[a.name] > 1:
+            a.name = f"{a.name} ({seen[a.name]})"
+    return arms
+
+
+def _arm(groups: list[list[ArmSummary]]) -> Arm:
+    flats = [flatten(g[0].config) for g in groups]
+    varying = [k for k in LR_KEYS if len({repr(f.get(k)) for f in flats}) > 1]
+    lr_key = varying[0] if varying else next((k for k in LR_KEYS if flats[0].get(k) is not None), None)
+    seed_groups = sorted((SeedGroup(g, flat.get(lr_key)) for g, flat in zip(groups, flats)),
+                         key=lambda g: (g.lr is None, g.lr or 0.0))
+    every = [r for g in groups for r in g]
+    parents = {str(PurePosixPath(r.run_dir.rstrip("/")).parent) for r in every}
+    name = PurePosixPath(parents.pop()).name if len(every) > 1 and len(parents) == 1 else every[0].name
+    return Arm(name, every[0].optimizer, lr_key, seed_groups)
