@@ -11,17 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from png import png_size
-
 from harness import cli
 from harness.compare import summarize
 from harness.config import load_config
 from harness.errors import UserError
+from png import png_size
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 BASE = CONFIGS / "arms" / "base.toml"
 ARMS = sorted((CONFIGS / "muon").glob("*.toml")) + sorted((CONFIGS / "price-list").glob("*.toml"))
+# The A/B with lr sweeps (docs/arms.md): its own shrunk base, the same rule for its arms.
+AB_BASE = CONFIGS / "ab" / "base.toml"
+AB_ARMS = sorted(p for p in (CONFIGS / "ab").glob("*.toml") if p != AB_BASE)
 ALL_CONFIGS = sorted(CONFIGS.rglob("*.toml"))
 
 # Two arms shrunk to seconds: one-layer GPT on 16-token windows, 6 steps, a checkpoint and an
@@ -39,13 +41,14 @@ def test_every_config_loads():
         load_config(path)
 
 
-@pytest.mark.parametrize("arm", ARMS, ids=lambda p: f"{p.parent.name}/{p.stem}")
+@pytest.mark.parametrize("arm", ARMS + AB_ARMS, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_arm_differs_from_base_only_in_optimizer(arm):
     raw = tomllib.loads(arm.read_text())
     assert set(raw) <= {"extends", "run_dir", "optim"}, f"{arm} sets more than run_dir and [optim]"
-    assert (arm.parent / raw["extends"]).resolve() == BASE
-    cfg, base = load_config(arm), load_config(BASE)
-    assert cfg.run_dir == f"runs/arms/{arm.stem}"
+    base_path, runs = (AB_BASE, "runs/ab") if arm in AB_ARMS else (BASE, "runs/arms")
+    assert (arm.parent / raw["extends"]).resolve() == base_path
+    cfg, base = load_config(arm), load_config(base_path)
+    assert cfg.run_dir == f"{runs}/{arm.stem}"
 
     def shared(c):
         return {k: v for k, v in c.model_dump(mode="json").items() if k not in ("run_dir", "optim")}

@@ -13,7 +13,6 @@ import pytest
 from harness import cli
 from harness.compare import summarize
 from harness.seed_groups import group_runs
-
 from png import png_size
 
 STEPS = 4

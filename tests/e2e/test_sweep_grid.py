@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-import procs
 from harness import cli
 from harness.arms import plan
 from harness.config import load_config
 from harness.errors import UserError
 from harness.grid import expand, parse_axes
+import procs
 
 TINY = procs.TINY
 
