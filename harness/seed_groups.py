@@ -94,6 +94,26 @@ def final_eval(r: ArmSummary) -> float | None:
     return r.final_eval
 
 
+def steps_to(target: float) -> Callable[[ArmSummary], float | None]:
+    """The metric "steps until the eval loss first reaches `target`": the step where the line
+    between the last eval above it and the first at or below it crosses it (evals are every
+    train.eval_every steps); None when the run never reaches it. Tokens to a loss are this times
+    the tokens of a step, the same for every arm of one base config."""
+
+    def metric(r: ArmSummary) -> float | None:
+        previous = None
+        for step, _, loss in r.evals:
+            if loss <= target:
+                if previous is None or previous[1] == loss:
+                    return float(step)
+                (s0, l0) = previous
+                return s0 + (step - s0) * (l0 - target) / (l0 - loss)
+            previous = (step, loss)
+        return None
+
+    return metric
+
+
 def counts(r: ArmSummary) -> bool:
     steps = r.config.get("train", {}).get("steps")
     return (r.final_eval is not None and math.isfinite(r.final_eval)

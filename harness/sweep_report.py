@@ -7,6 +7,9 @@ Tables (Markdown; grouping and the best lr: harness/seed_groups.py):
 - best lr: one row per arm at its best lr: mean, std and min-max of final and best eval loss,
   mean (min-max) steps/s and optimizer share (% of step time), and whether the best lr is at
   the edge of the arm's grid (then the optimum may lie outside it).
+- with `--target-loss X`, both gain "steps to X": mean (min-max) over seeds of the step at
+  which the eval loss first reaches X (interpolated between evaluations; seed_groups.steps_to),
+  the speed measure that still separates arms whose final losses meet at the data's floor.
 
 The plot (PNG, two panels): each arm's mean eval loss against the step at its best lr, with the
 band between its seeds' min and max; and each arm's mean final eval loss against the lr (log
@@ -16,7 +19,7 @@ axis; bars: min-max over seeds; the best lr ringed).
 from __future__ import annotations
 
 from harness.compare import PLOT_DPI, PLOT_SIZE_IN, markdown_table
-from harness.seed_groups import Arm, SeedGroup, Spread, final_eval
+from harness.seed_groups import Arm, SeedGroup, Spread, final_eval, steps_to
 
 
 def _best_eval(r):
@@ -51,31 +54,42 @@ def _range(s: Spread | None, fmt: str) -> str:
     return "-" if s is None else f"{s.min:{fmt}}-{s.max:{fmt}}"
 
 
-def format_by_lr(arms: list[Arm]) -> str:
-    rows = [["arm", "lr key", "lr", "seeds", "final eval mean ± std [min, max]", "best eval", "steps/s", "optim %"]]
+def _to_target(g: SeedGroup, target: float) -> str:
+    s = g.spread(steps_to(target))
+    if not g.counted:
+        return "-"
+    return "not reached" if s is None else f"{s.mean:.0f} ({s.min:.0f}-{s.max:.0f})"
+
+
+def format_by_lr(arms: list[Arm], target: float | None = None) -> str:
+    rows = [["arm", "lr key", "lr", "seeds", "final eval mean ± std [min, max]", "best eval", "steps/s", "optim %"]
+            + ([f"steps to {target:g}"] if target is not None else [])]
     for a in arms:
         best = a.best
         for g in a.groups:
             final = g.spread(final_eval)
             rows.append([a.name, a.lr_key or "-", _lr(g) + (" *" if g is best else ""), _seeds(g),
                          _full(final, ".4f") if final else "unfinished or NaN", _mean(g.spread(_best_eval), ".4f"),
-                         _mean(g.spread(_steps_per_s), ".2f"), _mean(g.spread(_optim_pct), ".1f")])
+                         _mean(g.spread(_steps_per_s), ".2f"), _mean(g.spread(_optim_pct), ".1f")]
+                        + ([_to_target(g, target)] if target is not None else []))
     return markdown_table(rows)
 
 
-def format_best(arms: list[Arm]) -> str:
+def format_best(arms: list[Arm], target: float | None = None) -> str:
     rows = [["arm", "optimizer", "best lr", "seeds", "final eval", "std", "min-max", "best eval", "std",
-             "min-max", "steps/s (min-max)", "optim % (min-max)", "at grid edge"]]
+             "min-max", "steps/s (min-max)", "optim % (min-max)", "at grid edge"]
+            + ([f"steps to {target:g} (min-max)"] if target is not None else [])]
     for a in arms:
         g = a.best
         if g is None:
-            rows.append([a.name, a.optimizer, "-", "-", *["every lr diverged"] + ["-"] * 8])
+            rows.append([a.name, a.optimizer, "-", "-", "every lr unfinished or NaN"] + ["-"] * (len(rows[0]) - 5))
             continue
         final, best, sps, opt = (g.spread(m) for m in (final_eval, _best_eval, _steps_per_s, _optim_pct))
         rows.append([a.name, a.optimizer, _lr(g), _seeds(g), _mean(final, ".4f"), f"{final.std:.4f}",
                      _range(final, ".4f"), _mean(best, ".4f"), "-" if best is None else f"{best.std:.4f}",
                      _range(best, ".4f"), f"{_mean(sps, '.2f')} ({_range(sps, '.2f')})",
-                     f"{_mean(opt, '.1f')} ({_range(opt, '.1f')})", "yes" if a.best_at_edge else "no"])
+                     f"{_mean(opt, '.1f')} ({_range(opt, '.1f')})", "yes" if a.best_at_edge else "no"]
+                    + ([_to_target(g, target)] if target is not None else []))
     return markdown_table(rows)
 
 

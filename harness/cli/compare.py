@@ -21,6 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="run dirs given to `harness train`/`sweep`, or a grid's sweep dir (its runs)")
     p.add_argument("--plot", metavar="OUT.png", help="also write a PNG: loss vs step and vs wall time; for "
                    "grouped runs, each arm's best-lr curve with its seed band and final loss vs lr")
+    p.add_argument("--target-loss", type=float, metavar="LOSS",
+                   help="grouped runs: also report the steps each arm's runs took to reach this eval loss")
     p.set_defaults(func=run)
 
 
@@ -29,8 +31,8 @@ def run(args: argparse.Namespace) -> int:
     arms = group_runs(runs)
     grouped = any(len(a.groups) > 1 or len(g.runs) > 1 for a in arms for g in a.groups)
     if grouped:
-        print("By lr (mean over seeds; * = the arm's best lr by mean final eval loss):\n" + format_by_lr(arms)
-              + "\n\nEach arm at its best lr:\n" + format_best(arms), flush=True)
+        print("By lr (mean over seeds; * = the arm's best lr by mean final eval loss):\n" + format_by_lr(arms, args.target_loss)
+              + "\n\nEach arm at its best lr:\n" + format_best(arms, args.target_loss), flush=True)
     else:
         print(format_table(runs), flush=True)
     if args.plot:

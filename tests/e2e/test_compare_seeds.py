@@ -12,7 +12,7 @@ import pytest
 
 from harness import cli
 from harness.compare import summarize
-from harness.seed_groups import group_runs
+from harness.seed_groups import group_runs, steps_to
 from png import png_size
 
 STEPS = 4
@@ -75,6 +75,12 @@ def test_runs_group_by_seed_and_lr_and_the_best_lr_is_the_lowest_mean(sweep):
     assert adamw.best.spread(lambda r: r.steps_per_s).mean == pytest.approx(3.0)
     assert adamw.best.spread(lambda r: r.optim_share).max == pytest.approx(0.5)
 
+    # Steps to an eval loss of 1.9: seed 0 goes 2.0 -> 1.5 from step 2 to 4, seed 1 2.3 -> 1.8.
+    to_target = adamw.best.spread(steps_to(1.9))
+    assert (to_target.min, to_target.max) == pytest.approx((2 + 2 * 0.1 / 0.5, 2 + 2 * 0.4 / 0.5))
+    assert adamw.groups[0].spread(steps_to(1.9)) is None  # seed 1 of lr 1e-3 ends at 2.2
+    assert steps_to(2.5)(adamw.best.runs[0]) == 2.0  # reached at the first eval
+
     muon = arms["muon"]
     assert muon.lr_key == "optim.lr_muon" and [g.lr for g in muon.groups] == [0.02, 0.04]
     unfinished, best = muon.groups
@@ -88,15 +94,19 @@ def test_runs_group_by_seed_and_lr_and_the_best_lr_is_the_lowest_mean(sweep):
 
 def test_compare_prints_both_tables_and_writes_the_plot(sweep, capsys):
     png = sweep / "ab.png"
-    assert cli.main(["compare", str(sweep / "adamw"), str(sweep / "muon"), "--plot", str(png)]) == 0
+    assert cli.main(["compare", str(sweep / "adamw"), str(sweep / "muon"), "--plot", str(png),
+                     "--target-loss", "1.9"]) == 0
     out = capsys.readouterr().out
     by_lr, best = out.split("Each arm at its best lr:")
     assert "| adamw | optim.lr      | 0.002 * | 0,1   | 1.6500 ± 0.2121 [1.5000, 1.8000] |" in by_lr
     assert "| muon  | optim.lr_muon | 0.02    | 0,1,2 | unfinished or NaN" in by_lr
+    assert by_lr.splitlines()[6].endswith("| -            |"), by_lr  # no figures from an unfinished group
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in best.splitlines() if line.startswith("| ") and "optimizer" not in line}
     assert rows["adamw"] == ["adamw", "0.002", "0,1", "1.6500", "0.2121", "1.5000-1.8000", "1.6500", "0.2121",
-                             "1.5000-1.8000", "3.00 (2.00-4.00)", "37.5 (25.0-50.0)", "no"]
+                             "1.5000-1.8000", "3.00 (2.00-4.00)", "37.5 (25.0-50.0)", "no", "3 (2-4)"]
     assert rows["muon"][:6] == ["muon", "0.04", "0,1,2", "1.1000", "0.1000", "1.0000-1.2000"]
-    assert rows["muon"][-1] == "yes"
+    assert rows["muon"][-2:] == ["yes", "2 (2-2)"]  # 1.1, 1.2, 1.3 at step 2
+    assert "| adamw | optim.lr      | 0.001   | 0,1   | 2.1000 ± 0.1414 [2.0000, 2.2000] |" in by_lr
+    assert by_lr.splitlines()[3].endswith("| not reached  |"), by_lr
     assert png_size(png.read_bytes()) == (1200, 450)
