@@ -30,8 +30,10 @@ steps it kept (see `harness.metrics`), so its curve has a gap in time but none i
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from harness.errors import UserError
 from harness.events import EventLog
@@ -149,14 +151,9 @@ def markdown_table(rows: list[list[str]]) -> str:
 
 def write_plot(arms: list[ArmSummary], path: str) -> None:
     """Two panels, loss vs step and loss vs wall minutes, one colour per arm; a PNG at `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display needed; also the only backend a batch node has
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=PLOT_SIZE_IN, dpi=PLOT_DPI)
-    try:
+    def draw(by_step, by_time) -> None:
         for i, a in enumerate(arms):
             color = f"C{i % 10}"
             for ax, x in ((by_step, 0), (by_time, 1)):
@@ -172,6 +169,21 @@ def write_plot(arms: list[ArmSummary], path: str) -> None:
                 axis(matplotlib.ticker.FormatStrFormatter("%.1f"))
             ax.grid(alpha=0.3, which="both")
         by_step.legend(fontsize=8)
+
+    save_two_panels(path, draw)
+
+
+def save_two_panels(path: str, draw: Callable[[Any, Any], None]) -> None:
+    """A PNG at `path` (PLOT_SIZE_IN at PLOT_DPI) of two side-by-side panels that `draw(left,
+    right)` fills (matplotlib Axes)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed; also the only backend a batch node has
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=PLOT_SIZE_IN, dpi=PLOT_DPI)
+    try:
+        draw(left, right)
         fig.tight_layout()
         fig.savefig(path, format="png")
     finally:

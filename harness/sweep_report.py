@@ -18,7 +18,7 @@ axis; bars: min-max over seeds; the best lr ringed).
 
 from __future__ import annotations
 
-from harness.compare import PLOT_DPI, PLOT_SIZE_IN, markdown_table
+from harness.compare import markdown_table, save_two_panels
 from harness.seed_groups import Arm, SeedGroup, Spread, final_eval, steps_to
 
 
@@ -106,13 +106,8 @@ def eval_band(g: SeedGroup) -> list[tuple[int, float, float, float]]:
 
 def write_sweep_plot(arms: list[Arm], path: str) -> None:
     """Best-lr eval curves with seed bands, and final eval loss vs lr per arm; a PNG at `path`."""
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (curves, by_lr) = plt.subplots(1, 2, figsize=PLOT_SIZE_IN, dpi=PLOT_DPI)
-    try:
+    def draw(curves, by_lr) -> None:
         for i, a in enumerate(arms):
             color = f"C{i % 10}"
             best = a.best
@@ -137,7 +132,5 @@ def write_sweep_plot(arms: list[Arm], path: str) -> None:
         for ax in (curves, by_lr):
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(path, format="png")
-    finally:
-        plt.close(fig)
+
+    save_two_panels(path, draw)
