@@ -1,0 +1,111 @@
+"""FSDP2 at world size 2 (torchrun, gloo, real processes): sharded checkpoints through DCP with our
+own storage layer, interrupted vs continuous bitwise, resharding to DDP and to one process, a
+damaged shard skipped for the previous checkpoint.
+
+`ARMS` are the optimizers every guarantee is checked with; the sharded ones (muon, olion,
+adafactor) join it once they step on DTensors.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from harness.checkpoint import CheckpointStore
+from launch import kill_tree, run, start, tail, torchrun, wait_step
+from procs import ENV, ROOT, TINY, assert_same_run, final_checkpoint, harness
+
+STEPS = 12
+ARMS = ["adamw"]
+WORKER = str(Path(__file__).with_name("gather_worker.py"))
+
+
+def fsdp_args(run_dir: Path, arm: str, *extra: str) -> list[str]:
+    return torchrun("train", str(TINY), "--run-dir", str(run_dir), "--set", "parallel.strategy=fsdp",
+                    "--set", f"optim.type={arm}", *extra)
+
+
+def events(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="module", params=ARMS)
+def fsdp_run(request, tmp_path_factory):
+    """(arm, the continuous FSDP run at world size 2, async saves: the default)."""
+    run_dir = tmp_path_factory.mktemp(f"fsdp-{request.param}")
+    log = run_dir.parent / f"fsdp-{request.param}.log"
+    assert run(fsdp_args(run_dir, request.param), log) == 0, tail(log)
+    return request.param, run_dir
+
+
+def test_checkpoint_holds_each_ranks_shards_and_json_metadata(fsdp_run):
+    _, run_dir = fsdp_run
+    ckpt = final_checkpoint(run_dir, STEPS)
+    names = {f["name"] for f in json.loads((ckpt / "manifest.json").read_text())["files"]}
+    assert {"shards-00000.safetensors", "shards-00001.safetensors", "dcp-metadata.json", "state.json"} <= names
+    assert not names & {"model.safetensors", "optim.safetensors"}, "rank 0 wrote a gathered copy"
+    meta = json.loads((ckpt / "dcp-metadata.json").read_text())
+    weight = meta["tensors"]["model/blocks.0.attn.qkv.weight"]
+    assert weight["size"] == [96, 32] and [c[1] for c in weight["chunks"]] == [[48, 32], [48, 32]]
+    shard0 = load_file(str(ckpt / "shards-00000.safetensors"))  # the safetensors library reads them
+    assert shard0["model/blocks.0.attn.qkv.weight@0,0"].shape == (48, 32)
+
+
+def test_group_sigkill_resumes_bitwise(fsdp_run, tmp_path):
+    arm, continuous = fsdp_run
+    run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
+    args = fsdp_args(run_dir, arm)
+    proc = start(args, log)
+    wait_step(proc, run_dir, 6, log)
+    kill_tree(proc.pid)  # torchrun and both ranks at once
+    proc.wait(60)
+    assert run(args, log) == 0, tail(log)
+    assert [e["resumed_from"] for e in events(run_dir) if e["event"] == "start"] == [None, 4]
+    assert_same_run(continuous, run_dir, STEPS)
+
+
+def gather(ckpt: Path, strategy: str, out: Path, nproc: int) -> dict[str, torch.Tensor]:
+    args = torchrun(WORKER, str(ckpt), strategy, str(out), nproc=nproc, python=True) if nproc > 1 else \
+        [sys.executable, WORKER, str(ckpt), strategy, str(out)]
+    log = out.with_suffix(".log")
+    assert run(args, log) == 0, tail(log)
+    assert tail(log).count("trained 2 more steps") == nproc, tail(log)
+    return load_file(str(out))
+
+
+def test_resharding_to_ddp_and_one_process_is_bitwise(fsdp_run, tmp_path):
+    """Every parameter and optimizer tensor, gathered from the live state after the load, is
+    bitwise the one FSDP at world size 2 gathers from its own shards; each then trains on."""
+    _, run_dir = fsdp_run
+    ckpt = final_checkpoint(run_dir, 8)
+    original = gather(ckpt, "fsdp", tmp_path / "fsdp2.safetensors", 2)
+    assert any(k.endswith("/exp_avg") for k in original) and any(k.startswith("model/") for k in original)
+    for strategy, nproc in (("ddp", 2), ("ddp", 1)):
+        loaded = gather(ckpt, strategy, tmp_path / f"{strategy}{nproc}.safetensors", nproc)
+        assert sorted(loaded) == sorted(original)
+        for name, t in original.items():
+            assert torch.equal(loaded[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), f"{strategy}@{nproc}: {name}"
+
+
+def test_damaged_shard_falls_back_to_the_previous_checkpoint(fsdp_run, tmp_path):
+    """One byte of rank 1's shards flipped in the newest checkpoint: found while loading it (at
+    world size 1, so the load reshards), skipped, and the run resumes from step 8 and trains on."""
+    import shutil
+
+    _, continuous = fsdp_run
+    run_dir = tmp_path / "run"
+    shutil.copytree(continuous, run_dir)
+    shard = final_checkpoint(run_dir, STEPS) / "shards-00001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0x01
+    shard.write_bytes(bytes(data))
+    done = harness("train", str(TINY), "--run-dir", str(run_dir), "--set", "train.steps=14",
+                   "--allow-config-change", check=True)
+    assert "shards-00001.safetensors" in done.stderr, done.stderr[-3000:]
+    assert [e["resumed_from"] for e in events(run_dir) if e["event"] == "start"][-1] == 8
+    assert CheckpointStore(str(run_dir)).latest_good().step == 14
