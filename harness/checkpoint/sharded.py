@@ -26,9 +26,9 @@ from __future__ import annotations
 import json
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +36,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.futures import Future
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
@@ -129,6 +130,25 @@ def _ints(values: Any) -> list[int]:
     return values
 
 
+def _in_group() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+@contextmanager
+def raising_the_failure() -> Iterator[None]:
+    """DCP gathers every rank's failure into one `CheckpointException` (a BaseException, which no
+    `except Exception` of the commit or the resume would see) and raises it on every rank; raise
+    the failure itself instead, this rank's own if it had one, else the lowest rank's, so a
+    damaged shard is a `CheckpointCorrupt` on every rank (the resume tries an older checkpoint)."""
+    try:
+        yield
+    except CheckpointException as e:
+        rank = torch.distributed.get_rank() if _in_group() else 0
+        failures = e.failures
+        error, _ = failures.get(rank) or failures[min(failures)]
+        raise error from None
+
+
 # ---- writing -----------------------------------------------------------------------------------
 
 WriteFile = Callable[[str, Iterable], "FileRecord"]
@@ -192,9 +212,9 @@ def save_shards(tensors: Mapping[str, torch.Tensor], write_file: WriteFile, rank
     `save` and default planner; collective over `group` (every rank calls it at the same point;
     a rank's failure raises on every rank). Returns the records of the files this rank wrote."""
     writer = ShardWriter(write_file, rank, where)
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    dcp.save(dict(tensors), storage_writer=writer, planner=DefaultSavePlanner(), process_group=group,
-             no_dist=not distributed)
+    with raising_the_failure():
+        dcp.save(dict(tensors), storage_writer=writer, planner=DefaultSavePlanner(), process_group=group,
+                 no_dist=not _in_group())
     return writer.records
 
 
@@ -289,11 +309,10 @@ def load_shards(metadata: Metadata, dest: Mapping[str, torch.Tensor], open_file:
     """Fill the live tensors `dest` (fqn -> DTensor or plain tensor: any sharding, any world
     size) in place with DCP's `load` and default planner; collective over the default group when
     there is one. The caller checked the fit (`check_fit`)."""
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    with warnings.catch_warnings():  # one process without a group is what we mean, not a mistake
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+    with warnings.catch_warnings(), raising_the_failure():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # one process: meant so
         dcp.load(dict(dest), storage_reader=ShardReader(metadata, open_file), planner=DefaultLoadPlanner(),
-                 no_dist=not distributed)
+                 no_dist=not _in_group())
 
 
 def opened_once(open_tensors: Callable[[ExitStack, str], tuple], stack: ExitStack) -> OpenFile:

@@ -109,3 +109,61 @@ def test_damaged_shard_falls_back_to_the_previous_checkpoint(fsdp_run, tmp_path)
     assert "shards-00001.safetensors" in done.stderr, done.stderr[-3000:]
     assert [e["resumed_from"] for e in events(run_dir) if e["event"] == "start"][-1] == 8
     assert CheckpointStore(str(run_dir)).latest_good().step == 14
+
+
+def _match_manifest(ckpt: Path) -> None:
+    """Make the manifest list what the files now hold, so the content checks are what refuses."""
+    from harness.checkpoint.digest import hexdigest
+
+    doc = json.loads((ckpt / "manifest.json").read_text())
+    for f in doc["files"]:
+        data = (ckpt / f["name"]).read_bytes()
+        f["size"], f["blake3"] = len(data), hexdigest("blake3", data)
+    (ckpt / "manifest.json").write_text(json.dumps(doc))
+
+
+def test_hostile_shard_files_are_refused_without_running_code(fsdp_run, tmp_path):
+    """A shard file replaced by a pickle (whose loading would run a command) or by a header bomb,
+    a manifest entry outside the folder, DCP metadata pointing at a file the manifest does not
+    list: each refused as a damaged checkpoint, loaded into one process, no code run."""
+    import shutil
+
+    from harness.checkpoint import CheckpointCorrupt, CheckpointError, Verify
+    from harness.config import load_config
+    from harness.trainer import Trainer
+
+    _, continuous = fsdp_run
+    sentinel = tmp_path / "sentinel"
+    pickle_bomb = f"cos\nsystem\n(S'touch {sentinel}'\ntR.".encode() + b"\x00" * 64
+    header_bomb = (1 << 62).to_bytes(8, "little") + b"{}"
+
+    def metadata_outside(ckpt: Path) -> None:
+        meta = ckpt / "dcp-metadata.json"
+        meta.write_text(meta.read_text().replace('"shards-00001.safetensors"', '"../../shards-00001.safetensors"'))
+
+    damages = {
+        "pickle": lambda ckpt: (ckpt / "shards-00000.safetensors").write_bytes(pickle_bomb),
+        "header bomb": lambda ckpt: (ckpt / "shards-00001.safetensors").write_bytes(header_bomb),
+        "outside the folder": metadata_outside,
+    }
+    cfg = load_config(TINY, ["run_dir='unused'"])
+    for what, damage in damages.items():
+        run_dir = tmp_path / what.replace(" ", "-")
+        shutil.copytree(continuous / "checkpoints", run_dir / "checkpoints")
+        ckpt = final_checkpoint(run_dir, 8)
+        damage(ckpt)
+        _match_manifest(ckpt)
+        store = CheckpointStore(str(run_dir))
+        ref = store.ref(8)
+        if what != "outside the folder":  # metadata is JSON that parses: found by the load, below
+            assert store.verify(ref), what
+        trainer = Trainer(cfg)
+        trainer.materialize_optimizer_state()
+        with pytest.raises(CheckpointCorrupt):
+            store.restore(store.open(ref), trainer.state.parts(), verify=Verify.WHILE)
+        trainer.close()
+    manifest = final_checkpoint(run_dir, 8) / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"shards-00000.safetensors"', '"../shards-00000.safetensors"'))
+    with pytest.raises(CheckpointError, match="not a plain file name"):
+        CheckpointStore(str(run_dir)).open(CheckpointStore(str(run_dir)).ref(8))
+    assert not sentinel.exists()
