@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import tomllib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from harness.errors import UserError
 from harness.models import DEFAULT_FACTORY
@@ -123,6 +124,15 @@ class ParallelSection(Section):
 
     strategy: Literal["ddp", "fsdp"] = Field("ddp", description="With several ranks: \"ddp\" replicates the model and optimizer on every rank (DistributedDataParallel; rank 0 writes them); \"fsdp\" shards parameters, gradients and optimizer state over the ranks (FSDP2 fully_shard per block and on the root) and every rank writes its own shards (torch.distributed.checkpoint). One process has nothing to shard: it trains the whole model (a warning says so) and loads a sharded checkpoint all the same.")
     shard_modules: str = Field(r"(.*\.)?\d+", description="With fsdp: a regular expression; every module whose qualified name (model.named_modules()) matches it in full becomes its own FSDP unit (its parameters gathered for its forward/backward only), then the root takes the rest. The default matches the items of every ModuleList/Sequential (`h.0`, `blocks.11`): a transformer's blocks.")
+    @field_validator("shard_modules")
+    @classmethod
+    def _a_regular_expression(cls, pattern: str) -> str:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"{pattern!r} is not a regular expression ({e}); fix it, or unset it for the default") from None
+        return pattern
+
     param_dtype: Literal["fp32", "bf16"] = Field("fp32", description="With fsdp on CUDA: the dtype parameters are gathered and computed in (MixedPrecisionPolicy param_dtype); gradients are always reduced in fp32 and the sharded parameters and optimizer state stay fp32. Ignored on CPU (gloo), where fsdp computes in fp32 (a warning says so).")
 
 
