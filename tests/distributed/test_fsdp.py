@@ -89,7 +89,17 @@ def test_resharding_to_ddp_and_one_process_is_bitwise(fsdp_run, tmp_path):
         loaded = gather(ckpt, strategy, tmp_path / f"{strategy}{nproc}.safetensors", nproc)
         assert sorted(loaded) == sorted(original)
         for name, t in original.items():
-            assert torch.equal(loaded[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), f"{strategy}@{nproc}: {name}"
+            assert same_bits(loaded[name], t), f"{strategy}@{nproc}: {name}"
+    harness("ckpt", "consolidate", str(ckpt), "--out", str(tmp_path / "export"), check=True)
+    whole = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert {f"model/{k}" for k in whole} == {k for k in original if k.startswith("model/")}
+    for name, t in whole.items():
+        assert same_bits(t, original[f"model/{name}"]), f"consolidated {name}"
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                    b.reshape(-1).view(torch.uint8))
 
 
 def test_damaged_shard_falls_back_to_the_previous_checkpoint(fsdp_run, tmp_path):
@@ -109,6 +119,11 @@ def test_damaged_shard_falls_back_to_the_previous_checkpoint(fsdp_run, tmp_path)
     assert "shards-00001.safetensors" in done.stderr, done.stderr[-3000:]
     assert [e["resumed_from"] for e in events(run_dir) if e["event"] == "start"][-1] == 8
     assert CheckpointStore(str(run_dir)).latest_good().step == 14
+    # An unsharded checkpoint (this one process wrote it) consolidates to its own model file.
+    harness("ckpt", "consolidate", str(final_checkpoint(run_dir, 14)), "--out", str(tmp_path / "export"), check=True)
+    whole, written = (load_file(str(p)) for p in (tmp_path / "export" / "model.safetensors",
+                                                  final_checkpoint(run_dir, 14) / "model.safetensors"))
+    assert sorted(whole) == sorted(written) and all(same_bits(whole[k], written[k]) for k in whole)
 
 
 def _match_manifest(ckpt: Path) -> None:
