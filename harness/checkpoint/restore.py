@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import DROP, KeyPath, decode, path_str, tensor_refs, tensor_view
@@ -127,13 +129,27 @@ def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], 
                 if slot.entry.name in read:
                     slot.value = _tie(slot.live, read[slot.entry.name])
                 else:
-                    slot.value = read[slot.entry.name] = read_tensor(f, slot.entry, fwhere, out=slot.live)
+                    slot.value = read[slot.entry.name] = _read_into(f, slot.entry, fwhere, slot.live)
         if shard_dest:
             sharded.load(stack, shard_dest)
         if check_streamed is not None:
             check_streamed()
     for part in parts:
         _load_part(part, stored[part], targets[part], slots[part], kept[part], where)
+
+
+def _read_into(f: Any, entry: TensorEntry, where: str, live: torch.Tensor | None) -> torch.Tensor:
+    """Read one stored tensor into `live` (or a new tensor). A sharded live tensor (FSDP) loading
+    an unsharded checkpoint (DDP, one process) takes its own shard of the whole tensor read."""
+    if not isinstance(live, DTensor):
+        return read_tensor(f, entry, where, out=live)
+    whole = read_tensor(f, entry, where)
+    shape, offset = compute_local_shape_and_global_offset(whole.shape, live.device_mesh, live.placements)
+    for dim, (start, length) in enumerate(zip(offset, shape)):
+        whole = whole.narrow(dim, start, length)
+    with torch.no_grad():
+        live.to_local().copy_(whole)
+    return live
 
 
 def _tie(live: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:

@@ -60,8 +60,8 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             restore_s += time.perf_counter() - t0
             trainer = Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data)
             t0 = time.perf_counter()
-            if METADATA_FILE in checkpoint.records:  # sharded: read into live tensors, which must exist
-                trainer.materialize_optimizer_state()
+            if trainer.sharded or METADATA_FILE in checkpoint.records:
+                trainer.materialize_optimizer_state()  # read into live tensors of the right sharding
             load_checkpoint(source, checkpoint, trainer.state.parts(), verify=verify,
                             kept_on_new_rank=trainer.state.kept_on_new_rank)
             resized = after_load(saved["meta"], cfg, ref.step)

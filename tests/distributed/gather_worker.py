@@ -2,6 +2,9 @@
 
     [torchrun --nproc-per-node N] python gather_worker.py CKPT_URL STRATEGY OUT [CONFIG_OVERRIDE ...]
 
+(CONFIG_OVERRIDE: `key=value` on tests/data/tiny.toml, e.g. `train.steps=16` to go past a finished
+checkpoint; a changed config is allowed.)
+
 Every rank resumes from the checkpoint folder CKPT_URL (run/resume.py: rank 0 verifies it, every
 rank loads it) with `parallel.strategy = STRATEGY`; then every parameter and optimizer tensor is
 gathered whole (`DTensor.full_tensor()`: an all-gather of the live shards, not a read of the
@@ -42,7 +45,7 @@ def main() -> None:
     cfg = load_config(TINY, [f"run_dir='{run_dir}'", f"parallel.strategy='{strategy}'", *overrides])
     with distributed.process_group():
         source, candidates, verify = agree_on_checkpoint(CheckpointStore(run_dir), cfg, ckpt)
-        trainer, ref, _, _ = resume_newest(cfg, source, candidates, verify, allow_config_change=False)
+        trainer, ref, _, _ = resume_newest(cfg, source, candidates, verify, allow_config_change=True)
         state = gathered(trainer)
         if distributed.rank() == 0:
             with open(out, "wb") as f:

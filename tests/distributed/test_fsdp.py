@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from harness.checkpoint import CheckpointStore
 from launch import kill_tree, run, start, tail, torchrun, wait_step
-from procs import ENV, ROOT, TINY, assert_same_run, final_checkpoint, harness
+from procs import TINY, assert_same_run, final_checkpoint, harness
 
 STEPS = 12
 ARMS = ["adamw"]
@@ -69,9 +69,9 @@ def test_group_sigkill_resumes_bitwise(fsdp_run, tmp_path):
     assert_same_run(continuous, run_dir, STEPS)
 
 
-def gather(ckpt: Path, strategy: str, out: Path, nproc: int) -> dict[str, torch.Tensor]:
-    args = torchrun(WORKER, str(ckpt), strategy, str(out), nproc=nproc, python=True) if nproc > 1 else \
-        [sys.executable, WORKER, str(ckpt), strategy, str(out)]
+def gather(ckpt: Path, strategy: str, out: Path, nproc: int, *overrides: str) -> dict[str, torch.Tensor]:
+    args = torchrun(WORKER, str(ckpt), strategy, str(out), *overrides, nproc=nproc, python=True) if nproc > 1 else \
+        [sys.executable, WORKER, str(ckpt), strategy, str(out), *overrides]
     log = out.with_suffix(".log")
     assert run(args, log) == 0, tail(log)
     assert tail(log).count("trained 2 more steps") == nproc, tail(log)
@@ -104,7 +104,8 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def test_damaged_shard_falls_back_to_the_previous_checkpoint(fsdp_run, tmp_path):
     """One byte of rank 1's shards flipped in the newest checkpoint: found while loading it (at
-    world size 1, so the load reshards), skipped, and the run resumes from step 8 and trains on."""
+    world size 1, so the load reshards), skipped, and the run resumes from step 8 and trains on.
+    The unsharded checkpoint that one process writes then loads into FSDP at world size 2 again."""
     import shutil
 
     _, continuous = fsdp_run
@@ -124,6 +125,12 @@ def test_damaged_shard_falls_back_to_the_previous_checkpoint(fsdp_run, tmp_path)
     whole, written = (load_file(str(p)) for p in (tmp_path / "export" / "model.safetensors",
                                                   final_checkpoint(run_dir, 14) / "model.safetensors"))
     assert sorted(whole) == sorted(written) and all(same_bits(whole[k], written[k]) for k in whole)
+    sharded = gather(final_checkpoint(run_dir, 14), "fsdp", tmp_path / "fsdp2.safetensors", 2, "train.steps=16")
+    optim = load_file(str(final_checkpoint(run_dir, 14) / "optim.safetensors"))
+    stored = {**{f"model/{k}": v for k, v in written.items()},
+              **{"optim/" + k.replace("/state/", "/", 1): v for k, v in optim.items()}}
+    assert sorted(sharded) == sorted(stored)
+    assert all(same_bits(sharded[k], stored[k]) for k in stored)
 
 
 def _match_manifest(ckpt: Path) -> None:
