@@ -189,3 +189,21 @@ def test_hostile_shard_files_are_refused_without_running_code(fsdp_run, tmp_path
     with pytest.raises(CheckpointError, match="not a plain file name"):
         CheckpointStore(str(run_dir)).open(CheckpointStore(str(run_dir)).ref(8))
     assert not sentinel.exists()
+
+
+@pytest.mark.slow
+def test_resharding_from_world_size_4(tmp_path):
+    """Saved by FSDP at world size 4: loaded by FSDP at 4 and 2 and by one process, every
+    gathered tensor bitwise equal; each trains on."""
+    run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
+    args = torchrun("train", str(TINY), "--run-dir", str(run_dir), "--set", "parallel.strategy=fsdp",
+                    "--set", "train.steps=8", nproc=4)
+    assert run(args, log) == 0, tail(log)
+    ckpt = final_checkpoint(run_dir, 4)
+    names = {f["name"] for f in json.loads((ckpt / "manifest.json").read_text())["files"]}
+    assert {f"shards-0000{r}.safetensors" for r in range(4)} <= names
+    original = gather(ckpt, "fsdp", tmp_path / "fsdp4.safetensors", 4, "train.steps=8")
+    for strategy, nproc in (("fsdp", 2), ("ddp", 1)):
+        loaded = gather(ckpt, strategy, tmp_path / f"{strategy}{nproc}.safetensors", nproc, "train.steps=8")
+        assert sorted(loaded) == sorted(original)
+        assert all(same_bits(loaded[k], t) for k, t in original.items()), f"{strategy}@{nproc}"
