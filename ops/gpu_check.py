@@ -54,13 +54,7 @@ def main() -> int:
         harness(*args, "--run-dir", str(work / "continuous"), check=True)
         kill_at_step([*args, "--run-dir", str(work / "interrupted")], work / "interrupted", rng.randrange(5, STEPS))
         harness(*args, "--run-dir", str(work / "interrupted"), check=True)
-        try:
-            assert_same_run(work / "continuous", work / "interrupted", STEPS)
-            verdict = "bitwise equal"
-        except AssertionError as e:
-            failures += 1
-            verdict = f"DIFFERS: {str(e).splitlines()[0]}"
-        print(f"{name:16s} {verdict}  ({time.monotonic() - t0:.1f} s)", flush=True)
+        failures += report(name, t0, work)
     failures += check_repeatable_and_recorded(Path(tempfile.mkdtemp(prefix="gpu-check-repeat-")))
     failures += check_fsdp(rng)
     return 1 if failures else 0
@@ -75,8 +69,10 @@ def check_fsdp(rng: random.Random) -> int:
     for name, extra in FSDP_CASES.items():
         t0 = time.monotonic()
         work = Path(tempfile.mkdtemp(prefix=f"gpu-check-{name}-"))
-        def args(run_dir: Path) -> list[str]:
+
+        def args(run_dir: Path, extra: list[str] = extra) -> list[str]:
             return torchrun("train", str(TINY), "--run-dir", str(run_dir), "--set", "train.device=cuda", *extra)
+
         log = work / "torchrun.log"
         ok = run(args(work / "continuous"), log) == 0
         proc = start(args(work / "interrupted"), log)
@@ -84,15 +80,20 @@ def check_fsdp(rng: random.Random) -> int:
         kill_tree(proc.pid)
         proc.wait(60)
         ok = ok and run(args(work / "interrupted"), log) == 0
-        try:
-            assert ok, f"a run failed: {tail(log)[-500:]}"
-            assert_same_run(work / "continuous", work / "interrupted", STEPS)
-            verdict = "bitwise equal"
-        except AssertionError as e:
-            failures += 1
-            verdict = f"DIFFERS: {str(e).splitlines()[0]}"
-        print(f"{name:16s} {verdict}  ({time.monotonic() - t0:.1f} s)", flush=True)
+        failures += report(name, t0, work, None if ok else f"a run failed: {tail(log)[-500:]}")
     return failures
+
+
+def report(name: str, t0: float, work: Path, failed: str | None = None) -> int:
+    """Print the case's line (continuous vs interrupted under `work`); 1 when it differs."""
+    try:
+        assert failed is None, failed
+        assert_same_run(work / "continuous", work / "interrupted", STEPS)
+        verdict = "bitwise equal"
+    except AssertionError as e:
+        verdict = f"DIFFERS: {str(e).splitlines()[0]}"
+    print(f"{name:16s} {verdict}  ({time.monotonic() - t0:.1f} s)", flush=True)
+    return 0 if verdict == "bitwise equal" else 1
 
 
 def check_repeatable_and_recorded(work: Path) -> int:
