@@ -66,6 +66,8 @@ def test_group_sigkill_resumes_bitwise(fsdp_run, tmp_path):
     proc.wait(60)
     assert run(args, log) == 0, tail(log)
     assert [e["resumed_from"] for e in events(run_dir) if e["event"] == "start"] == [None, 4]
+    # rank 0 checked the restored shards and every re-run step against the interrupted run's record
+    assert not [e for e in events(run_dir) if e["event"] == "resume_mismatch"]
     assert_same_run(continuous, run_dir, STEPS)
 
 
