@@ -11,7 +11,10 @@ state (both moments) of about `--size-mib` in all. Each round, the contenders ta
 * load ours: `CheckpointStore.restore` into the live sharded model and optimizer state, with
   `Verify.NO` (sizes and headers, like DCP) and `Verify.WHILE` (every byte hashed: a resume);
 * load dcp: `dcp.load` with `FileSystemReader` into the same live tensors.
-Loads are cold: every file is evicted from the page cache (posix_fadvise) first. Figures are the
+Loads are cold: every file is evicted from the page cache (posix_fadvise) first. Memory: in the
+first round, each rank's peak RSS above its resident state during each contender (the peak is
+reset before each, /proc/self/clear_refs), the largest over the ranks, next to one rank's share
+of the state: a sharded save or load should need about that much at most. Figures are the
 best of `--repeat` rounds, in GB/s of the whole state (both ranks), timed from a barrier before
 to a barrier after. Run: `python ops/bench/sharded_ckpt.py --size-mib 512 --repeat 3` (it starts
 torchrun itself).
@@ -44,6 +47,23 @@ def evict(folder: Path) -> None:
             fd = os.open(path, os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             os.close(fd)
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def reset_peak() -> int:
+    """Reset this process's peak RSS to its current RSS (Linux); returns the current RSS."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status("VmRSS")
+
+
+def peak() -> int:
+    return _status("VmHWM")
 
 
 class Tree:
@@ -89,13 +109,16 @@ def worker(size_mib: int, repeat: int, base: Path) -> None:
         store = CheckpointStore(str(base / "ours"), keep_last=2)
         commit = GroupCommit(store)
         best: dict[str, float] = {}
+        extra: dict[str, int] = {}
 
         def timed(label: str, fn) -> None:
             dist.barrier()
+            rss = reset_peak()
             t0 = time.perf_counter()
             fn()
             dist.barrier()
             best[label] = min(best.get(label, float("inf")), time.perf_counter() - t0)
+            extra.setdefault(label, max(distributed.all_gather_object(peak() - rss)))
 
         for step in range(1, repeat + 1):
             target = base / f"dcp-{step}"
@@ -116,7 +139,8 @@ def worker(size_mib: int, repeat: int, base: Path) -> None:
             print(f"state {nbytes / 2**20:.0f} MiB over 2 ranks ({layers} layers of {width}x{width} + AdamW), "
                   f"best of {repeat}")
             for label, seconds in best.items():
-                print(f"  {label:20} {seconds:7.3f} s  {nbytes / seconds / 1e9:6.3f} GB/s")
+                print(f"  {label:20} {seconds:7.3f} s  {nbytes / seconds / 1e9:6.3f} GB/s   peak RSS above the state "
+                      f"{extra[label] / 2**20:6.1f} MiB (a rank's share of the state: {nbytes / 2 / 2**20:.0f} MiB)")
             print(f"  save ours / dcp: {best['save dcp'] / best['save ours']:.2f}x   load ours / dcp: "
                   f"{best['load dcp'] / best['load ours']:.2f}x   load verified / dcp: "
                   f"{best['load dcp'] / best['load ours verified']:.2f}x")
