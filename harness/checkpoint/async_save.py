@@ -111,8 +111,10 @@ class StagingBuffers:
                 if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
                     buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
                     self._buffers[key] = buf
-                out[name] = buf if src is whole else DTensor.from_local(
-                    buf, whole.device_mesh, whole.placements, run_check=False, shape=whole.shape, stride=whole.stride())
+                # A DTensor's buffer keeps its spec (mesh, placements, global shape), on the CPU:
+                # `DTensor.from_local` would move it back to the mesh's device (as DCP's own
+                # staging does, the local tensor is swapped, never moved).
+                out[name] = buf if src is whole else DTensor(buf, whole._spec, requires_grad=False)
                 if src.is_cuda:
                     on_gpu.setdefault(src.device, []).append((buf, src))
                 else:
