@@ -11,6 +11,10 @@ state (both moments) of about `--size-mib` in all. Each round, the contenders ta
 * load ours: `CheckpointStore.restore` into the live sharded model and optimizer state, with
   `Verify.NO` (sizes and headers, like DCP) and `Verify.WHILE` (every byte hashed: a resume);
 * load dcp: `dcp.load` with `FileSystemReader` into the same live tensors.
+* async: the step loop's blocking time of a background save, ours (`AsyncSaver` over the group
+  commit on a side gloo group: each rank copies its shards into reused CPU buffers, then
+  persists in a thread) against `dcp.async_save` (FileSystemWriter), and the time until each
+  save is on disk.
 Loads are cold: every file is evicted from the page cache (posix_fadvise) first. Memory: in the
 first round, each rank's peak RSS above its resident state during each contender (the peak is
 reset before each, /proc/self/clear_refs), the largest over the ranks, next to one rank's share
@@ -135,15 +139,55 @@ def worker(size_mib: int, repeat: int, base: Path) -> None:
             dist.barrier()
             if topo.rank == 0:
                 shutil.rmtree(target)
+        blocking, persisted = measure_async(store, parts, flat, base, topo.rank, repeat)
         if topo.rank == 0:
             print(f"state {nbytes / 2**20:.0f} MiB over 2 ranks ({layers} layers of {width}x{width} + AdamW), "
                   f"best of {repeat}")
             for label, seconds in best.items():
                 print(f"  {label:20} {seconds:7.3f} s  {nbytes / seconds / 1e9:6.3f} GB/s   peak RSS above the state "
                       f"{extra[label] / 2**20:6.1f} MiB (a rank's share of the state: {nbytes / 2 / 2**20:.0f} MiB)")
+            for label in blocking:
+                print(f"  async {label:14} blocks the step {blocking[label]:7.3f} s, on disk after {persisted[label]:7.3f} s")
             print(f"  save ours / dcp: {best['save dcp'] / best['save ours']:.2f}x   load ours / dcp: "
                   f"{best['load dcp'] / best['load ours']:.2f}x   load verified / dcp: "
                   f"{best['load dcp'] / best['load ours verified']:.2f}x")
+
+
+def measure_async(store, parts: dict, flat: dict, base: Path, rank: int, repeat: int) -> tuple[dict, dict]:
+    """Best (blocking seconds, seconds until committed) of a background save, ours and DCP's."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    from harness import distributed
+    from harness.checkpoint.async_save import AsyncSaver
+    from harness.checkpoint.distributed_commit import GroupCommit
+
+    side = distributed.new_side_group(600)
+    saver = AsyncSaver(GroupCommit(store, group=side), rank=rank, sharded={"model", "optim"})
+    blocking: dict[str, float] = {}
+    persisted: dict[str, float] = {}
+    for step in range(100, 100 + repeat):
+        dist.barrier()
+        t0 = time.perf_counter()
+        saver.submit(step, parts)
+        blocked = time.perf_counter() - t0
+        saver.finish()
+        dist.barrier()
+        done = time.perf_counter() - t0
+        blocking["ours"] = min(blocking.get("ours", float("inf")), blocked)
+        persisted["ours"] = min(persisted.get("ours", float("inf")), done)
+        dist.barrier()
+        t0 = time.perf_counter()
+        future = dcp.async_save(flat, storage_writer=dcp.FileSystemWriter(str(base / f"dcp-async-{step}")),
+                                process_group=side)
+        blocked = time.perf_counter() - t0
+        future.result()
+        dist.barrier()
+        done = time.perf_counter() - t0
+        blocking["dcp"] = min(blocking.get("dcp", float("inf")), blocked)
+        persisted["dcp"] = min(persisted.get("dcp", float("inf")), done)
+    saver.close()
+    return blocking, persisted
 
 
 def main() -> None:
