@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import tomllib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from harness.errors import UserError
 from harness.models import DEFAULT_FACTORY
@@ -118,6 +119,23 @@ class CheckpointSection(Section):
     local_dir: str | None = Field(None, description="Local-first persistence: commit each checkpoint to this local folder (one per run; the last 2 are kept), upload it to the run dir in the background, read every object back and check it, and only then publish it there (its manifest); the run dir stays the source of truth for resuming. Unset = write to the run dir directly. One process only.")
 
 
+class ParallelSection(Section):
+    """How a model is spread over the ranks of a torchrun group (docs/distributed.md)."""
+
+    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="With several ranks: \"ddp\" replicates the model and optimizer on every rank (DistributedDataParallel; rank 0 writes them); \"fsdp\" shards parameters, gradients and optimizer state over the ranks (FSDP2 fully_shard per block and on the root) and every rank writes its own shards (torch.distributed.checkpoint). One process has nothing to shard: it trains the whole model (a warning says so) and loads a sharded checkpoint all the same.")
+    shard_modules: str = Field(r"(.*\.)?\d+", description="With fsdp: a regular expression; every module whose qualified name (model.named_modules()) matches it in full becomes its own FSDP unit (its parameters gathered for its forward/backward only), then the root takes the rest. The default matches the items of every ModuleList/Sequential (`h.0`, `blocks.11`): a transformer's blocks.")
+    @field_validator("shard_modules")
+    @classmethod
+    def _a_regular_expression(cls, pattern: str) -> str:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"{pattern!r} is not a regular expression ({e}); fix it, or unset it for the default") from None
+        return pattern
+
+    param_dtype: Literal["fp32", "bf16"] = Field("fp32", description="With fsdp on CUDA: the dtype parameters are gathered and computed in (MixedPrecisionPolicy param_dtype); gradients are always reduced in fp32 and the sharded parameters and optimizer state stay fp32. Ignored on CPU (gloo), where fsdp computes in fp32 (a warning says so).")
+
+
 class HealthSection(Section):
     """The hang watchdog (harness/health/watchdog.py); none of these change the math."""
 
@@ -166,6 +184,7 @@ class RunConfig(Section):
     optim: OptimConfig = Field(default_factory=lambda: _default_optim(), description="Optimizer bundle; `type` selects the arm (default adamw).")
     train: TrainSection = Field(default_factory=TrainSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
     health: HealthSection = Field(default_factory=HealthSection)
     log: LogSection = Field(default_factory=LogSection)
     debug: DebugSection = Field(default_factory=DebugSection)
@@ -221,7 +240,10 @@ FREE_FIELDS = ("run_dir", "log_dir", "checkpoint", "health", "log", "debug", "da
                # Anomaly handling changes the numbers only at an anomaly, and what it did then (the
                # skipped batches) is checkpointed state: a resume repeats it under any of these.
                "train.on_anomaly", "train.spike_threshold", "train.spike_window", "train.rollback_skip",
-               "train.max_rollbacks", "train.rollback_window")
+               "train.max_rollbacks", "train.rollback_window",
+               # Like the world size: the sum order of the gradient reduction, nothing else (a
+               # sharded checkpoint loads into DDP or one process and back).
+               "parallel.strategy", "parallel.shard_modules")
 
 
 def batch_shape(cfg: RunConfig, world_size: int) -> tuple[int, int]:

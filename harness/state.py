@@ -6,7 +6,9 @@ are registered under stable names; the checkpoint stores each under its name, an
 refuses a missing or unexpected part. The order of registration is the order of restoring,
 and `rng` is restored last on purpose: building the other parts may draw random numbers.
 
-A part is replicated (every rank holds the same, rank 0 saves it) unless registered `per_rank`:
+A part registered `sharded` (FSDP: the model and optimizer hold DTensors) is written by every
+rank, each its own shards, through torch.distributed.checkpoint (checkpoint/sharded.py).
+Otherwise a part is replicated (every rank holds the same, rank 0 saves it) unless registered `per_rank`:
 then each rank saves its own (`rank-NNNNN.*` files of the checkpoint). A per-rank part also
 `kept_on_new_rank` is not taken from rank 0 by a rank the saving run did not have (its own
 freshly seeded RNG streams rather than a copy of rank 0's); the others are (the data cursor).
@@ -36,11 +38,15 @@ class TrainState:
         self._parts: dict[str, Stateful] = {}
         self._per_rank: set[str] = set()
         self._kept_on_new_rank: set[str] = set()
+        self._sharded: set[str] = set()
 
-    def register(self, name: str, part: Stateful, *, per_rank: bool = False, kept_on_new_rank: bool = False) -> None:
-        """Add `part` under `name`; `per_rank`, `kept_on_new_rank`: see the module docstring."""
+    def register(self, name: str, part: Stateful, *, per_rank: bool = False, kept_on_new_rank: bool = False,
+                 sharded: bool = False) -> None:
+        """Add `part` under `name`; `per_rank`, `kept_on_new_rank`, `sharded`: see the module docstring."""
         if kept_on_new_rank and not per_rank:
             raise ValueError(f"state part {name!r}: kept_on_new_rank needs per_rank")
+        if sharded and per_rank:
+            raise ValueError(f"state part {name!r}: a part is sharded or per rank, not both")
         if name in self._parts:
             raise ValueError(f"state part {name!r} is registered twice")
         if not isinstance(part, Stateful):
@@ -50,11 +56,18 @@ class TrainState:
             self._per_rank.add(name)
         if kept_on_new_rank:
             self._kept_on_new_rank.add(name)
+        if sharded:
+            self._sharded.add(name)
 
     @property
     def per_rank(self) -> frozenset[str]:
         """The parts each rank saves for itself."""
         return frozenset(self._per_rank)
+
+    @property
+    def sharded(self) -> frozenset[str]:
+        """The parts every rank writes its own shards of (FSDP)."""
+        return frozenset(self._sharded)
 
     @property
     def kept_on_new_rank(self) -> frozenset[str]:

@@ -31,7 +31,9 @@ from harness.fingerprint import FingerprintLog
 from harness.health.anomaly import Anomaly, detect
 from harness.log import get_logger
 from harness.models.contract import build_model, split_output
+from harness.checkpoint.sharded import local_tensor
 from harness.rng import RNGState, seed_everything
+from harness.sharding import full_value, materialize_optimizer_state, shard_model
 from harness.state import TrainerCounters, TrainState
 from optim.build import build_bundle
 from optim.errors import OptimError
@@ -97,6 +99,13 @@ class Trainer:
                     f"model.args.vocab_size = {factory_args['vocab_size']} does not cover the data's vocabulary "
                     f"({self.data.vocab_size} ids): raise it to at least {self.data.vocab_size}, or leave it unset")
         self.model = build_model(cfg.model.factory, factory_args).to(self.device)
+        # FSDP2 swaps the parameters for DTensors, so it shards before the optimizers see them.
+        self.sharded = world_size > 1 and cfg.parallel.strategy == "fsdp"
+        if self.sharded:
+            shard_model(self.model, cfg.parallel, self.device, world_size)
+        elif cfg.parallel.strategy == "fsdp":
+            log.warning("parallel.strategy = 'fsdp' with one process: nothing to shard, the whole model trains here "
+                        "(a sharded checkpoint loads into it); start several ranks with torchrun to shard")
         try:
             self.optim, self.sched = build_bundle(cfg.optim, self.model, total_steps=cfg.train.steps)
         except OptimError as e:  # the optimizers' user error (optim imports nothing from the harness)
@@ -104,12 +113,13 @@ class Trainer:
         # Forward and backward go through `self.net`: the DDP wrapper, whose backward all-reduces
         # the gradients before any optimizer (Muon's orthogonalisation included) sees them.
         # `self.model`, the inner module, is the state part, so parameter names stay unprefixed.
+        # Under FSDP the model is its own wrapper (its backward reduce-scatters the gradients).
         self.net = self.model
-        if world_size > 1:
+        if world_size > 1 and not self.sharded:
             from torch.nn.parallel import DistributedDataParallel
 
             self.net = DistributedDataParallel(self.model, device_ids=[self.device] if self.device.type == "cuda" else None)
-            # Dropout differs by rank (as the samples do); each rank's stream is its `rng` part.
+        if world_size > 1:  # dropout differs by rank (as the samples do); each rank's stream is its `rng` part
             seed_everything(derive_seed(cfg.train.seed, rank))
         if cfg.train.compile:
             # Compiles what the step calls; `self.model` stays the plain module, so the state part
@@ -127,8 +137,8 @@ class Trainer:
 
         self.counters = TrainerCounters()
         self.state = TrainState()
-        self.state.register("model", self.model)
-        self.state.register("optim", self.optim)
+        self.state.register("model", self.model, sharded=self.sharded)
+        self.state.register("optim", self.optim, sharded=self.sharded)
         self.state.register("sched", self.sched)
         self.state.register("data", self.stream, per_rank=True)  # the cursor: global, cheap to keep per rank
         self.state.register("scaler", self.scaler)
@@ -164,8 +174,8 @@ class Trainer:
                 self.batch_hook(self.step + 1, batch)
             sample_ids.append(batch.sample_ids)
             x, y = batch.x.to(self.device), batch.y.to(self.device)
-            # DDP all-reduces in the last micro-batch's backward only: the sum is the same.
-            with self.net.no_sync() if self.world_size > 1 and i < accum - 1 else nullcontext():
+            # DDP all-reduces (FSDP reduce-scatters) in the last micro-batch's backward only: the sum is the same.
+            with self._accumulating(i < accum - 1):
                 with self._autocast():
                     _, loss = split_output(self.net(x, y))
                 if self._buffer_probe is not None and self._buffer_probe.done:
@@ -203,6 +213,17 @@ class Trainer:
         return StepResult(self.step, loss_value, grad_norm, lr, tokens, t_end - t0, t_end - t_optim,
                           fingerprint=fingerprint, data_seconds=data_s)
 
+    def _accumulating(self, more: bool):
+        """The context of one micro-batch's backward: no gradient reduction when `more` follow."""
+        if self.sharded:
+            self.model.set_requires_gradient_sync(not more)
+            return nullcontext()
+        return self.net.no_sync() if self.world_size > 1 and more else nullcontext()
+
+    def materialize_optimizer_state(self) -> None:
+        """Create the optimizers' state now (a sharded checkpoint loads into live tensors only)."""
+        materialize_optimizer_state(self.optim.optimizers)
+
     def _global_ids(self, per_micro_batch: list[torch.Tensor]) -> torch.Tensor:
         """The sample ids of the whole global batch in cursor order, the same for any world size:
         micro-batch by micro-batch, rank r's row b is global position b * world + r (order.py)."""
@@ -226,7 +247,7 @@ class Trainer:
         """The global gradient norm (one fused norm, one host sync), clipping to train.grad_clip."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip is not None else math.inf
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return float(full_value(torch.nn.utils.clip_grad_norm_(params, max_norm)))
 
     def _skip_rolled_back_batches(self) -> float:
         """Draw and discard the step-batches a rollback marked to skip (harness/health/anomaly.py)
@@ -271,7 +292,7 @@ class Trainer:
             names = {id(p): n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
             named += [(f"optim/{opt_name}/{names.get(id(p), '?')}/{k}", v)
                       for p, st in opt.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)]
-        named = [(n, t.detach()) for n, t in named if t.is_floating_point() and t.numel()]
+        named = [(n, local_tensor(t).detach()) for n, t in named if t.is_floating_point() and t.numel()]
         suspect = bool(named) and not bool(
             torch.stack([t.sum(dtype=torch.float32).to(self.device) for _, t in named]).isfinite().all())
         bad = next((n for n, t in named if not bool(t.isfinite().all())), None) if suspect else None

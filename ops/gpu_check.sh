@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check of exact resume (issue: harness train resumes bit for bit): interrupted vs continuous
-# on CUDA for several arms and precisions, in one go, in a few minutes. Needs a CUDA torch:
+# on CUDA for several arms and precisions, and FSDP at world size 2 when 2+ GPUs are visible,
+# in one go, in a few minutes. Needs a CUDA torch:
 #   pip install -e . && bash ops/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

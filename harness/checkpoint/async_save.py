@@ -49,10 +49,12 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from harness.checkpoint.background import BackgroundJob
 from harness.checkpoint.commit import Committed, Committer
 from harness.checkpoint.errors import CheckpointError, failed_save, still_committed
+from harness.checkpoint.sharded import local_tensor
 from harness.checkpoint.format import Snapshot, capture
 from harness.checkpoint.saver import Saver, Submitted
 from harness.errors import Unavailable, UserError
@@ -101,14 +103,18 @@ class StagingBuffers:
         wanted = set()
         for file, named in snapshot.tensors.items():
             out = staged.setdefault(file, {})
-            for name, src in named.items():
+            for name, whole in named.items():
                 key = (file, name)
                 wanted.add(key)
+                src = local_tensor(whole)  # a DTensor's own shard: each rank stages only what it holds
                 buf = self._buffers.get(key)
                 if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
                     buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
                     self._buffers[key] = buf
-                out[name] = buf
+                # A DTensor's buffer keeps its spec (mesh, placements, global shape), on the CPU:
+                # `DTensor.from_local` would move it back to the mesh's device (as DCP's own
+                # staging does, the local tensor is swapped, never moved).
+                out[name] = buf if src is whole else DTensor(buf, whole._spec, requires_grad=False)
                 if src.is_cuda:
                     on_gpu.setdefault(src.device, []).append((buf, src))
                 else:
@@ -156,10 +162,11 @@ class AsyncSaver(Saver):
                  on_commit: Callable[[Committed], None] | None = None, persist_delay_s: float = 0.0,
                  save_deadline_s: float | None = None, on_slow: Callable[[int, float], None] | None = None,
                  slow_floor_s: float = SLOW_FLOOR_S, rank: int = 0, per_rank: Collection[str] = (),
+                 sharded: Collection[str] = (),
                  agree: Callable[[bool], bool] = bool, last_committed: int | None = None) -> None:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
-        super().__init__(commit, rank=rank, per_rank=per_rank, on_commit=on_commit, last_committed=last_committed)
+        super().__init__(commit, rank=rank, per_rank=per_rank, sharded=sharded, on_commit=on_commit, last_committed=last_committed)
         self.when_busy, self.agree, self.persist_delay_s = when_busy, agree, persist_delay_s
         self.save_deadline_s, self.on_slow, self.slow_floor_s = save_deadline_s, on_slow, slow_floor_s
         self.buffers = StagingBuffers()
@@ -193,7 +200,8 @@ class AsyncSaver(Saver):
                      persisting_step=self.job.step, waited_s=round(waited, 3))
             self.poll()
         t0 = time.perf_counter()
-        snapshot, copied = self.buffers.stage(self.commit.mine(capture(parts, rank=self.rank, per_rank=self.per_rank)))
+        snapshot, copied = self.buffers.stage(self.commit.mine(capture(parts, rank=self.rank, per_rank=self.per_rank,
+                                                                      sharded=self.sharded)))
         self._next_warning = time.monotonic() + max(self.slow_floor_s, 2 * self._last_persist_s)
         self.job.start(step, self._persist, step, snapshot, dict(meta or {}), copied)
         return Submitted(step, waited + time.perf_counter() - t0, waited, snapshot.nbytes)

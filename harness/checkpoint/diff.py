@@ -85,8 +85,8 @@ def compare_checkpoints(a: tuple[CheckpointStore, CheckpointRef], b: tuple[Check
 def _tensor_diff(file: str, name: str, ea: TensorEntry | None, eb: TensorEntry | None, read_a,
                  read_b) -> Difference | None:
     label = f"{file}:{name}"
-    # Rank files hold several parts, each tensor named `part/...`; other files are one part each.
-    part = name.split("/", 1)[0] if file.startswith("rank-") else file.split(".", 1)[0]
+    # Rank and shard files hold several parts, each tensor named `part/...`; other files are one part each.
+    part = name.split("/", 1)[0] if file.startswith(("rank-", "shards-")) else file.split(".", 1)[0]
     if ea is None or eb is None:
         return Difference(part, label, f"{label}: only in {'A' if eb is None else 'B'}")
     if ea.dtype != eb.dtype or ea.shape != eb.shape:

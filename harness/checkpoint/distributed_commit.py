@@ -15,7 +15,10 @@ is the group's:
 2. each rank writes its files into that folder: rank 0 exactly what a single process writes
    (`<part>.safetensors`, `rank-00000.safetensors`, `state.json` with rank 0's per-rank trees);
    rank r > 0 `rank-NNNNN.safetensors` (the tensors of its per-rank parts) and `rank-NNNNN.json`
-   (their JSON side, in the layout of state.json).
+   (their JSON side, in the layout of state.json). Under FSDP the sharded parts (model,
+   optimizer) are no replicated files: every rank writes its shards with DCP's `save`
+   (`shards-NNNNN.safetensors`, rank 0 also `dcp-metadata.json`; checkpoint/sharded.py), a
+   collective on the same group, before its other files.
 3. the ranks gather each rank's outcome: its file records (size, digest), or its error.
 4. rank 0 seals (manifest listing every rank's files, fsync, rename; then retention) only if
    every rank succeeded; otherwise it discards the folder. It broadcasts the result, and every
@@ -47,6 +50,7 @@ from harness.checkpoint.commit import Committer
 from harness.checkpoint.format import STATE_FILE, Snapshot, dump_state, rank_file
 from harness.checkpoint.loading import Checkpoint, Verify
 from harness.checkpoint.manifest import FileRecord
+from harness.checkpoint.sharded import SHARDED, save_shards
 from harness.checkpoint.store import CheckpointRef, CheckpointStore
 from harness.checkpoint.tensorfile import serialize
 from harness.log import get_logger
@@ -148,10 +152,13 @@ class GroupCommit(Committer):
         rank = snapshot.rank
         own = rank_file(rank)  # every per-rank part of a rank shares its file
         if rank == 0:
-            files = sorted(snapshot.tensors.items())
+            files = sorted((f, t) for f, t in snapshot.tensors.items() if f != SHARDED)
         else:
             files = [(own, snapshot.tensors[own])] if own in snapshot.tensors else []
         records = []
+        if SHARDED in snapshot.tensors:  # every rank its own shards, through DCP (a collective on the group)
+            records += save_shards(snapshot.tensors[SHARDED], lambda name, chunks: self.store.write_file(
+                work, ref, name, chunks), rank, ref.url, group=self.group)
         for file, tensors in files:
             chunks: Iterable = serialize(tensors, f"{ref.url}/{file}")
             if file == own and self._failing(rank, ref.step):

@@ -12,6 +12,10 @@ File layout (one folder per checkpoint):
 * `rank-NNNNN.safetensors` for the per-rank parts (the ones `capture` is told are per rank: the
   trainer registers its RNG streams and data cursor so, harness/state.py); here names carry the
   part as their first component (`rng/torch_cpu`). The format knows no part names.
+* Sharded parts (FSDP2: `model` and `optim` hold DTensors; the caller names them, as it names
+  the per-rank ones) go to no file of their own: their tensors are kept in the snapshot under the
+  pseudo file `sharded.SHARDED` by key path (`model/h.0.attn.weight`), each rank writes its shards
+  through DCP (checkpoint/sharded.py), and state.json refers to them as `{"$tensor": ["$dcp", name]}`.
 * Tied tensors (one tensor at several key paths of a file's parts, e.g. an embedding shared
   with the output head) are stored once, under the first path's name; every path's reference
   in `state.json` names that entry, and loading reads it once and restores the tie (restore.py).
@@ -35,8 +39,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.sharded import SHARDED, local_nbytes
 
 FORMAT_VERSION = 1
 STATE_FILE = "state.json"
@@ -69,6 +75,8 @@ class Snapshot:
     `tensors`: file name -> tensor name -> tensor (references to live storage, not copies).
     `parts`: part name -> JSON tree with tensor references (see the module docstring).
     `per_rank`: the names of the parts each rank writes for itself (in `rank_file(rank)`).
+    `tensors[SHARDED]`: the sharded parts' tensors (DTensors under FSDP), which every rank writes
+    its shards of (checkpoint/sharded.py).
     """
 
     tensors: Mapping[str, Mapping[str, torch.Tensor]]
@@ -80,9 +88,9 @@ class Snapshot:
     def own(self) -> Snapshot:
         """What a rank > 0 writes of this snapshot: its per-rank parts and their tensor file."""
         own = rank_file(self.rank)
-        tensors = {f: t for f, t in self.tensors.items() if f == own}
+        tensors = {f: t for f, t in self.tensors.items() if f in (own, SHARDED)}
         return replace(self, tensors=tensors, parts={p: t for p, t in self.parts.items() if p in self.per_rank},
-                       nbytes=sum(t.numel() * t.element_size() for named in tensors.values() for t in named.values()))
+                       nbytes=sum(local_nbytes(t) for named in tensors.values() for t in named.values()))
 
     def with_tensors(self, tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> Snapshot:
         """The same snapshot over other tensors (e.g. CPU copies); names, shapes, dtypes must match."""
@@ -97,9 +105,11 @@ class Snapshot:
         return replace(self, tensors={f: dict(named) for f, named in tensors.items()})
 
 
-def capture(parts: Mapping[str, Any], rank: int = 0, per_rank: Collection[str] = ()) -> Snapshot:
+def capture(parts: Mapping[str, Any], rank: int = 0, per_rank: Collection[str] = (),
+            sharded: Collection[str] = ()) -> Snapshot:
     """Snapshot `parts` (name -> state-dict tree, or an object with `state_dict()`) as rank
-    `rank`'s; the parts named in `per_rank` go to `rank_file(rank)`, each other to its own file.
+    `rank`'s; the parts named in `per_rank` go to `rank_file(rank)`, those in `sharded` to
+    `SHARDED` (written through DCP), each other to its own file.
 
     Tensors are referenced, not copied: the caller must not step the model until the snapshot
     has been committed or copied. Raises `CheckpointError` for a bad part name or a value a
@@ -110,12 +120,12 @@ def capture(parts: Mapping[str, Any], rank: int = 0, per_rank: Collection[str] =
     for part, value in parts.items():
         if not _PART_NAME.fullmatch(part):
             raise CheckpointError(f"part name {part!r} is not allowed: use letters, digits and '_', starting with a letter")
-        file = tensor_file(part, rank, per_rank)
-        prefix: KeyPath = (part,) if part in per_rank else ()
+        file = SHARDED if part in sharded else tensor_file(part, rank, per_rank)
+        prefix: KeyPath = (part,) if part in per_rank or part in sharded else ()
         state = value.state_dict() if hasattr(value, "state_dict") else value
         trees[part] = _encode(state, part, (), _Sink(tensors.setdefault(file, {}), file, prefix))
     tensors = {f: named for f, named in tensors.items() if named}
-    nbytes = sum(t.numel() * t.element_size() for named in tensors.values() for t in named.values())
+    nbytes = sum(local_nbytes(t) for named in tensors.values() for t in named.values())
     return Snapshot(tensors=tensors, parts=trees, rank=rank, nbytes=nbytes, per_rank=frozenset(per_rank))
 
 
@@ -144,6 +154,8 @@ def tensor_view(t: torch.Tensor) -> tuple:
     device. Empty tensors are never the same (they have no storage to share)."""
     if t.numel() == 0:
         return (id(t),)
+    if isinstance(t, DTensor):  # the same tensor as its local shard is (a tied parameter under FSDP)
+        return ("dtensor", *tensor_view(t.to_local()))
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 

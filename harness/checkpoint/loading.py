@@ -36,6 +36,8 @@ from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.format import STATE_FILE, parse_state
 from harness.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_manifest
 from harness.checkpoint.restore import restore_parts
+from harness.checkpoint.sharded import (MAX_METADATA_BYTES, METADATA_FILE, check_fit, load_shards, metadata_from_json,
+                                        opened_once)
 from harness.checkpoint.location import HashingReader, Location, hash_file, open_read, read_bytes
 from harness.checkpoint.tensorfile import TensorEntry, read_header
 from harness.log import get_logger
@@ -89,6 +91,18 @@ def read_manifest(loc: Location, ref: CheckpointRef) -> Manifest:
 def read_state_file(loc: Location, ref: CheckpointRef, manifest: Manifest, file: str = STATE_FILE) -> dict[str, Any]:
     """A state file of `ref` (`state.json`, or a rank's `rank-NNNNN.json` of the same layout),
     parsed after checking its bytes against the manifest's record; `CheckpointCorrupt` otherwise."""
+    where = loc.url_of(f"{ref.path}/{file}")
+    try:
+        return parse_state(read_listed(loc, ref, manifest, file, MAX_STATE_BYTES), where)
+    except CheckpointCorrupt:
+        raise
+    except CheckpointError as e:
+        raise CheckpointCorrupt(str(e)) from e
+
+
+def read_listed(loc: Location, ref: CheckpointRef, manifest: Manifest, file: str, limit: int) -> bytes:
+    """The bytes of a small file of `ref`, after checking them against the manifest's record;
+    `CheckpointCorrupt` when it is not listed, missing, too large or does not match."""
     records = {r.name: r for r in manifest.files}
     path = f"{ref.path}/{file}"
     where = loc.url_of(path)
@@ -98,15 +112,13 @@ def read_state_file(loc: Location, ref: CheckpointRef, manifest: Manifest, file:
     if not loc.fs.exists(path):
         raise CheckpointCorrupt(f"{where}: missing; the checkpoint is incomplete")
     try:
-        data = read_bytes(loc, path, MAX_STATE_BYTES)
-        if len(data) != rec.size or hexdigest(rec.algorithm, data) != rec.digest:
-            raise CheckpointCorrupt(f"{where}: does not match the manifest ({len(data)} bytes, manifest says "
-                                    f"{rec.size}); the checkpoint is corrupt")
-        return parse_state(data, where)
-    except CheckpointCorrupt:
-        raise
+        data = read_bytes(loc, path, limit)
     except CheckpointError as e:
         raise CheckpointCorrupt(str(e)) from e
+    if len(data) != rec.size or hexdigest(rec.algorithm, data) != rec.digest:
+        raise CheckpointCorrupt(f"{where}: does not match the manifest ({len(data)} bytes, manifest says "
+                                f"{rec.size}); the checkpoint is corrupt")
+    return data
 
 
 def verify_files(loc: Location, ref: CheckpointRef) -> list[str]:
@@ -145,6 +157,31 @@ def _check_content(loc: Location, path: str, rec: FileRecord, where: str) -> Non
             read_header(f, rec.size, where)
     elif rec.name == STATE_FILE:
         parse_state(read_bytes(loc, path, MAX_STATE_BYTES), where)
+    elif rec.name == METADATA_FILE:
+        metadata_from_json(read_bytes(loc, path, MAX_METADATA_BYTES), where)
+
+
+class CheckpointShards:
+    """The sharded tensors of `checkpoint` (restore.ShardedSource): its DCP metadata (read once,
+    checked against the manifest, JSON), and its shard files opened through `open_file` (listed
+    in the manifest, size and header checked, hashed while read when the load verifies)."""
+
+    def __init__(self, loc: Location, checkpoint: Checkpoint, open_file: Callable) -> None:
+        self.loc, self.checkpoint, self.open_file = loc, checkpoint, open_file
+        self._metadata = None
+
+    @property
+    def metadata(self):
+        if self._metadata is None:
+            data = read_listed(self.loc, self.checkpoint.ref, self.checkpoint.manifest, METADATA_FILE, MAX_METADATA_BYTES)
+            self._metadata = metadata_from_json(data, self.loc.url_of(f"{self.checkpoint.ref.path}/{METADATA_FILE}"))
+        return self._metadata
+
+    def check(self, dest: Mapping[str, Any]) -> list[str]:
+        return check_fit(self.metadata, dest, self.checkpoint.ref.url)
+
+    def load(self, stack: ExitStack, dest: Mapping[str, Any]) -> None:
+        load_shards(self.metadata, dest, opened_once(self.open_file, stack))
 
 
 def open_checkpoint(loc: Location, ref: CheckpointRef) -> Checkpoint:
@@ -212,5 +249,6 @@ def restore(loc: Location, checkpoint: Checkpoint, targets: Mapping[str, Any], *
             raise CheckpointCorrupt(f"{ref.url} is corrupt, found while loading it:\n  " + "\n  ".join(problems))
 
     restore_parts(checkpoint.state if state is None else state, targets, skip, open_file,
-                  where=f"checkpoint {ref.url}", check_streamed=check_streamed if hashing else None)
+                  where=f"checkpoint {ref.url}", check_streamed=check_streamed if hashing else None,
+                  sharded=CheckpointShards(loc, checkpoint, open_file) if METADATA_FILE in records else None)
     return (checkpoint.state if state is None else state)["meta"]

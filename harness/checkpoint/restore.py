@@ -24,12 +24,15 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import DROP, KeyPath, decode, path_str, tensor_refs, tensor_view
+from harness.checkpoint.sharded import SHARDED
 from harness.checkpoint.tensorfile import TensorEntry, describe, read_tensor
 
 # (file handle, header entries, name for messages) of one tensor file of the checkpoint.
@@ -42,7 +45,7 @@ class _Slot:
     part: str
     path: KeyPath
     file: str
-    entry: TensorEntry
+    entry: TensorEntry | None  # None for a sharded tensor (read by DCP)
     live: torch.Tensor | None
     value: torch.Tensor | None = None
 
@@ -64,11 +67,25 @@ def _live_tensors(node: Any, path: KeyPath, out: dict[KeyPath, torch.Tensor], di
             _live_tensors(v, path + (i,), out, dicts)
 
 
+class ShardedSource(Protocol):
+    """The sharded tensors of a checkpoint (state.json references into `sharded.SHARDED`), read
+    through DCP into live tensors of any sharding (loading.py builds it)."""
+
+    def check(self, dest: Mapping[str, torch.Tensor]) -> list[str]:
+        """Every way the live tensors (name -> tensor) do not fit the stored ones."""
+
+    def load(self, stack: ExitStack, dest: Mapping[str, torch.Tensor]) -> None:
+        """Fill the live tensors in place (a collective when there is a process group)."""
+
+
 def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], open_tensors: OpenTensors,
-                  where: str, check_streamed: Callable[[], None] | None = None) -> None:
+                  where: str, check_streamed: Callable[[], None] | None = None,
+                  sharded: ShardedSource | None = None) -> None:
     """Load `doc` (a parsed state.json) into `targets`; see the module docstring.
     `check_streamed` runs after step 3 with the files still open, and before a fit problem of
-    step 2 is raised; what it raises stops the load before any `load_state_dict`."""
+    step 2 is raised; what it raises stops the load before any `load_state_dict`. `sharded`:
+    where the tensors of sharded parts come from (step 3 reads them into their live tensors,
+    which must exist: a sharded load has no "read into a new tensor")."""
     stored: dict[str, Any] = doc["parts"]
     missing = [p for p in targets if p not in stored and p not in skip]
     unexpected = [p for p in stored if p not in targets and p not in skip]
@@ -85,10 +102,15 @@ def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], 
         files: dict[str, tuple[Any, dict[str, TensorEntry], str]] = {}
         slots: dict[str, dict[KeyPath, _Slot]] = {}
         kept: dict[str, dict[KeyPath, torch.Tensor]] = {}
+        shard_dest: dict[str, torch.Tensor] = {}
         problems: list[str] = []
         for part in parts:
             slots[part], kept[part] = _plan(part, stored[part], targets[part], skip, files,
-                                            lambda f: open_tensors(stack, f), problems)
+                                            lambda f: open_tensors(stack, f), problems, shard_dest)
+        if shard_dest:
+            problems += sharded.check(shard_dest) if sharded is not None else [
+                f"state.json refers to sharded tensors ({next(iter(shard_dest))!r}, ...) but there is no sharded state "
+                f"to read them from (corrupt checkpoint)"]
         if problems:
             if check_streamed is not None:
                 check_streamed()  # damage first: a damaged header can read as another shape
@@ -107,11 +129,27 @@ def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], 
                 if slot.entry.name in read:
                     slot.value = _tie(slot.live, read[slot.entry.name])
                 else:
-                    slot.value = read[slot.entry.name] = read_tensor(f, slot.entry, fwhere, out=slot.live)
+                    slot.value = read[slot.entry.name] = _read_into(f, slot.entry, fwhere, slot.live)
+        if shard_dest:
+            sharded.load(stack, shard_dest)
         if check_streamed is not None:
             check_streamed()
     for part in parts:
         _load_part(part, stored[part], targets[part], slots[part], kept[part], where)
+
+
+def _read_into(f: Any, entry: TensorEntry, where: str, live: torch.Tensor | None) -> torch.Tensor:
+    """Read one stored tensor into `live` (or a new tensor). A sharded live tensor (FSDP) loading
+    an unsharded checkpoint (DDP, one process) takes its own shard of the whole tensor read."""
+    if not isinstance(live, DTensor):
+        return read_tensor(f, entry, where, out=live)
+    whole = read_tensor(f, entry, where)
+    shape, offset = compute_local_shape_and_global_offset(whole.shape, live.device_mesh, live.placements)
+    for dim, (start, length) in enumerate(zip(offset, shape)):
+        whole = whole.narrow(dim, start, length)
+    with torch.no_grad():
+        live.to_local().copy_(whole)
+    return live
 
 
 def _tie(live: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
@@ -126,7 +164,7 @@ def _tie(live: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(part: str, tree: Any, target: Any, skip: Collection[str], files: dict, open_file: Callable,
-          problems: list[str]) -> tuple[dict[KeyPath, _Slot], dict[KeyPath, torch.Tensor]]:
+          problems: list[str], shard_dest: dict[str, torch.Tensor]) -> tuple[dict[KeyPath, _Slot], dict[KeyPath, torch.Tensor]]:
     live: dict[KeyPath, torch.Tensor] = {}
     tensor_dicts: set[KeyPath] = set()
     _live_tensors(target.state_dict(), (), live, tensor_dicts)
@@ -144,6 +182,14 @@ def _plan(part: str, tree: Any, target: Any, skip: Collection[str], files: dict,
             continue
         if path not in live and path[:-1] in tensor_dicts:
             problems.append(f"{label}: in the checkpoint but not in the live state")
+            continue
+        if file == SHARDED:  # read through DCP, straight into the live tensor (any sharding)
+            t = live.get(path)
+            if t is None:
+                problems.append(f"{label}: sharded in the checkpoint, and the live state has no tensor to load it into")
+            else:
+                shard_dest.setdefault(name, t)
+                slots[path] = _Slot(part, path, file, None, t, t)
             continue
         if file not in files:
             files[file] = open_file(file)

@@ -45,7 +45,8 @@ class Saver:
     """Snapshot-and-commit in the caller's thread, through `commit`.
 
     `rank`: this process's rank; `per_rank`: the parts each rank saves for itself (the
-    snapshot's per-rank files, harness/state.py). `on_commit(Committed)` runs after each commit.
+    snapshot's per-rank files, harness/state.py); `sharded`: the parts every rank writes its
+    shards of (FSDP; checkpoint/sharded.py). `on_commit(Committed)` runs after each commit.
     `last_committed`: the newest step committed in the run dir as far as this saver knows (what
     a failed save leaves, in its error).
     """
@@ -53,9 +54,10 @@ class Saver:
     background = False
 
     def __init__(self, commit: Committer, *, rank: int = 0, per_rank: Collection[str] = (),
-                 on_commit: Callable[[Committed], None] | None = None, last_committed: int | None = None) -> None:
+                 sharded: Collection[str] = (), on_commit: Callable[[Committed], None] | None = None, last_committed: int | None = None) -> None:
         self.commit, self.rank, self.per_rank, self.on_commit = commit, rank, frozenset(per_rank), on_commit
         self.last_committed = last_committed
+        self.sharded = frozenset(sharded)
 
     def submit(self, step: int, parts: Mapping[str, Any], *, meta: Mapping[str, Any] | None = None,
                must: bool = False) -> Submitted | None:
@@ -63,7 +65,7 @@ class Saver:
         committed locally, uploading). A storage error a person must fix is a `CheckpointError`
         saying what is still committed (`failed_save`)."""
         t0 = time.perf_counter()
-        snapshot = capture(parts, rank=self.rank, per_rank=self.per_rank)
+        snapshot = capture(parts, rank=self.rank, per_rank=self.per_rank, sharded=self.sharded)
         try:
             ref = self.commit(step, snapshot, meta=meta)
         except OSError as e:
@@ -89,7 +91,8 @@ class Saver:
 
 def open_saver(store: CheckpointStore, *, background: bool, local_dir: str | None = None,
                when_busy: Literal["wait", "skip"] = "wait", save_deadline_s: float | None = None,
-               per_rank: Collection[str] = (), on_commit: Callable[[Committed], None] | None = None,
+               per_rank: Collection[str] = (), sharded: Collection[str] = (),
+               on_commit: Callable[[Committed], None] | None = None,
                on_slow: Callable[[int, float], None] | None = None, persist_delay_s: float = 0.0,
                fail_rank: int | None = None, fail_step: int | None = None,
                last_committed: int | None = None) -> Saver:
@@ -107,7 +110,7 @@ def open_saver(store: CheckpointStore, *, background: bool, local_dir: str | Non
         commit = LocalFirst(store, local_dir)
     else:
         commit = Committer(store)
-    common = dict(rank=distributed.rank(), per_rank=per_rank, on_commit=on_commit, last_committed=last_committed)
+    common = dict(rank=distributed.rank(), per_rank=per_rank, sharded=sharded, on_commit=on_commit, last_committed=last_committed)
     if not background:
         return Saver(commit, **common)
     return AsyncSaver(commit, when_busy=when_busy, persist_delay_s=persist_delay_s, save_deadline_s=save_deadline_s,

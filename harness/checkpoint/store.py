@@ -50,6 +50,7 @@ from harness.checkpoint.lease import DEFAULT_HEARTBEAT_S, Lease
 from harness.checkpoint.loading import (Checkpoint, Verify, open_checkpoint, open_tensors, read_manifest,
                                         read_state_file, restore, verify_files)
 from harness.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest
+from harness.checkpoint.sharded import SHARDED
 from harness.checkpoint.retention import check_policy, steps_to_keep
 from harness.checkpoint.location import Location, fsync_dir, open_location, rename, write_small, write_stream
 from harness.checkpoint.tensorfile import TensorEntry, serialize
@@ -185,6 +186,10 @@ class CheckpointStore:
         committed at `step` is replaced (its manifest is removed first). Raises `CheckpointError`
         if this store held the lease and lost it.
         """
+        if SHARDED in snapshot.tensors:
+            raise CheckpointError("a snapshot with sharded parts (FSDP) is committed by every rank of its group "
+                                  "(distributed_commit.GroupCommit), not by one process")
+
         def write(ref: CheckpointRef, work: str) -> list[FileRecord]:
             records = [self.write_file(work, ref, file, serialize(tensors, f"{ref.url}/{file}"))
                        for file, tensors in sorted(snapshot.tensors.items())]

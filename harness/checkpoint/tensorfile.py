@@ -26,7 +26,7 @@ import json
 import math
 import struct
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -78,25 +78,34 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def serialize(tensors: Mapping[str, torch.Tensor], where: str) -> Iterator[memoryview | bytes]:
     """The file's bytes in order: header, then each tensor (sorted by name), one at a time."""
-    offset = 0
-    header: dict[str, dict] = {}
-    names = sorted(tensors)
-    for name in names:
-        t = tensors[name]
+    for name, t in tensors.items():
         if t.layout != torch.strided or t.dtype not in CODES:
             raise CheckpointError(
                 f"{where}: tensor {name!r} is {t.dtype} ({t.layout}); checkpoints store dense tensors "
                 f"of {', '.join(sorted(str(d).removeprefix('torch.') for d in CODES))}: convert it in state_dict()"
             )
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": CODES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+    yield from stream({name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}, tensors.__getitem__)
+
+
+def stream(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+           produce: Callable[[str], torch.Tensor]) -> Iterator[memoryview | bytes]:
+    """A file of the tensors `specs` describes (name -> (dtype, shape)): the header, then each
+    tensor's bytes, asking `produce(name)` for one tensor at a time in name order, so a file can
+    be written from tensors that are built one by one (ckpt consolidate) and never all held."""
+    offset = 0
+    header: dict[str, dict] = {}
+    names = sorted(specs)
+    for name in names:
+        dtype, shape = specs[name]
+        n = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     yield struct.pack("<Q", len(raw)) + raw
     for name in names:
-        if tensors[name].numel():
-            yield tensor_bytes(tensors[name])
+        if math.prod(specs[name][1]):
+            yield tensor_bytes(produce(name))
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:

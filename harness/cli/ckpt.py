@@ -1,10 +1,11 @@
-"""`harness ckpt ls|verify|show|diff|gc`: look at, check and prune checkpoints from the shell.
+"""`harness ckpt ls|verify|show|diff|consolidate|gc`: look at, check, export and prune checkpoints from the shell.
 
 Every command takes local paths or fsspec URLs, and `-o KEY=VALUE` (repeatable) for the
 storage options a run's `checkpoint.storage_options` holds, e.g. `-o endpoint_url=http://minio:9000`
 or `-o retry.deadline_s=30`. A checkpoint is named by its folder
 (`RUN_DIR/checkpoints/step-00001200`); `verify` also takes a run dir and checks every
-checkpoint in it. `gc` applies the run's own retention policy (`checkpoint.keep_last` /
+checkpoint in it. `consolidate` writes a checkpoint's model, whole, as `DIR/model.safetensors`
+(checkpoint/consolidate.py; sharded or not). `gc` applies the run's own retention policy (`checkpoint.keep_last` /
 `keep_every` from its run.json; `--keep-last` / `--keep-every` override), never removes the
 newest checkpoint that verifies, removes no committed checkpoint while none verifies, and with
 `--dry-run` only lists what it would remove. Exit codes: 0 good/equal, 1 a verification failure
@@ -18,6 +19,7 @@ import argparse
 import json
 import time
 
+from harness.checkpoint.consolidate import consolidate
 from harness.checkpoint.diff import diff_checkpoints
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import tensor_refs
@@ -141,6 +143,13 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 0 if equal else 1
 
 
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    store, ref = _checkpoint(args.checkpoint, storage_options_of(args))
+    url, size = consolidate(store, ref, args.out, storage_options_of(args))
+    print(f"wrote {url} ({_size(size)}): the model of step {ref.step}, whole")
+    return 0
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     """Retention by the run's own policy (run.json), never removing the newest good checkpoint,
     nor any committed one while none verifies (they are the evidence of what went wrong)."""
@@ -212,6 +221,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("a", metavar="CKPT_A", help="a checkpoint folder, RUN_DIR/checkpoints/step-NNNNNNNN")
     p.add_argument("b", metavar="CKPT_B", help="the checkpoint folder to compare it with")
     p.set_defaults(func=cmd_diff)
+    p = commands.add_parser("consolidate", parents=[storage], help="write a checkpoint's model, whole, as one plain "
+                            "safetensors file (any world size or sharding; streamed one tensor at a time)")
+    p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder, RUN_DIR/checkpoints/step-NNNNNNNN")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder (path or URL) model.safetensors goes into")
+    p.set_defaults(func=cmd_consolidate)
     p = commands.add_parser("gc", parents=[storage], help="apply the run's retention policy and remove leftovers of dead writers; "
                             "never removes the newest good checkpoint")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run dir (path or URL) given to `harness train`")

@@ -50,6 +50,7 @@ class Loop:
         # Every save goes through this one saver (sync or async; group, local-first or direct).
         self.saver = open_saver(store, background=c.async_save, local_dir=c.local_dir, when_busy=c.when_busy,
                                 save_deadline_s=c.save_deadline_s, per_rank=trainer.state.per_rank,
+                                sharded=trainer.state.sharded,
                                 on_commit=self.committed, on_slow=self.slow_save,
                                 persist_delay_s=cfg.debug.persist_delay_s, fail_rank=cfg.debug.fail_save_rank,
                                 fail_step=cfg.debug.fail_save_step, last_committed=last_committed)

@@ -16,6 +16,7 @@ from typing import Any
 from harness import distributed
 from harness.checkpoint import CheckpointCorrupt, CheckpointRef, CheckpointStore, Verify
 from harness.checkpoint.distributed_commit import load_checkpoint
+from harness.checkpoint.sharded import METADATA_FILE
 from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR, folder_name, skipped
 from harness.config import RunConfig, config_changes
 from harness.data.sources import identity_changes, open_data
@@ -59,6 +60,8 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             restore_s += time.perf_counter() - t0
             trainer = Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data)
             t0 = time.perf_counter()
+            if trainer.sharded or METADATA_FILE in checkpoint.records:
+                trainer.materialize_optimizer_state()  # read into live tensors of the right sharding
             load_checkpoint(source, checkpoint, trainer.state.parts(), verify=verify,
                             kept_on_new_rank=trainer.state.kept_on_new_rank)
             resized = after_load(saved["meta"], cfg, ref.step)

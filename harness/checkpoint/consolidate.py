@@ -1,0 +1,114 @@
+"""`harness ckpt consolidate CKPT --out DIR`: a checkpoint's model as one plain safetensors file.
+
+For evaluation and inference: `DIR/model.safetensors` holds every tensor of the `model` part
+under its state-dict name (`blocks.0.attn.qkv.weight`), whole, whatever the world size and
+sharding the checkpoint was written with, readable by the safetensors library and
+`model.load_state_dict`. The checkpoint is verified first (every file against the manifest).
+
+Streaming: the header is written from the shapes alone, then one full tensor at a time is
+assembled from its stored chunks (a sharded checkpoint: the DCP metadata says which chunk lies
+where, checkpoint/sharded.py) and written; peak memory is the largest tensor, never the model.
+An unsharded checkpoint's tensors are read one at a time from its `model.safetensors` likewise.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+
+import torch
+
+from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from harness.checkpoint.format import tensor_refs
+from harness.checkpoint.loading import open_tensors, read_listed
+from harness.checkpoint.location import open_location, write_stream
+from harness.checkpoint.sharded import MAX_METADATA_BYTES, METADATA_FILE, SHARDED, metadata_from_json
+from harness.checkpoint.store import CheckpointRef, CheckpointStore
+from harness.checkpoint.tensorfile import read_tensor, stream
+
+MODEL_PART = "model"
+MODEL_FILE = "model.safetensors"
+
+
+def consolidate(store: CheckpointStore, ref: CheckpointRef, out: str, storage_options: dict | None = None) -> tuple[str, int]:
+    """Write `ref`'s model part to `out/model.safetensors` (a local folder or URL); returns (its
+    URL, bytes). Raises `CheckpointCorrupt` for a damaged checkpoint, `CheckpointError` for one
+    without a model part."""
+    problems = store.verify(ref)
+    if problems:
+        raise CheckpointCorrupt(f"{ref.url} fails verification, nothing written: {problems[0]}")
+    checkpoint = store.open(ref)
+    tree = checkpoint.state["parts"].get(MODEL_PART)
+    if tree is None:
+        raise CheckpointError(f"{ref.url} has no {MODEL_PART!r} part to consolidate")
+    refs = {".".join(map(str, path)): where for path, where in tensor_refs(tree).items()}
+    records = checkpoint.records
+    dest = open_location(out, storage_options)
+    dest.fs.makedirs(dest.root, exist_ok=True)
+    with ExitStack() as stack:
+        opened: dict[str, tuple] = {}
+
+        def file(name: str) -> tuple:
+            if name not in records:
+                raise CheckpointCorrupt(f"{ref.url}: state.json refers to {name!r}, which the manifest does not list")
+            if name not in opened:
+                opened[name] = open_tensors(store.loc, stack, ref, records[name])
+            return opened[name]
+
+        if any(f == SHARDED for f, _ in refs.values()):
+            specs, produce = _sharded(store, checkpoint, refs, file)
+        else:
+            specs, produce = _unsharded(refs, file)
+        path = f"{dest.root}/{MODEL_FILE}"
+        size, _ = write_stream(dest, path, stream(specs, produce))
+    return dest.url_of(path), size
+
+
+def _unsharded(refs: dict, file):
+    def entry(name: str):
+        f, entries, where = file(refs[name][0])
+        if refs[name][1] not in entries:
+            raise CheckpointCorrupt(f"{where}: has no tensor {refs[name][1]!r}")
+        return f, entries[refs[name][1]], where
+
+    specs = {name: (entry(name)[1].dtype, entry(name)[1].shape) for name in refs}
+    return specs, lambda name: read_tensor(*entry(name))
+
+
+def _sharded(store: CheckpointStore, checkpoint, refs: dict, file):
+    meta_bytes = read_listed(store.loc, checkpoint.ref, checkpoint.manifest, METADATA_FILE, MAX_METADATA_BYTES)
+    metadata = metadata_from_json(meta_bytes, f"{checkpoint.ref.url}/{METADATA_FILE}")
+    chunks: dict[str, list] = {}
+    for index, location in metadata.storage_data.items():
+        chunks.setdefault(index.fqn, []).append((tuple(index.offset), location))
+
+    def stored(name: str):
+        fqn = refs[name][1]
+        meta = metadata.state_dict_metadata.get(fqn)
+        if meta is None:
+            raise CheckpointCorrupt(f"{checkpoint.ref.url}: the DCP metadata has no tensor {fqn!r}")
+        return fqn, meta
+
+    def produce(name: str) -> torch.Tensor:
+        fqn, meta = stored(name)
+        full = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        covered = 0
+        for offsets, location in sorted(chunks.get(fqn, [])):
+            f, entries, where = file(location.file)
+            entry = entries.get(location.tensor)
+            if entry is None:
+                raise CheckpointCorrupt(f"{where}: has no tensor {location.tensor!r}")
+            view = full
+            for dim, (start, length) in enumerate(zip(offsets, entry.shape)):
+                view = view.narrow(dim, start, length)
+            read_tensor(f, entry, where, out=view)  # straight into the full tensor (a copy when not contiguous)
+            covered += view.numel()
+        if covered != full.numel():
+            raise CheckpointCorrupt(f"{checkpoint.ref.url}: the stored chunks of {fqn!r} hold {covered} of its "
+                                    f"{full.numel()} elements")
+        return full
+
+    specs = {}
+    for name in refs:
+        _, meta = stored(name)
+        specs[name] = (meta.properties.dtype, tuple(meta.size))
+    return specs, produce
