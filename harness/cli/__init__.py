@@ -6,7 +6,9 @@ except the torture sweep's check of what `harness ckpt verify` says (harness.tor
 Every command module exposes `register(subparsers)`, which adds its parser and sets
 `func(args) -> int` (the exit code); arguments several commands share are declared once, in
 `harness.cli.args`. Command modules are imported only after `numerics.prepare_environment()`,
-so the reproducibility settings that must precede torch's import hold for every command.
+so the reproducibility settings that must precede torch's import hold for every command. A
+command line that names its command imports that command's module only: `harness status`
+and `harness report` start without torch (a second, not three CPU-seconds of imports).
 
 A `UserError` anywhere becomes one line on stderr and exit code 2, an `Unavailable` (storage
 outage past its retry deadline) one line and exit code 69; anything else is a bug and keeps its
@@ -48,14 +50,30 @@ LOG_LEVELS = ["debug", "info", "warning", "error"]
 BROKEN_PIPE_EXIT_CODE = 141
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser for `argv`: every command's, or only the one `argv` names (its module alone is
+    imported); without `argv`, or when it names no known command (help, a typo), all of them."""
     parser = argparse.ArgumentParser(prog="harness", description=__doc__.splitlines()[0])
     parser.add_argument("--log-level", default="info", choices=LOG_LEVELS)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    named = _command_module(argv) if argv is not None else None
+    for name in [named] if named else COMMAND_MODULES:
         importlib.import_module(name).register(commands)
     _accept_log_level_after_commands(commands)
     return parser
+
+
+def _command_module(argv: list[str]) -> str | None:
+    """The module of the command `argv` names (its first word that is not an option), or None.
+    A module's command is its name with "-" for "_" (harness.cli.verify_resume: verify-resume)."""
+    words = iter(argv)
+    for word in words:
+        if word == "--log-level":
+            next(words, None)
+        elif not word.startswith("-"):
+            by_command = {m.rsplit(".", 1)[1].replace("_", "-"): m for m in COMMAND_MODULES}
+            return by_command.get(word)
+    return None
 
 
 def _accept_log_level_after_commands(commands: argparse._SubParsersAction) -> None:
@@ -71,8 +89,8 @@ def _accept_log_level_after_commands(commands: argparse._SubParsersAction) -> No
 
 def main(argv: list[str] | None = None) -> int:
     numerics.prepare_environment()  # before a command module imports torch
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     configure(args.log_level)
     code = run_command(args)
     exit_codes.record(code)

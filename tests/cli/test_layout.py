@@ -41,3 +41,26 @@ def test_the_cli_is_imported_before_torch():
 def test_python_dash_m_harness_runs_the_cli():
     proc = subprocess.run([sys.executable, "-m", "harness", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "verify-resume" in proc.stdout
+
+
+def test_each_command_module_registers_the_command_its_name_names():
+    """What lets a command line import its command's module alone (harness.cli._command_module)."""
+    import argparse
+    import importlib
+
+    from harness.cli import COMMAND_MODULES, _command_module
+
+    for module in COMMAND_MODULES:
+        commands = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(module).register(commands)
+        (command,) = commands.choices
+        assert _command_module(["--log-level", "debug", command, "x"]) == module
+
+
+def test_status_and_report_start_without_torch(tmp_path):
+    """A run's screen is read without importing torch (seconds of CPU on a busy machine)."""
+    probe = ("import sys; from harness.cli import main; code = main(sys.argv[1:]); "
+             "print('torch' in sys.modules, code, file=sys.stderr)")
+    for command in ("status", "report"):
+        proc = subprocess.run([sys.executable, "-c", probe, command, str(tmp_path)], capture_output=True, text=True)
+        assert proc.stderr.strip().endswith("False 2"), proc.stderr
