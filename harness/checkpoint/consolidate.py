@@ -84,6 +84,7 @@ def whole_tensors(store: CheckpointStore, checkpoint: Checkpoint,
         else:
             yield _unsharded(refs, file)
 
+
 def _unsharded(refs: dict, file):
     def entry(name: str):
         f, entries, where = file(refs[name][0])
