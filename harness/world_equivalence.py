@@ -10,9 +10,13 @@ change of world size:
    world size): must be identical at every step;
 2. the loss of every step: max |A - B| / max(1, |A|) must be within the tolerance;
 3. the final checkpoints: every model and optimizer tensor within the tolerance (max |A - B|),
-   everything else equal (data cursor, schedulers, step and token counters), except what a
-   change of world size changes on purpose: the random streams (restarted for the new world
-   size), and the loss digest and fingerprint history (they hash the losses bit for bit);
+   compared whole (assembled from its shards under FSDP, checkpoint/diff.py `whole`), so the
+   two may have been written by different world sizes or strategies; everything else equal
+   (data cursor, schedulers, step and token counters), except what a change of world size
+   changes on purpose: the random streams (restarted for the new world size), the loss digest
+   and fingerprint history (they hash the losses bit for bit; fingerprints hash a rank's own
+   shards), the per-rank files of ranks one run has and the other lacks, and the saved meta
+   (world size, environment fingerprint: never compared);
 4. that B did change its world size: a `world_size_changed` event for each change it was asked
    for (a kill before the first checkpoint would restart from step 0 and test nothing).
 The tolerance is float rounding of the changed reduction order (default 1e-4; measured on the
@@ -157,7 +161,7 @@ def compare_worlds(a: Path, b: Path, steps: int, sizes: list[int], points: list[
         if math.isnan(dev) or dev > verdict.loss_dev:
             verdict.loss_dev, verdict.loss_step = (math.inf if math.isnan(dev) else dev), step
     store_a, store_b = CheckpointStore(str(a)), CheckpointStore(str(b))
-    final = compare_checkpoints((store_a, store_a.ref(steps)), (store_b, store_b.ref(steps)))
+    final = compare_checkpoints((store_a, store_a.ref(steps)), (store_b, store_b.ref(steps)), whole=NUMERIC_PARTS)
     verdict.state_dev = {part: 0.0 for part in NUMERIC_PARTS}
     for d in final.differences:
         if d.part in NUMERIC_PARTS and d.max_abs is not None:

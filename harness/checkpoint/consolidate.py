@@ -9,17 +9,20 @@ Streaming: the header is written from the shapes alone, then one full tensor at 
 assembled from its stored chunks (a sharded checkpoint: the DCP metadata says which chunk lies
 where, checkpoint/sharded.py) and written; peak memory is the largest tensor, never the model.
 An unsharded checkpoint's tensors are read one at a time from its `model.safetensors` likewise.
+`whole_tensors` is that reading for any part (verify-resume compares the optimizer state whole too).
 """
 
 from __future__ import annotations
 
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import NamedTuple
 
 import torch
 
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.format import tensor_refs
-from harness.checkpoint.loading import open_tensors, read_listed
+from harness.checkpoint.loading import Checkpoint, open_tensors, read_listed
 from harness.checkpoint.location import open_location, write_stream
 from harness.checkpoint.sharded import MAX_METADATA_BYTES, METADATA_FILE, SHARDED, metadata_from_json
 from harness.checkpoint.store import CheckpointRef, CheckpointStore
@@ -36,14 +39,36 @@ def consolidate(store: CheckpointStore, ref: CheckpointRef, out: str, storage_op
     problems = store.verify(ref)
     if problems:
         raise CheckpointCorrupt(f"{ref.url} fails verification, nothing written: {problems[0]}")
-    checkpoint = store.open(ref)
-    tree = checkpoint.state["parts"].get(MODEL_PART)
+    with whole_tensors(store, store.open(ref), MODEL_PART) as (specs, produce):
+        dest = open_location(out, storage_options)
+        dest.fs.makedirs(dest.root, exist_ok=True)
+        path = f"{dest.root}/{MODEL_FILE}"
+        size, _ = write_stream(dest, path, stream(specs, produce))
+    return dest.url_of(path), size
+
+
+class Whole(NamedTuple):
+    """A tensor's dtype and full (unsharded) shape."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@contextmanager
+def whole_tensors(store: CheckpointStore, checkpoint: Checkpoint,
+                  part: str) -> Iterator[tuple[dict[str, Whole], Callable[[str], torch.Tensor]]]:
+    """Every tensor of `part` in `checkpoint` (opened: `store.open`), whole, whatever the world
+    size and sharding it was written with: (name -> Whole, produce(name) -> the full tensor, one
+    per call, assembled from its stored chunks). Names are the key paths joined by "/" (a
+    model's state-dict names). The files are open while the context lasts; nothing is verified
+    here. Raises `CheckpointError` when the checkpoint has no such part, `CheckpointCorrupt` when
+    a reference or chunk is missing."""
+    ref = checkpoint.ref
+    tree = checkpoint.state["parts"].get(part)
     if tree is None:
-        raise CheckpointError(f"{ref.url} has no {MODEL_PART!r} part to consolidate")
-    refs = {".".join(map(str, path)): where for path, where in tensor_refs(tree).items()}
+        raise CheckpointError(f"{ref.url} has no {part!r} part")
+    refs = {"/".join(map(str, path)): where for path, where in tensor_refs(tree).items()}
     records = checkpoint.records
-    dest = open_location(out, storage_options)
-    dest.fs.makedirs(dest.root, exist_ok=True)
     with ExitStack() as stack:
         opened: dict[str, tuple] = {}
 
@@ -55,12 +80,9 @@ def consolidate(store: CheckpointStore, ref: CheckpointRef, out: str, storage_op
             return opened[name]
 
         if any(f == SHARDED for f, _ in refs.values()):
-            specs, produce = _sharded(store, checkpoint, refs, file)
+            yield _sharded(store, checkpoint, refs, file)
         else:
-            specs, produce = _unsharded(refs, file)
-        path = f"{dest.root}/{MODEL_FILE}"
-        size, _ = write_stream(dest, path, stream(specs, produce))
-    return dest.url_of(path), size
+            yield _unsharded(refs, file)
 
 
 def _unsharded(refs: dict, file):
@@ -70,7 +92,7 @@ def _unsharded(refs: dict, file):
             raise CheckpointCorrupt(f"{where}: has no tensor {refs[name][1]!r}")
         return f, entries[refs[name][1]], where
 
-    specs = {name: (entry(name)[1].dtype, entry(name)[1].shape) for name in refs}
+    specs = {name: Whole(entry(name)[1].dtype, entry(name)[1].shape) for name in refs}
     return specs, lambda name: read_tensor(*entry(name))
 
 
@@ -110,5 +132,5 @@ def _sharded(store: CheckpointStore, checkpoint, refs: dict, file):
     specs = {}
     for name in refs:
         _, meta = stored(name)
-        specs[name] = (meta.properties.dtype, tuple(meta.size))
+        specs[name] = Whole(meta.properties.dtype, tuple(meta.size))
     return specs, produce

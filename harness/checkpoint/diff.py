@@ -10,12 +10,13 @@ comparing needs memory for the two largest tensors only.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from harness.checkpoint.consolidate import Whole, whole_tensors
 from harness.checkpoint.store import CheckpointRef, CheckpointStore
 from harness.checkpoint.tensorfile import TensorEntry, read_tensor
 
@@ -50,8 +51,13 @@ def diff_checkpoints(a: tuple[CheckpointStore, CheckpointRef], b: tuple[Checkpoi
     return result.lines, result.equal
 
 
-def compare_checkpoints(a: tuple[CheckpointStore, CheckpointRef], b: tuple[CheckpointStore, CheckpointRef]) -> CheckpointDiff:
-    """Every difference between checkpoints `a` and `b`, with report lines (JSON ones capped)."""
+def compare_checkpoints(a: tuple[CheckpointStore, CheckpointRef], b: tuple[CheckpointStore, CheckpointRef],
+                        whole: Collection[str] = ()) -> CheckpointDiff:
+    """Every difference between checkpoints `a` and `b`, with report lines (JSON ones capped).
+    The tensors of the parts named in `whole` are compared as whole tensors by name, assembled
+    from however each checkpoint stores them (consolidate.whole_tensors): a sharded checkpoint
+    and an unsharded one of the same state are equal there, whatever world sizes wrote them.
+    Every other tensor is compared file by file, as stored."""
     (store_a, ref_a), (store_b, ref_b) = a, b
     state_a, state_b = store_a.read_state(ref_a), store_b.read_state(ref_b)
     result = CheckpointDiff()
@@ -68,29 +74,46 @@ def compare_checkpoints(a: tuple[CheckpointStore, CheckpointRef], b: tuple[Check
     with store_a.open_tensor_files(ref_a) as files_a, store_b.open_tensor_files(ref_b) as files_b:
         for file in sorted(set(files_a) | set(files_b)):
             if file not in files_a or file not in files_b:
-                line = f"{file}: only in {'A' if file in files_a else 'B'}"
+                (_, entries, _), side = (files_a[file], "A") if file in files_a else (files_b[file], "B")
+                if entries and all(_part_of(file, name) in whole for name in entries):
+                    continue  # its tensors are compared whole, below
+                line = f"{file}: only in {side}"
                 lines.append(line)
                 result.differences.append(Difference(file.split(".", 1)[0], file, line))
                 continue
             (fa, ea, wa), (fb, eb, wb) = files_a[file], files_b[file]
-            for name in sorted(set(ea) | set(eb)):
-                found = _tensor_diff(file, name, ea.get(name), eb.get(name), lambda e: read_tensor(fa, e, wa),
-                                     lambda e: read_tensor(fb, e, wb))
-                if found:
-                    lines.append(found.line)
-                    result.differences.append(found)
+            for name in sorted(n for n in set(ea) | set(eb) if _part_of(file, n) not in whole):
+                _add(result, _tensor_diff(_part_of(file, name), f"{file}:{name}", ea.get(name), eb.get(name),
+                                          lambda e: read_tensor(fa, e, wa), lambda e: read_tensor(fb, e, wb)))
+    for part in whole:
+        if part not in state_a["parts"] or part not in state_b["parts"]:
+            continue  # the JSON comparison named it
+        with whole_tensors(store_a, store_a.open(ref_a), part) as (specs_a, read_a), \
+                whole_tensors(store_b, store_b.open(ref_b), part) as (specs_b, read_b):
+            for name in sorted(set(specs_a) | set(specs_b)):
+                _add(result, _tensor_diff(part, f"{part} (whole):{name}", specs_a.get(name), specs_b.get(name),
+                                          lambda _: read_a(name), lambda _: read_b(name)))
     return result
 
 
-def _tensor_diff(file: str, name: str, ea: TensorEntry | None, eb: TensorEntry | None, read_a,
+def _add(result: CheckpointDiff, found: Difference | None) -> None:
+    if found:
+        result.lines.append(found.line)
+        result.differences.append(found)
+
+
+def _part_of(file: str, name: str) -> str:
+    """The part a stored tensor belongs to: rank and shard files hold several parts, each tensor
+    named `part/...`; every other file is one part."""
+    return name.split("/", 1)[0] if file.startswith(("rank-", "shards-")) else file.split(".", 1)[0]
+
+
+def _tensor_diff(part: str, label: str, ea: TensorEntry | Whole | None, eb: TensorEntry | Whole | None, read_a,
                  read_b) -> Difference | None:
-    label = f"{file}:{name}"
-    # Rank and shard files hold several parts, each tensor named `part/...`; other files are one part each.
-    part = name.split("/", 1)[0] if file.startswith(("rank-", "shards-")) else file.split(".", 1)[0]
     if ea is None or eb is None:
         return Difference(part, label, f"{label}: only in {'A' if eb is None else 'B'}")
     if ea.dtype != eb.dtype or ea.shape != eb.shape:
-        return Difference(part, label, f"{label}: A is {ea.describe()}, B is {eb.describe()}")
+        return Difference(part, label, f"{label}: A is {_describe(ea)}, B is {_describe(eb)}")
     ta, tb = read_a(ea).reshape(-1), read_b(eb).reshape(-1)
     bits = _BITS[ta.element_size()]
     differ = ta.view(bits) != tb.view(bits)
@@ -104,6 +127,10 @@ def _tensor_diff(file: str, name: str, ea: TensorEntry | None, eb: TensorEntry |
     max_abs = float(delta[~torch.isnan(delta)].max()) if not bool(torch.isnan(delta).all()) else float("nan")
     return Difference(part, label, f"{label}: {count}/{ta.numel()} elements differ, max abs difference {max_abs:.6g}, "
                       f"first at {[int(i) for i in index]}: A={ta[first].item()!r} B={tb[first].item()!r}", max_abs)
+
+
+def _describe(e: TensorEntry | Whole) -> str:
+    return f"{str(e.dtype).removeprefix('torch.')}{list(e.shape)}"
 
 
 def _strip(node: Any) -> Any:

@@ -189,6 +189,12 @@ def tensor_refs(tree: Any, path: KeyPath = ()) -> dict[KeyPath, tuple[str, str]]
     return out
 
 
+def sharded_parts(parts: Mapping[str, Any]) -> frozenset[str]:
+    """The parts of a stored state (state.json's `parts`) whose tensors were written sharded
+    (through DCP, by every rank of an FSDP group)."""
+    return frozenset(name for name, tree in parts.items() if any(f == SHARDED for f, _ in tensor_refs(tree).values()))
+
+
 def _walk(node: Any, path: KeyPath, visit: Callable[[KeyPath, tuple[str, str]], None]) -> None:
     for key, child in _children(node, path):
         ref = _as_ref(child, path + (key,))

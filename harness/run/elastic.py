@@ -15,17 +15,23 @@ none = one process) and the config, so a sharded strategy plugs in by recording 
   for every rank layout the checkpoint came from. Dropout masks are drawn per rank over that
   rank's micro-batch, so they depend on the world size (deriving them from the global sample id
   would need every model's dropout to draw per sample).
+- Sharded parts (FSDP): a part sharded when saved or now is resharded by the load (DCP reads
+  any layout into any other); `WorldChange.resharded` names them, because a rank's hash of such
+  a part covers its own shard, so the restored-state check cannot compare it with the hash at
+  save time (`fingerprint_checks`). Every other part is still checked.
 - `WorldChange.event()`: the fields of the `world_size_changed` event (old/new world size, the
   batch shape at each, the global batch at each).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, replace
 from typing import Any
 
 from harness import distributed
 from harness.checkpoint.distributed_commit import WORLD_SIZE_KEY
+from harness.checkpoint.format import sharded_parts
 from harness.config import RunConfig, batch_shape
 from harness.data.prng import derive_seed
 from harness.errors import UserError
@@ -44,13 +50,15 @@ class WorldChange:
     """A resume at `new_world` ranks from a checkpoint written at step `step` by `old_world`.
     `old_shape` / `new_shape`: (micro-batch, grad_accum) at each world size; `old_shape` is None
     when the current config cannot run at the old size (a config changed since, under
-    --allow-config-change)."""
+    --allow-config-change). `resharded`: the parts sharded in the checkpoint or in this run
+    (module docstring)."""
 
     step: int
     old_world: int
     new_world: int
     old_shape: tuple[int, int] | None
     new_shape: tuple[int, int]
+    resharded: frozenset[str] = frozenset()
 
     @property
     def global_batch(self) -> tuple[int | None, int]:
@@ -98,12 +106,14 @@ def reseed(change: WorldChange, seed: int, rank: int) -> None:
     seed_everything(derive_seed(_RESEED_DOMAIN, seed, change.step, rank, change.new_world))
 
 
-def after_load(meta: dict[str, Any], cfg: RunConfig, step: int) -> WorldChange | None:
-    """On every rank, right after a checkpoint (its `meta`, written at `step`) was loaded into the
-    live parts, by a resume or a rollback: the world-size change since it, with this rank's
-    random streams restarted for the new world size; None (and nothing done) at the same size."""
-    change = world_change(meta, cfg, distributed.world(), step)
+def after_load(saved: dict[str, Any], cfg: RunConfig, step: int, sharded: Collection[str]) -> WorldChange | None:
+    """On every rank, right after a checkpoint (its parsed state.json `saved`, written at `step`)
+    was loaded into the live parts, by a resume or a rollback (`sharded`: the parts this run
+    shards): the world-size change since it, with this rank's random streams restarted for the
+    new world size; None (and nothing done) at the same size."""
+    change = world_change(saved["meta"], cfg, distributed.world(), step)
     if change is not None:
+        change = replace(change, resharded=sharded_parts(saved["parts"]) | frozenset(sharded))
         reseed(change, cfg.train.seed, distributed.rank())
     return change
 
@@ -111,7 +121,8 @@ def after_load(meta: dict[str, Any], cfg: RunConfig, step: int) -> WorldChange |
 def fingerprint_checks(change: WorldChange | None) -> dict[str, Any]:
     """The arguments of `FingerprintLog.watch` after loading across `change`: at another world
     size a re-run step must see the same batch and lr, not the same bits (the reduction order
-    changed), and the restarted random streams are not the saved ones."""
+    changed), the restarted random streams are not the saved ones, and a resharded part's hash
+    covers another share of it than the one hashed at save time."""
     if change is None:
         return {}
-    return {"inputs_only": True, "unchecked": ("rng",)}
+    return {"inputs_only": True, "unchecked": ("rng", *sorted(change.resharded))}

@@ -64,7 +64,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
                 trainer.materialize_optimizer_state()  # read into live tensors of the right sharding
             load_checkpoint(source, checkpoint, trainer.state.parts(), verify=verify,
                             kept_on_new_rank=trainer.state.kept_on_new_rank)
-            resized = after_load(saved["meta"], cfg, ref.step)
+            resized = after_load(saved, cfg, ref.step, trainer.state.sharded)
             return trainer, ref, restore_s + time.perf_counter() - t0, changes, resized
         except BaseException as e:
             if trainer is not None:

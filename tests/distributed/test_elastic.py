@@ -1,6 +1,7 @@
 """Elastic resume with real processes (gloo, torchrun): a run that comes back at another world size
-keeps its global batches and continues within float rounding; a world size the global batch
-cannot split is refused before anything is written (docs/distributed.md, "Changing the world size")."""
+keeps its global batches and continues within float rounding, under DDP and FSDP; a world size the
+global batch cannot split is refused before anything is written (docs/distributed.md, "Changing
+the world size")."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
-from harness.world_equivalence import DEFAULT_TOLERANCE
+from harness.checkpoint import CheckpointStore
+from harness.checkpoint.diff import compare_checkpoints
+from harness.world_equivalence import DEFAULT_TOLERANCE, NUMERIC_PARTS
 from launch import kill_tree, run, start, tail, wait_step
 from procs import ROOT, harness
 
@@ -26,12 +30,15 @@ def _records(run_dir: Path, kind: str) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-def test_world_size_2_killed_resumed_at_1_killed_resumed_at_2_keeps_every_global_batch(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_world_size_2_killed_resumed_at_1_killed_resumed_at_2_keeps_every_global_batch(tmp_path, strategy):
     """verify-resume --world-sizes 2,1,2: B is SIGKILLed (torchrun and both ranks) after step 6,
-    resumed by one process, SIGKILLed after step 10, resumed by two ranks, finished."""
+    resumed by one process, SIGKILLed after step 10, resumed by two ranks, finished. Under FSDP
+    the one process trains the whole model unsharded: it loads the shards of step 4, writes an
+    unsharded step 8, which FSDP at world size 2 loads again (each rank keeping its shard)."""
     work = tmp_path / "work"
     proc = harness("verify-resume", str(ELASTIC), "--world-sizes", "2,1,2", "--interrupt-at", "6,10",
-                   "--work-dir", str(work), *NO_DROPOUT, timeout=600)
+                   "--work-dir", str(work), *NO_DROPOUT, "--set", f"parallel.strategy={strategy}", timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "batches: identical sample ids at every step" in proc.stdout, proc.stdout
     # The same checks again from the run dirs themselves, not from the runner's verdict.
@@ -41,12 +48,29 @@ def test_world_size_2_killed_resumed_at_1_killed_resumed_at_2_keeps_every_global
     assert sorted(steps_a) == sorted(steps_b) == list(range(1, 13))
     assert [steps_a[s]["batch_hash"] for s in steps_a] == [steps_b[s]["batch_hash"] for s in steps_a]
     assert abs(steps_a[12]["loss"] - steps_b[12]["loss"]) <= 1e-4 * max(1.0, abs(steps_a[12]["loss"]))
-    changes = [e for e in _records(elastic, "events.jsonl") if e["event"] == "world_size_changed"]
+    events = _records(elastic, "events.jsonl")
+    assert [e["resumed_from"] for e in events if e["event"] == "start"] == [None, 4, 8]
+    changes = [e for e in events if e["event"] == "world_size_changed"]
     assert [(e["old_world_size"], e["new_world_size"]) for e in changes] == [(2, 1), (1, 2)]
     assert [(e["old"]["grad_accum"], e["new"]["grad_accum"]) for e in changes] == [(2, 4), (4, 2)]
     assert {e["new"]["global_batch"] for e in changes} == {8}
     # Within the run, the re-run steps were checked on their batches: none differed.
-    assert not [e for e in _records(elastic, "events.jsonl") if e["event"] == "resume_mismatch"]
+    assert not [e for e in events if e["event"] == "resume_mismatch"]
+    sharded = {"ddp": False, "fsdp": True}[strategy]
+    assert _files(continuous, 12) >= ({"shards-00000.safetensors", "shards-00001.safetensors"} if sharded
+                                      else {"model.safetensors"})
+    assert "model.safetensors" in _files(elastic, 8)  # world size 1: one unsharded file per part
+    assert ("shards-00001.safetensors" in _files(elastic, 12)) == sharded
+    if sharded:  # the world-size-1 checkpoint against FSDP's own shards of the same step, tensor by tensor
+        store_a, store_b = CheckpointStore(str(continuous)), CheckpointStore(str(elastic))
+        step8 = compare_checkpoints((store_a, store_a.ref(8)), (store_b, store_b.ref(8)), whole=NUMERIC_PARTS)
+        devs = [d.max_abs for d in step8.differences if d.part in NUMERIC_PARTS]
+        assert None not in devs and max(devs, default=0.0) <= DEFAULT_TOLERANCE, step8.lines[:20]
+
+
+def _files(run_dir: Path, step: int) -> set[str]:
+    manifest = run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json"
+    return {f["name"] for f in json.loads(manifest.read_text())["files"]}
 
 
 def _snapshot(run_dir: Path) -> dict[str, bytes]:

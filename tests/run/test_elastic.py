@@ -11,7 +11,7 @@ import torch
 
 from harness.config import RunConfig, batch_shape, valid_world_sizes
 from harness.errors import UserError
-from harness.run.elastic import reseed, world_change
+from harness.run.elastic import after_load, fingerprint_checks, reseed, world_change
 from harness.world_equivalence import WorldVerdict, even_points
 from procs import ROOT, assert_one_line_error, harness
 
@@ -60,6 +60,25 @@ def test_restarted_streams_depend_on_step_rank_and_world_only():
     assert draws({"world_size": 1}, 2, 1) == draws({"world_size": 4}, 2, 1)  # not the saving layout's
     assert draws({"world_size": 1}, 2, 0) != draws({"world_size": 1}, 2, 1)
     assert draws({"world_size": 1}, 2, 0) != draws({"world_size": 1}, 4, 0)
+
+
+def test_a_sharded_part_is_not_checked_against_its_hash_at_save_time_across_world_sizes():
+    """That hash covered rank 0's shard (FSDP), which no rank holds after resharding: the restored
+    check leaves the part out (the e2e run: tests/distributed/test_elastic.py, fsdp)."""
+    cfg = _cfg({"batch_size": 2}, {"global_batch": 8})
+    sharded = {"model": {"w": {"$tensor": ["$dcp", "model/w"]}}, "sched": {"step": 4}}
+    plain = {"model": {"w": {"$tensor": ["model.safetensors", "w"]}}, "sched": {"step": 4}}
+    from_fsdp = after_load({"meta": {"world_size": 2}, "parts": sharded}, cfg, 4, sharded=())
+    assert from_fsdp.resharded == {"model"}
+    assert fingerprint_checks(from_fsdp) == {"inputs_only": True, "unchecked": ("rng", "model")}
+    # One process's checkpoint into FSDP would be resharded too (this process shards "optim" for the test).
+    into_fsdp = after_load({"meta": {"world_size": 4}, "parts": plain}, cfg, 4, sharded=("optim",))
+    assert fingerprint_checks(into_fsdp)["unchecked"] == ("rng", "optim")
+    # DDP at both ends: the replicated parts are still checked; the same world size changes nothing.
+    assert fingerprint_checks(after_load({"meta": {"world_size": 2}, "parts": plain}, cfg, 4, sharded=()))[
+        "unchecked"] == ("rng",)
+    assert after_load({"meta": {}, "parts": sharded}, cfg, 4, sharded=()) is None
+    assert fingerprint_checks(None) == {}
 
 
 def test_world_verdict_fails_on_any_check():
