@@ -167,27 +167,30 @@ def measure_async(store, parts: dict, flat: dict, base: Path, rank: int, repeat:
     blocking: dict[str, float] = {}
     persisted: dict[str, float] = {}
     for step in range(100, 100 + repeat):
-        dist.barrier()
-        t0 = time.perf_counter()
-        saver.submit(step, parts)
-        blocked = time.perf_counter() - t0
-        saver.finish()
-        dist.barrier()
-        done = time.perf_counter() - t0
-        blocking["ours"] = min(blocking.get("ours", float("inf")), blocked)
-        persisted["ours"] = min(persisted.get("ours", float("inf")), done)
-        dist.barrier()
-        t0 = time.perf_counter()
-        future = dcp.async_save(flat, storage_writer=dcp.FileSystemWriter(str(base / f"dcp-async-{step}")),
-                                process_group=side)
-        blocked = time.perf_counter() - t0
-        future.result()
-        dist.barrier()
-        done = time.perf_counter() - t0
-        blocking["dcp"] = min(blocking.get("dcp", float("inf")), blocked)
-        persisted["dcp"] = min(persisted.get("dcp", float("inf")), done)
+        contenders = {
+            "ours": (lambda: saver.submit(step, parts), lambda _: saver.finish()),
+            "dcp": (lambda: dcp.async_save(flat, storage_writer=dcp.FileSystemWriter(str(base / f"dcp-async-{step}")),
+                                           process_group=side), lambda future: future.result()),
+        }
+        for name, (start, wait) in contenders.items():
+            blocked, done = _background_save_times(start, wait)
+            blocking[name] = min(blocking.get(name, float("inf")), blocked)
+            persisted[name] = min(persisted.get(name, float("inf")), done)
     saver.close()
     return blocking, persisted
+
+
+def _background_save_times(start, wait) -> tuple[float, float]:
+    """(seconds `start()` blocked the caller, seconds until `wait(start's result)` returned on every rank)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    handle = start()
+    blocked = time.perf_counter() - t0
+    wait(handle)
+    dist.barrier()
+    return blocked, time.perf_counter() - t0
 
 
 def main() -> None:
