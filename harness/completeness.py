@@ -12,7 +12,9 @@ values (`MAX_DEPTH` levels, and the whole module tree of every `nn.Module`), and
   part owns its insides: its `state_dict` is trusted to hold them) -- except an `nn.Module`,
   whose `state_dict` is known to hold only parameters and buffers, so a module's other attributes
   (a `torch.Generator` its dropout draws from) are still looked at; a module whose parameters and
-  buffers all belong to registered modules (a submodule, a DDP or compile wrapper); the process's
+  buffers all belong to registered modules (a submodule, a DDP or compile wrapper); what a
+  registered part lists in `saved_members` (objects its `state_dict` holds the state of: the
+  user's data iterator in the `data` part), wherever else it is reachable from; the process's
   default generators (python, numpy, torch CPU/CUDA) when an `RNGState` part is registered.
 
 So the data stream's generators and prefetch iterators belong to the registered `data` part and
@@ -81,6 +83,7 @@ def _covered(parts: Mapping[str, Any]) -> set[int]:
         for members in (getattr(part, "optimizers", None), getattr(part, "schedulers", None)):
             if isinstance(members, Mapping):
                 ids.update(map(id, members.values()))
+        ids.update(map(id, getattr(part, "saved_members", ())))
         if isinstance(part, RNGState):
             ids.update({id(torch.default_generator), id(random._inst)})
             if torch.cuda.is_available():

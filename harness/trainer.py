@@ -22,6 +22,8 @@ import torch
 from harness import distributed, numerics
 from harness.config import RunConfig, batch_shape, model_args
 from harness.data import BatchStream, eval_batches
+from harness.data.factory import is_iterator_source
+from harness.data.iterator_stream import IteratorStream
 from harness.data.sources import TrainData, open_data
 from harness.data.prng import derive_seed
 from harness.buffer_probe import BufferProbe, non_persistent_buffers
@@ -84,7 +86,7 @@ class Trainer:
         self.rank = rank
         self.world_size = world_size
         self.batch_size, self.grad_accum = batch_shape(cfg, world_size)
-        self.data = data if data is not None else open_data(cfg.data, cfg.train.seed)
+        self.data = data if data is not None else open_data(cfg.data, cfg.train.seed, rank, world_size)
         self.device = resolve_device(cfg.train.device)
         if self.device.type == "cuda" and world_size > 1:
             self.device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, set by the process group
@@ -128,8 +130,7 @@ class Trainer:
         self.batch_hook: Callable[[int, Any], None] | None = None  # debug.sample_log
 
         self.train_set, self.eval_set = self.data.train, self.data.eval
-        self.stream = BatchStream(self.train_set, self.batch_size, cfg.train.seed, rank=rank,
-                                  world_size=world_size, num_workers=cfg.data.num_workers)
+        self.stream = self._open_stream()
 
         amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
         self._autocast = (lambda: torch.autocast(self.device.type, dtype=amp_dtype)) if amp_dtype else nullcontext
@@ -151,6 +152,19 @@ class Trainer:
         check_registered({"trainer": self}, self.state.parts(), cfg.train.unregistered_state)
         # Non-persistent buffers are judged by watching this process's first forward.
         self._buffer_probe = BufferProbe(self.model) if non_persistent_buffers(self.model) else None
+
+    def _open_stream(self) -> BatchStream | IteratorStream:
+        """The harness's global order over a map-style source, or a user's stateful iterator as it is."""
+        cfg = self.cfg
+        if not is_iterator_source(self.train_set):
+            return BatchStream(self.train_set, self.batch_size, cfg.train.seed, rank=self.rank,
+                               world_size=self.world_size, num_workers=cfg.data.num_workers)
+        if cfg.data.num_workers:
+            raise UserError(f"data.num_workers = {cfg.data.num_workers} with a data.factory iterator: the harness "
+                            "reads an iterator in the training process, so its state_dict matches the batches "
+                            "trained on; set data.num_workers = 0 (read ahead inside the iterator if needed)")
+        return IteratorStream(self.train_set, self.batch_size, cfg.data.seq_len, rank=self.rank,
+                              world_size=self.world_size)
 
     @property
     def step(self) -> int:

@@ -10,7 +10,8 @@ Three kinds of data:
   the mixture of those, read in one fixed shuffled order (so a short evaluation sees every
   source); or, with `data.eval_sources`, evaluation reads those datasets whole and training
   every document of the sources.
-- `data.factory`: the user's own map-style sources (factory.py).
+- `data.factory`: the user's own sources (factory.py): map-style, or a stateful iterator for
+  training.
 
 `identity` is what a checkpoint records about the data beyond the config's math keys: for
 sources, each index's sha256 and weight in order (the URL may change: a dataset copied to
@@ -40,17 +41,18 @@ _EVAL_ORDER_SALT = 0x4556414C  # "EVAL"
 
 @dataclass(frozen=True)
 class TrainData:
-    train: SampleSource
+    train: SampleSource | Any  # Any: a user's stateful iterator (factory.py)
     eval: SampleSource
     vocab_size: int | None  # None: byte text (the model's default 256), or a user dataset that does not say
     identity: dict[str, Any] | None  # text: data_identity(); shards: index hashes + weights; None: a user factory without one
 
 
-def open_data(data_cfg: Any, seed: int) -> TrainData:
-    """The datasets `data_cfg` (a `DataSection`) names. Raises UserError for missing or
-    inconsistent datasets."""
+def open_data(data_cfg: Any, seed: int, rank: int = 0, world_size: int = 1) -> TrainData:
+    """The datasets `data_cfg` (a `DataSection`) names, for `rank` of `world_size` (only a user
+    factory is told: the harness's own sources are split by the stream). Raises UserError for
+    missing or inconsistent datasets."""
     if data_cfg.factory is not None:
-        train, held_out = build_user_data(data_cfg.factory, data_cfg.args, data_cfg.seq_len, seed)
+        train, held_out = build_user_data(data_cfg.factory, data_cfg.args, data_cfg.seq_len, seed, rank, world_size)
         identity = getattr(train, "identity", None)
         return TrainData(train, held_out, getattr(train, "vocab_size", None),
                          {"factory": identity()} if identity is not None else None)

@@ -44,7 +44,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
     the next, since the damaged one was already partly streamed into it. A checkpoint that is
     intact but does not fit (another model width) is an error, never skipped."""
     restore_s = 0.0
-    data = open_data(cfg.data, cfg.train.seed)  # read once: every candidate is checked against it
+    data = open_data(cfg.data, cfg.train.seed, distributed.rank(), distributed.world())  # read once: every candidate is checked against it
     for ref in candidates:
         t0 = time.perf_counter()
         trainer = None
