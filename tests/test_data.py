@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 
 import fsspec
@@ -220,6 +221,28 @@ def test_workers_do_not_change_the_order_or_the_cursor():
     resumed.load_state_dict(cursor)
     assert_same_batches(take(resumed, 7), in_process[3:])
     resumed.close()
+
+
+class ReaderPid(CountingDataset):
+    """A sample's id is the id of the process that read it (x 1000) plus its index."""
+
+    def sample_id(self, index: int) -> int:
+        return os.getpid() * 1000 + index
+
+
+def test_one_set_of_workers_serves_every_epoch():
+    # Starting workers anew at each epoch made the step wait for them (ops/bench/data_wait.py).
+    dataset = make_dataset(14)  # 3 batches of 4 per epoch
+    in_process = take(BatchStream(dataset, batch_size=4, seed=9), 10)
+    stream = BatchStream(ReaderPid(dataset), batch_size=4, seed=9, num_workers=2)
+    batches = take(stream, 10)
+    stream.close()
+    assert [b.epoch for b in batches] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
+    readers = {int(i) // 1000 for b in batches for i in b.sample_ids}
+    assert len(readers) == 2 and os.getpid() not in readers
+    for b, expected in zip(batches, in_process):
+        assert torch.equal(b.sample_ids % 1000, expected.sample_ids) and torch.equal(b.x, expected.x)
+        assert (b.epoch, b.position) == (expected.epoch, expected.position)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

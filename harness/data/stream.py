@@ -8,6 +8,9 @@ Contract:
   none.
 - `load_state_dict()` seeks in O(1): it sets the cursor and nothing else; the next batch builds
   the epoch's permutation and reads only the samples it delivers.
+- One loader, with one set of worker processes, reads on from its cursor across epochs (each
+  process builds an epoch's permutation when it first reaches it); only `load_state_dict()` and
+  `close()` stop it. Prefetch depth: the DataLoader's, 2 batches per worker.
 - The stream never touches the process's global RNGs (the trainer's dropout depends on them):
   the permutation and the DataLoader's worker seeds come from dedicated generators.
 """
@@ -25,34 +28,58 @@ from harness.data.order import batches_left, epoch_permutation, rank_batch
 from harness.data.prng import derive_seed
 from harness.errors import UserError
 
+EPOCHS_AHEAD = 1 << 20  # epochs one loader serves before the stream opens another (at its cursor)
 
-class _EpochRest(Dataset):
-    """The rest of one epoch for one rank, one item per batch, so a worker builds whole batches."""
 
-    def __init__(self, stream: BatchStream, permutation: torch.Tensor):
-        # A mixture maps its slots to samples per epoch (mixture.py); other datasets are epoch-free.
-        for_epoch = getattr(stream.dataset, "for_epoch", None)
-        self.dataset = for_epoch(stream.epoch) if for_epoch is not None else stream.dataset
-        self.permutation = permutation
+class _BatchesAhead(Dataset):
+    """The batches of one rank from the cursor on, across epochs, one item per batch, so a
+    worker builds whole batches and one set of workers serves every epoch (starting workers
+    anew at each epoch made the step wait for them). Item `k` is the `k`-th batch after the
+    cursor the loader was opened at; its (epoch, position) follows from arithmetic, since every
+    full epoch has the same number of batches."""
+
+    def __init__(self, stream: BatchStream):
+        self.dataset = stream.dataset
+        self.seed = stream.seed
+        self.epoch = stream.epoch
         self.start = stream.position
         self.batch_size = stream.batch_size
         self.rank = stream.rank
         self.world_size = stream.world_size
-        self.num_batches = batches_left(stream.position, self.dataset.num_samples, stream.global_batch_size,
-                                        stream.drop_last)
+        self.global_batch = stream.global_batch_size
+        self.in_first_epoch = batches_left(stream.position, self.dataset.num_samples, self.global_batch, stream.drop_last)
+        self.per_epoch = batches_left(0, self.dataset.num_samples, self.global_batch, stream.drop_last)
+        self._view: tuple[int, SampleSource, torch.Tensor] | None = None  # this process's epoch in hand
 
     def __len__(self) -> int:
-        return self.num_batches
+        return self.in_first_epoch + self.per_epoch * EPOCHS_AHEAD
+
+    def cursor(self, index: int) -> tuple[int, int]:
+        """(epoch, position) of item `index`."""
+        if index < self.in_first_epoch:
+            return self.epoch, self.start + index * self.global_batch
+        later = index - self.in_first_epoch
+        return self.epoch + 1 + later // self.per_epoch, (later % self.per_epoch) * self.global_batch
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | UserError:
-        position = self.start + index * self.batch_size * self.world_size
-        indices = rank_batch(self.permutation, position, self.batch_size, self.rank, self.world_size)
+        epoch, position = self.cursor(index)
+        dataset, permutation = self._epoch(epoch)
+        indices = rank_batch(permutation, position, self.batch_size, self.rank, self.world_size)
         try:
-            return fetch_samples(self.dataset, indices)
+            return fetch_samples(dataset, indices)
         except UserError as e:
             # Handed back as a value: re-raised by a DataLoader, it would carry the worker's
             # traceback in its message, and a user error is one line.
             return e
+
+    def _epoch(self, epoch: int) -> tuple[SampleSource, torch.Tensor]:
+        """The dataset's view of `epoch` and its permutation, built once per epoch per process."""
+        if self._view is None or self._view[0] != epoch:
+            # A mixture maps its slots to samples per epoch (mixture.py); other datasets are epoch-free.
+            for_epoch = getattr(self.dataset, "for_epoch", None)
+            dataset = for_epoch(epoch) if for_epoch is not None else self.dataset
+            self._view = (epoch, dataset, epoch_permutation(self.seed, epoch, self.dataset.num_samples))
+        return self._view[1], self._view[2]
 
 
 class BatchStream:
@@ -103,8 +130,11 @@ class BatchStream:
 
     def __next__(self) -> Batch:
         if self._pending is None:
-            self._pending = self._open_epoch_rest()
-        item = next(self._pending)
+            self._pending = self._open()
+        item = next(self._pending, None)
+        if item is None:  # EPOCHS_AHEAD epochs read: open again at the cursor
+            self._pending = self._open()
+            item = next(self._pending)
         if isinstance(item, UserError):
             self.close()
             raise item
@@ -148,20 +178,20 @@ class BatchStream:
         self._pending = None
 
     def _roll_over_if_epoch_ended(self) -> None:
+        """The open loader reads on into the next epoch; only the cursor moves."""
         if batches_left(self.position, self.dataset.num_samples, self.global_batch_size, self.drop_last) == 0:
-            self.close()
             self.epoch += 1
             self.position = 0
 
-    def _open_epoch_rest(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        rest = _EpochRest(self, epoch_permutation(self.seed, self.epoch, self.dataset.num_samples))
+    def _open(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | UserError]:
+        ahead = _BatchesAhead(self)
         if self.num_workers == 0:
-            return (rest[i] for i in range(len(rest)))
+            return (ahead[i] for i in range(len(ahead)))
         # Without `generator`, starting the loader would draw its worker base seed from the
         # global torch RNG and shift the trainer's dropout stream.
         generator = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, self.position, self.rank))
         loader = DataLoader(
-            rest,
+            ahead,
             batch_size=None,
             shuffle=False,
             num_workers=self.num_workers,
