@@ -158,7 +158,8 @@ class Trainer:
         cfg = self.cfg
         if not is_iterator_source(self.train_set):
             return BatchStream(self.train_set, self.batch_size, cfg.train.seed, rank=self.rank,
-                               world_size=self.world_size, num_workers=cfg.data.num_workers)
+                               world_size=self.world_size, num_workers=cfg.data.num_workers,
+                               pin_memory=self.device.type == "cuda")
         if cfg.data.num_workers:
             raise UserError(f"data.num_workers = {cfg.data.num_workers} with a data.factory iterator: the harness "
                             "reads an iterator in the training process, so its state_dict matches the batches "
@@ -187,7 +188,8 @@ class Trainer:
             if self.batch_hook is not None:
                 self.batch_hook(self.step + 1, batch)
             sample_ids.append(batch.sample_ids)
-            x, y = batch.x.to(self.device), batch.y.to(self.device)
+            # From pinned memory (a CUDA device, loader workers) the copy overlaps; otherwise it is the same copy.
+            x, y = batch.x.to(self.device, non_blocking=True), batch.y.to(self.device, non_blocking=True)
             # DDP all-reduces (FSDP reduce-scatters) in the last micro-batch's backward only: the sum is the same.
             with self._accumulating(i < accum - 1):
                 with self._autocast():

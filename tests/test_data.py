@@ -287,3 +287,11 @@ def test_data_identity_is_size_and_the_hashes_of_the_first_and_last_block(tmp_pa
     assert data_identity(None) == data_identity(None) and data_identity(None)["url"] is None
     with pytest.raises(UserError, match="not found"):
         data_identity(str(tmp_path / "missing.txt"))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs a CUDA device")
+def test_batches_from_workers_come_pinned_for_a_cuda_device():
+    stream = BatchStream(make_dataset(30), batch_size=4, seed=9, num_workers=2, pin_memory=True)
+    batch = next(stream)
+    stream.close()
+    assert batch.x.is_pinned() and batch.y.is_pinned()

@@ -11,6 +11,9 @@ Contract:
 - One loader, with one set of worker processes, reads on from its cursor across epochs (each
   process builds an epoch's permutation when it first reaches it); only `load_state_dict()` and
   `close()` stop it. Prefetch depth: the DataLoader's, 2 batches per worker.
+- `pin_memory` (for a CUDA device; only with workers, where the loader's own thread pins batches
+  ahead of the step, in the training process it would be one more copy in the step) delivers
+  batches in page-locked memory, so their copy to the device can be asynchronous.
 - The stream never touches the process's global RNGs (the trainer's dropout depends on them):
   the permutation and the DataLoader's worker seeds come from dedicated generators.
 """
@@ -95,6 +98,7 @@ class BatchStream:
         world_size: int = 1,
         num_workers: int = 0,
         drop_last: bool = True,
+        pin_memory: bool = False,
     ):
         if batch_size < 1 or num_workers < 0 or not 0 <= rank < world_size:
             raise ValueError(
@@ -117,6 +121,7 @@ class BatchStream:
         self.world_size = world_size
         self.num_workers = num_workers
         self.drop_last = drop_last
+        self.pin_memory = pin_memory and num_workers > 0
         self.epoch = 0
         self.position = 0
         self._pending: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
@@ -197,5 +202,6 @@ class BatchStream:
             num_workers=self.num_workers,
             persistent_workers=False,
             generator=generator,
+            pin_memory=self.pin_memory,
         )
         return iter(loader)
