@@ -1,5 +1,5 @@
-"""ops/bench/optim_step.py, sharded_muon.py (under torchrun) and harness_overhead.py still run (tiny
-sizes) and print every figure docs/bench-optim.md and README quote. They time nothing here: no
+"""ops/bench/optim_step.py, sharded_muon.py (under torchrun), harness_overhead.py and data_wait.py still run (tiny
+sizes) and print every figure docs/bench-optim.md, docs/bench-data.md and README quote. They time nothing here: no
 figure is asserted."""
 
 from __future__ import annotations
@@ -37,3 +37,9 @@ def test_sharded_muon_bench_runs_both_contenders_and_they_agree():
     assert "first step bitwise equal: True" in out
     for row in ("| ours (owner per matrix) |", "| gather everything |", "ours / gather-everything: wall"):
         assert row in out, row
+
+
+def test_data_wait_reports_the_share_of_the_step_spent_waiting_for_data():
+    out = bench("data_wait.py", "--steps", "3", "--warmup", "1", "--configs", "quickstart", "--workers", "0")
+    assert "| config | num_workers | step, median | wait for data, share of step time |" in out
+    assert "| quickstart | 0 |" in out
