@@ -4,6 +4,7 @@ checkpoint, loader workers, and a resume at another world size are refused clear
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from harness.config import load_config
 from harness.data.iterator_stream import IteratorStream
 from harness.errors import UserError
 from harness.trainer import Trainer
-from procs import TINY, assert_one_line_error, assert_same_run, harness, kill_at_step
+from procs import ENV, ROOT, TINY, assert_one_line_error, assert_same_run, harness, kill_at_step
 from shard_data import batch_hashes
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -94,3 +95,15 @@ def test_an_ending_or_misshapen_iterator_is_a_clear_error():
         next(IteratorStream(TwoSamples(0, 0, 16), 4, 16))
     with pytest.raises(UserError, match="x is a tensor of shape \\(8,\\) torch.int64"):
         next(IteratorStream(RandomWalk(0, 0, 8), 4, 16))
+
+
+def test_two_ranks_train_their_iterators_and_one_rank_may_not_resume_them(tmp_path):
+    # Under torchrun (gloo): each rank's iterator state in its own rank file; shrinking is refused.
+    run = tmp_path / "run"
+    common = ["--run-dir", str(run), *sets(*WALK, "data.batch_size=2")]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    two = subprocess.run([*launcher, "-m", "harness.cli", "train", str(TINY), *common, *sets("train.steps=4")],
+                         capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    one = harness("train", str(TINY), *common, *sets("train.steps=8", "train.grad_accum=4"), "--allow-config-change")
+    assert_one_line_error(one, "state was saved by rank 0 of 2, and this is rank 0 of 1")
