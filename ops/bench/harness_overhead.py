@@ -20,8 +20,11 @@ steps after `--warmup` (a mean, so periodic costs such as the state hash count).
 `--threads` torch threads (1: on a shared machine more threads than free cores make OpenMP's
 waits dominate). The contenders alternate, the first place swapping each round, each a fresh
 process; the ratio harness / bare is taken within each round. Target: <= 1.03.
+`--bare-numerics` gives the bare loop the harness's reproducibility settings too
+(`harness.numerics.apply`: MKL strict CNR, deterministic algorithms): the ratio is then the tax
+of everything else, and the two runs together split the price of bitwise repeatability from it.
 
-    python ops/bench/harness_overhead.py --steps 110 --rounds 5
+    python ops/bench/harness_overhead.py --steps 110 --rounds 5 [--bare-numerics]
 """
 
 from __future__ import annotations
@@ -101,12 +104,16 @@ def harness_loop(steps: int, clock: StepClock, run_dir: str) -> None:
         raise SystemExit("harness train failed")
 
 
-def child(mode: str, steps: int, threads: int, work: str) -> None:
+def child(mode: str, steps: int, threads: int, work: str, bare_numerics: bool) -> None:
     import torch
 
     torch.set_num_threads(threads)
     clock = StepClock()
     if mode == "bare":
+        if bare_numerics:
+            from harness import numerics
+
+            numerics.apply(threads)
         bare_loop(steps, clock)
     else:
         harness_loop(steps, clock, tempfile.mkdtemp(prefix="run-", dir=work))
@@ -116,7 +123,8 @@ def child(mode: str, steps: int, threads: int, work: str) -> None:
 def run_child(mode: str, args: argparse.Namespace, work: str) -> dict[str, float]:
     """Mean seconds per step after the warmup of one fresh process: {"wall": ..., "cpu": ...}."""
     proc = subprocess.run([sys.executable, __file__, "--child", mode, "--steps", str(args.steps),
-                           "--threads", str(args.threads), "--work", work],
+                           "--threads", str(args.threads), "--work", work,
+                           *(["--bare-numerics"] if args.bare_numerics else [])],
                           cwd=ROOT, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"the {mode} run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
@@ -133,14 +141,17 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the mean at the start")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads in both contenders")
+    p.add_argument("--bare-numerics", action="store_true",
+                   help="the bare loop runs under the harness's reproducibility settings too")
     p.add_argument("--child", choices=["bare", "harness"], help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child, args.steps, args.threads, args.work)
+        child(args.child, args.steps, args.threads, args.work, args.bare_numerics)
         return
     print(f"quickstart, {args.steps} steps per run (mean over the last {args.steps - args.warmup - 1}), "
-          f"{args.threads} torch thread(s), {args.rounds} rounds")
+          f"{args.threads} torch thread(s), {args.rounds} rounds"
+          + (", the bare loop under the harness's reproducibility settings" if args.bare_numerics else ""))
     rows = []
     with tempfile.TemporaryDirectory(prefix="harness-overhead-") as work:
         for r in range(args.rounds):
