@@ -332,6 +332,11 @@ class FingerprintLog:
     def state_dict(self) -> dict[str, Any]:
         return {"records": list(self.records), "state_hash": part_hashes(state_digests(self._parts(), saved_only=True))}
 
+    def restore_template(self) -> dict[str, Any]:
+        """The state dict's shape without computing its `state_hash` (no tensors either way): what
+        a restore matches the checkpoint against (checkpoint/restore.py, `live_state`)."""
+        return {"records": [], "state_hash": {}}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.records = [dict(r) for r in state["records"]]
         self._saved_state = dict(state["state_hash"])

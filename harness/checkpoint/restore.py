@@ -3,7 +3,8 @@
 Order of work, so that a checkpoint that does not fit changes nothing:
 1. parts: the checkpoint's part names against the targets' (missing / unexpected -> error).
 2. plan: every tensor reference in state.json is matched, by key path, with the tensor at the
-   same path in `target.state_dict()` (if any) and with its entry in the safetensors header.
+   same path in the live state (`live_state(target)`: its `state_dict()`, or the cheaper
+   `restore_template()` a part may offer) and with its entry in the safetensors header.
    Problems are collected across all parts and raised as one `CheckpointError`:
    * a live tensor with no counterpart in the checkpoint,
    * a checkpoint tensor where the live state has a dict of tensors without that key (a model's
@@ -52,6 +53,16 @@ class _Slot:
 
 def _skipped(name: str, skip: Collection[str]) -> bool:
     return any(name == s or name.startswith(s.rstrip("/") + "/") for s in skip)
+
+
+def live_state(target: Any) -> Any:
+    """The live state a checkpoint's part is matched against: `target.restore_template()` when the
+    part has one, else `target.state_dict()`. A template holds the same tensors (the live ones) as
+    the state dict; a part offers one when its state dict costs more to build than a restore needs
+    (the fingerprints part's hashes every other part, and a restore would hash ~the whole state
+    only to throw the digests away)."""
+    template = getattr(target, "restore_template", None)
+    return template() if template is not None else target.state_dict()
 
 
 def _live_tensors(node: Any, path: KeyPath, out: dict[KeyPath, torch.Tensor], dicts: set[KeyPath]) -> None:
@@ -167,7 +178,7 @@ def _plan(part: str, tree: Any, target: Any, skip: Collection[str], files: dict,
           problems: list[str], shard_dest: dict[str, torch.Tensor]) -> tuple[dict[KeyPath, _Slot], dict[KeyPath, torch.Tensor]]:
     live: dict[KeyPath, torch.Tensor] = {}
     tensor_dicts: set[KeyPath] = set()
-    _live_tensors(target.state_dict(), (), live, tensor_dicts)
+    _live_tensors(live_state(target), (), live, tensor_dicts)
     refs = tensor_refs(tree)
     slots: dict[KeyPath, _Slot] = {}
     kept: dict[KeyPath, torch.Tensor] = {}
