@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from harness import fingerprint
+from harness.checkpoint import CheckpointStore, Verify
 from harness.fingerprint import FingerprintLog, ResumeDiverged, batch_hash, diagnose, part_hashes, state_digests
 from harness.metrics import MetricsLog
 
@@ -110,3 +112,20 @@ def test_truncate_after_returns_what_it_drops(tmp_path):
         metrics.write({"step": s, "loss": float(s)})
     assert metrics.truncate_after(1) == [{"step": 2, "loss": 2.0}, {"step": 3, "loss": 3.0}]
     assert metrics.truncate_after(1) == []
+
+
+def test_a_restore_hashes_the_restored_state_once_for_the_check_not_to_plan_the_load(tmp_path, monkeypatch):
+    """Loading matches the fingerprints part against its `restore_template`: its state_dict would
+    hash every other part (the whole state) only to be thrown away, before `watch` hashes it again."""
+    model, opt, fp = make_log()
+    step(model, opt, fp, 1)
+    store = CheckpointStore(str(tmp_path))
+    ref = store.save(1, {"model": model, "optim": opt, "fingerprints": fp})
+    model2, opt2, again = make_log()
+    calls = []
+    monkeypatch.setattr(fingerprint, "state_digests", lambda *a, **k: calls.append(1) or state_digests(*a, **k))
+    store.load(ref, {"model": model2, "optim": opt2, "fingerprints": again}, verify=Verify.WHILE)
+    assert calls == [] and again.records == fp.records
+    events = Events()
+    again.watch(events, [])
+    assert calls == [1] and events.emitted == []
