@@ -57,10 +57,13 @@ def _lines(path: Path):
 
 
 def evict(folder: Path) -> None:
-    """Drop the folder's files from the page cache (clean pages only: they were fsynced)."""
+    """Drop the folder's files from the page cache. DONTNEED drops clean pages only, and the
+    folder is a fresh copy whose pages are dirty: each file is fsynced first, or the cold resume
+    would run while the copy is still being written back (and read some of it from memory)."""
     for f in folder.iterdir():
         fd = os.open(f, os.O_RDONLY)
         try:
+            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
