@@ -57,13 +57,10 @@ def _lines(path: Path):
 
 
 def evict(folder: Path) -> None:
-    """Drop the folder's files from the page cache. DONTNEED drops clean pages only, and the
-    folder is a fresh copy whose pages are dirty: each file is fsynced first, or the cold resume
-    would run while the copy is still being written back (and read some of it from memory)."""
+    """Drop the folder's files from the page cache (clean pages only: `main` syncs each copy)."""
     for f in folder.iterdir():
         fd = os.open(f, os.O_RDONLY)
         try:
-            os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
@@ -94,6 +91,10 @@ def main() -> None:
             for cache, (resumed, restores, reads) in rows.items():
                 copy = work / f"resumed-{cache}-{i}"
                 shutil.copytree(crashed, copy)
+                # Written back now, not during a timed resume or read (the kernel flushes dirty
+                # pages ~30 s later: in the middle of the next cold resume), and clean, so that
+                # `evict` can drop its pages at all.
+                os.sync()
                 folder = copy / "checkpoints" / "step-00000001"
                 (evict if cache == "cold" else raw_read)(folder)
                 startup, restore = train(copy, args)
