@@ -118,6 +118,10 @@ class Lease:
         self.held = False
         self._since = 0.0
         self._beats: threading.Thread | None = None
+        # This process's reads and writes of the lease file, one at a time: on S3 a read is a
+        # HEAD then a GET conditional on the HEAD's ETag, which fails (412) when the heartbeat
+        # thread rewrote the file in between (seen: a background save's commit check failed so).
+        self._io = threading.Lock()
         self._stop = threading.Event()
         self._failure: BaseException | None = None
 
@@ -128,14 +132,15 @@ class Lease:
     def read(self) -> dict | None:
         """The current lease record, or None. A malformed one is reported and treated as absent;
         a storage failure (`StorageUnavailable`) propagates: it says nothing about the lease."""
-        if not self.loc.fs.exists(self.path):
-            return None
-        try:
-            doc = json.loads(read_bytes(self.loc, self.path, 1 << 20))
-            if isinstance(doc, dict) and all(k in doc for k in ("owner", "host", "pid", "since", "heartbeat")):
-                return doc
-        except (ValueError, CheckpointError):
-            pass
+        with self._io:
+            if not self.loc.fs.exists(self.path):
+                return None
+            try:
+                doc = json.loads(read_bytes(self.loc, self.path, 1 << 20))
+                if isinstance(doc, dict) and all(k in doc for k in ("owner", "host", "pid", "since", "heartbeat")):
+                    return doc
+            except (ValueError, CheckpointError):
+                pass
         log.warning("ignoring a malformed lease file", path=self.loc.url_of(self.path))
         return None
 
@@ -260,6 +265,10 @@ class Lease:
 
     def _write(self, exclusive: bool) -> bool:
         """Write our record; with `exclusive` on local disk, False if someone created it first."""
+        with self._io:
+            return self._write_record(exclusive)
+
+    def _write_record(self, exclusive: bool) -> bool:
         now = self.clock()
         data = json.dumps({"owner": self.owner, "host": self.host, "pid": self.pid, "started": self.started,
                            "heartbeat_s": self.heartbeat_s, "since": self._since, "heartbeat": now},
