@@ -76,8 +76,11 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, dama
     before its damage shows, so the trainer is rebuilt and the one before is loaded; the run
     still finishes bitwise equal to an uninterrupted one."""
     cont, intr = tmp_path / "continuous", tmp_path / "interrupted"
-    harness("train", str(TINY), "--run-dir", str(cont), check=True)
-    args = ["train", str(TINY), "--run-dir", str(intr)]
+    # Saves inside the step loop, so the kill after step 10 always finds step 8 committed (a
+    # background save still in flight at the kill left no step 8 to damage, on a busy machine).
+    sync = ["--set", "checkpoint.async_save=false"]
+    harness("train", str(TINY), "--run-dir", str(cont), *sync, check=True)
+    args = ["train", str(TINY), "--run-dir", str(intr), *sync]
     assert kill_at_step(args, intr, 10) != 0
     newest = final_checkpoint(intr, 8) / "optim.safetensors"
     data = bytearray(newest.read_bytes())
