@@ -39,30 +39,22 @@ def gathered(trainer) -> dict:
     return out
 
 
-def load_gather_and_train(cfg, run_dir: str, ckpt: str, out: str) -> None:
-    source, candidates, verify = agree_on_checkpoint(CheckpointStore(run_dir), cfg, ckpt)
-    trainer, ref, *_ = resume_newest(cfg, source, candidates, verify, allow_config_change=True)
-    state = gathered(trainer)
-    if distributed.rank() == 0:
-        with open(out, "wb") as f:
-            for chunk in serialize({k: v.cpu() for k, v in state.items()}, out):
-                f.write(chunk)
-    for _ in range(2):
-        trainer.train_step()
-    trainer.close()
-    print(f"rank {distributed.rank()}: loaded step {ref.step}, trained 2 more steps")
-
-
 def main() -> None:
     ckpt, strategy, out, *overrides = sys.argv[1:]
     run_dir = ckpt.rsplit("/checkpoints/", 1)[0]
     cfg = load_config(TINY, [f"run_dir='{run_dir}'", f"parallel.strategy='{strategy}'", *overrides])
     with distributed.process_group():
-        # In a function of its own, as in `harness train`: the trainer (FSDP's and the side
-        # group's gloo work objects with it) is freed before the group is destroyed. Freed after
-        # it, at main()'s return, the worker once aborted at exit ("terminate called without an
-        # active exception") after doing its work.
-        load_gather_and_train(cfg, run_dir, ckpt, out)
+        source, candidates, verify = agree_on_checkpoint(CheckpointStore(run_dir), cfg, ckpt)
+        trainer, ref, *_ = resume_newest(cfg, source, candidates, verify, allow_config_change=True)
+        state = gathered(trainer)
+        if distributed.rank() == 0:
+            with open(out, "wb") as f:
+                for chunk in serialize({k: v.cpu() for k, v in state.items()}, out):
+                    f.write(chunk)
+        for _ in range(2):
+            trainer.train_step()
+        trainer.close()
+        print(f"rank {distributed.rank()}: loaded step {ref.step}, trained 2 more steps")
 
 
 if __name__ == "__main__":
