@@ -306,7 +306,12 @@ def math_fields(cfg: RunConfig) -> dict[str, Any]:
     tree = cfg.model_dump(mode="json")
     tree["model"]["args"] = model_args(cfg)
     flat = flatten(tree)
-    return {k: v for k, v in flat.items() if not any(k == f or k.startswith(f + ".") for f in FREE_FIELDS)}
+    return {k: v for k, v in flat.items() if not is_free(k)}
+
+
+def is_free(key: str) -> bool:
+    """Whether dotted config `key` is (inside) one of FREE_FIELDS: it does not change the numbers."""
+    return any(key == f or key.startswith(f + ".") for f in FREE_FIELDS)
 
 
 # Math keys added after runs existed whose default is not what those runs did: a saved config

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from harness.compare import ArmSummary
-from harness.config import FREE_FIELDS, flatten
+from harness.config import flatten, is_free
+from harness.grid import SEED_KEY
 
-SEED_KEY = "train.seed"
 # The lr of the matrix optimizer first: a hybrid arm's `optim.lr` is its AdamW part's.
 LR_KEYS = ("optim.lr_muon", "optim.lr_matrix", "optim.lr")
 
@@ -122,8 +122,7 @@ def counts(r: ArmSummary) -> bool:
 
 def _setting(config: dict, leave_out: tuple[str, ...]) -> tuple:
     flat = flatten(config)
-    return tuple(sorted((k, repr(v)) for k, v in flat.items()
-                        if k not in leave_out and not any(k == f or k.startswith(f + ".") for f in FREE_FIELDS)))
+    return tuple(sorted((k, repr(v)) for k, v in flat.items() if k not in leave_out and not is_free(k)))
 
 
 def group_runs(runs: list[ArmSummary]) -> list[Arm]:
