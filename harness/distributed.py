@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from harness import process_end
 from harness.errors import Unavailable, UserError
 from harness.log import get_logger
 
@@ -65,7 +66,8 @@ def process_group() -> Iterator[Topology]:
 
     On a normal exit the ranks meet at a barrier before the group is destroyed, so no rank
     tears down while another still needs it; on an error exit there is no barrier (the other
-    ranks may be gone), the launcher ends the rest.
+    ranks may be gone), the launcher ends the rest. A process that joined a group must end
+    through `process_end.end` (the CLI's main does): gloo's threads outlive the group.
     """
     topo = topology_from_env()
     if topo.world_size <= 1:
@@ -76,6 +78,7 @@ def process_group() -> Iterator[Topology]:
         dist.init_process_group("nccl", device_id=torch.device("cuda", topo.local_rank))
     else:
         dist.init_process_group("gloo")
+    process_end.group_joined()  # the process must now end through process_end.end (see there)
     log.info("joined the process group", rank=topo.rank, world_size=topo.world_size,
              backend=dist.get_backend())
     try:

@@ -13,7 +13,8 @@ and `harness report` start without torch (a second, not three CPU-seconds of imp
 A `UserError` anywhere becomes one line on stderr and exit code 2, an `Unavailable` (storage
 outage past its retry deadline) one line and exit code 69; anything else is a bug and keeps its
 traceback. The exit code is recorded for launchers that
-cannot see it (`exit_codes.record`). `--log-level` is accepted before the command and after it
+cannot see it (`exit_codes.record`). A process that joined a process group ends through
+`process_end.end`, without the interpreter's finalization (see there why). `--log-level` is accepted before the command and after it
 (`harness train C --log-level debug`).
 
 Output piped into a reader that stops early (`harness report RUN | head -2`) ends the command
@@ -28,7 +29,7 @@ import importlib
 import os
 import sys
 
-from harness import exit_codes, numerics
+from harness import exit_codes, numerics, process_end
 from harness.errors import Unavailable, UserError
 from harness.log import configure
 
@@ -92,9 +93,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
     configure(args.log_level)
-    code = run_command(args)
+    try:
+        code = run_command(args)
+    except BaseException as e:
+        if not process_end.joined():
+            raise
+        code = process_end.unhandled(e)  # what the interpreter would print and exit with
     exit_codes.record(code)
-    return code
+    return process_end.end(code)  # after a process group: leaves here, skipping finalization
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from harness import distributed
+from harness import distributed, process_end
 from harness.config import load_config
 from harness.errors import UserError
 from harness.trainer import Trainer
@@ -59,3 +59,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    process_end.end(0)  # as `harness` does after a process group (harness/process_end.py)

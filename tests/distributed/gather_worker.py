@@ -19,7 +19,7 @@ from harness import numerics
 
 numerics.prepare_environment()  # as `harness train` does, before torch loads
 
-from harness import distributed  # noqa: E402
+from harness import distributed, process_end  # noqa: E402
 from harness.checkpoint import CheckpointStore  # noqa: E402
 from harness.checkpoint.tensorfile import serialize  # noqa: E402
 from harness.config import load_config  # noqa: E402
@@ -59,3 +59,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    process_end.end(0)  # as `harness` does after a process group (harness/process_end.py)

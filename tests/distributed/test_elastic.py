@@ -30,9 +30,7 @@ def _records(run_dir: Path, kind: str) -> list[dict]:
     return [json.loads(line) for line in lines if line.strip()]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.xfail(
-    strict=False, reason="issue 20, open: an FSDP rank sometimes aborts ('terminate called without an active "
-                         "exception') at world size 2; still run, XFAIL/XPASS"))])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_world_size_2_killed_resumed_at_1_killed_resumed_at_2_keeps_every_global_batch(tmp_path, strategy):
     """verify-resume --world-sizes 2,1,2: B is SIGKILLed (torchrun and both ranks) after step 6,
     resumed by one process, SIGKILLed after step 10, resumed by two ranks, finished. Under FSDP

@@ -194,8 +194,6 @@ def test_hostile_shard_files_are_refused_without_running_code(fsdp_run, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="issue 20, open: the gather worker at FSDP world size 2 sometimes aborts at "
-                   "teardown after its work ('terminate called without an active exception'); still run, XFAIL/XPASS")
 def test_resharding_from_world_size_4(tmp_path):
     """Saved by FSDP at world size 4: loaded by FSDP at 4 and 2 and by one process, every
     gathered tensor bitwise equal; each trains on."""

@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 import optim.sharded
+from harness import process_end
 from optim.build import build_bundle, parse_optim_config
 from optim.muon import Muon
 from optim.sharded import matrix_rounds
@@ -182,6 +183,7 @@ def refusals() -> list[str]:
 def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
+    process_end.group_joined()
     torch.use_deterministic_algorithms(True)
     report = {variant: run_arm(variant) for variant in [*ARMS, "muon@hsdp", "adafactor@hsdp", "olion@rounds"]}
     report["refused"] = refusals()
@@ -191,3 +193,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    process_end.end(0)  # without finalization, as `harness` ends after a process group (harness/process_end.py)

@@ -1,0 +1,40 @@
+"""A process that joined a process group ends without the interpreter's finalization
+(harness/process_end.py): in it, gloo worker threads that outlive the group (DTensor's caches
+keep an FSDP mesh's group alive) aborted finished runs with SIGABRT (issue 20). A single
+process still exits normally."""
+
+from pathlib import Path
+
+import pytest
+
+from launch import run, tail, torchrun
+from procs import ENV, TINY, harness
+
+PROBE = ["--set", 'model.factory="finalize_probe:build"']
+PATH_ENV = {"PYTHONPATH": str(Path(__file__).parent)}
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_a_distributed_run_ends_without_finalizing(tmp_path, strategy):
+    run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
+    args = torchrun("train", str(TINY), "--run-dir", str(run_dir), "--set", f"parallel.strategy={strategy}",
+                    "--set", "train.steps=4", *PROBE)
+    assert run(args, log, env=PATH_ENV) == 0, tail(log)
+    text = log.read_text()
+    assert text.count("finished") >= 2 and "interpreter finalized" not in text, tail(log)
+
+
+def test_a_user_error_under_torchrun_keeps_its_exit_code(tmp_path):
+    log = tmp_path / "torchrun.log"
+    args = torchrun("train", str(TINY), "--run-dir", str(tmp_path / "run"), "--set", "parallel.strategy=fsdp",
+                    "--set", "parallel.shard_modules='nomatch'", *PROBE)
+    assert run(args, log, env=PATH_ENV) != 0
+    text = log.read_text()
+    assert "matches no module" in text and "exitcode  : 2" in text and "interpreter finalized" not in text, tail(log)
+
+
+def test_a_single_process_still_finalizes(tmp_path):
+    proc = harness("train", str(TINY), "--run-dir", str(tmp_path / "run"), "--set", "train.steps=2", *PROBE,
+                   env={**ENV, **PATH_ENV})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "interpreter finalized" in proc.stderr
