@@ -63,8 +63,9 @@ def apply(threads: int | None = None) -> dict[str, Any]:
     import torch
 
     prepare_environment()
-    if threads is not None:
-        torch.set_num_threads(threads)
+    # Set even when it is torch's own choice: a count torch never set is re-derived from MKL's
+    # (mkl_get_max_threads) in every thread that first computes; a set one is the same everywhere.
+    torch.set_num_threads(threads if threads is not None else torch.get_num_threads())
     torch.use_deterministic_algorithms(True)
     # Deterministic mode also fills every uninitialised tensor (`torch.empty`, every op's output
     # buffer) with NaN by default: a debugging aid that changes no result of a program that never
