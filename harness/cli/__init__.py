@@ -12,9 +12,9 @@ and `harness report` start without torch (a second, not three CPU-seconds of imp
 
 A `UserError` anywhere becomes one line on stderr and exit code 2, an `Unavailable` (storage
 outage past its retry deadline) one line and exit code 69; anything else is a bug and keeps its
-traceback. The exit code is recorded for launchers that
-cannot see it (`exit_codes.record`). A process that joined a process group ends through
-`process_end.end`, without the interpreter's finalization (see there why). `--log-level` is accepted before the command and after it
+traceback. The exit code is recorded for launchers that cannot see it (`exit_codes.record`). A
+process that joined a process group ends through `process_end.end`, without the interpreter's
+finalization (see there why). `--log-level` is accepted before the command and after it
 (`harness train C --log-level debug`).
 
 Output piped into a reader that stops early (`harness report RUN | head -2`) ends the command
