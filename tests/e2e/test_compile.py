@@ -23,7 +23,9 @@ def test_a_compiled_run_killed_and_resumed_is_bitwise_equal_and_eager_reads_its_
         names = list(f.keys())
     assert names and not any("_orig_mod" in name for name in names), names
 
-    kill_at_step(["train", str(TINY), "--run-dir", str(eager), *COMPILED], eager, 6, timeout=900)
+    # A save inside the step loop: the step-4 checkpoint is there when the kill comes.
+    sync = ["--set", "checkpoint.async_save=false"]
+    kill_at_step(["train", str(TINY), "--run-dir", str(eager), *COMPILED, *sync], eager, 6, timeout=900)
     refused = harness("train", str(TINY), "--run-dir", str(eager))
     assert refused.returncode == 2 and "train.compile" in refused.stderr, refused.stderr[-3000:]
     resumed = harness("train", str(TINY), "--run-dir", str(eager), "--allow-config-change", check=True, timeout=900)

@@ -12,7 +12,8 @@ def test_other_data_on_resume_is_refused_unless_allowed(tmp_path):
     text.write_bytes(default_corpus()[:48 * 1024])
     run = tmp_path / "run"
     args = ["train", str(TINY), "--run-dir", str(run)]
-    assert kill_at_step([*args, "--set", f"data.url='{text}'"], run, 6) != 0
+    # A save inside the step loop: the step-4 checkpoint is there when the kill comes.
+    assert kill_at_step([*args, "--set", f"data.url='{text}'", "--set", "checkpoint.async_save=false"], run, 6) != 0
 
     moved = tmp_path / "moved.txt"
     shutil.copy(text, moved)
