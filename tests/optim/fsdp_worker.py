@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 import optim.sharded
-from harness import process_end
+from harness import distributed, process_end
 from optim.build import build_bundle, parse_optim_config
 from optim.muon import Muon
 from optim.sharded import matrix_rounds
@@ -182,13 +182,11 @@ def refusals() -> list[str]:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    dist.init_process_group("gloo")
-    process_end.group_joined()
-    torch.use_deterministic_algorithms(True)
-    report = {variant: run_arm(variant) for variant in [*ARMS, "muon@hsdp", "adafactor@hsdp", "olion@rounds"]}
-    report["refused"] = refusals()
-    (out / f"rank-{dist.get_rank()}.json").write_text(json.dumps(report, indent=1))
-    dist.destroy_process_group()
+    with distributed.process_group() as topo:  # joined as `harness train` joins, so it ends as that does
+        torch.use_deterministic_algorithms(True)
+        report = {variant: run_arm(variant) for variant in [*ARMS, "muon@hsdp", "adafactor@hsdp", "olion@rounds"]}
+        report["refused"] = refusals()
+        (out / f"rank-{topo.rank}.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
