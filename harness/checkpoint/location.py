@@ -149,9 +149,10 @@ def write_small(loc: Location, path: str, data: bytes) -> None:
 
 def open_read(loc: Location, path: str, prefetch: bool = False):
     """A binary reader with `seek` and `readinto`; unbuffered on local disk (large reads go
-    straight into the destination tensor). `prefetch` asks the kernel to read the whole file
-    ahead asynchronously (into the page cache, not this process's memory): loading reads every
-    tensor in order, and without it each tensor-sized read waits for the disk on its own."""
+    straight into the destination tensor). `prefetch` advises the kernel that the file will be
+    read (`POSIX_FADV_WILLNEED`): Linux starts reading its first read-ahead window (the device's
+    `read_ahead_kb`, 8 MiB on the reference machine) into the page cache at once, not the whole
+    file; the reads that follow keep the kernel's own read-ahead going."""
     f = loc.fs.open(path, "rb")
     if loc.is_local and prefetch and hasattr(os, "posix_fadvise"):
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
