@@ -3,9 +3,11 @@
    The leading explanation of that residual is a torch reduction running on an OpenMP team of
    another size than asked. This LD_PRELOAD library wraps GOMP_parallel (GNU OpenMP, which
    torch's x86 wheels use) and counts, per calling thread (the process's main thread or another),
-   the team size every parallel region got, and lists regions that got fewer threads than their
-   caller asked for. Nested regions (MKL inside a torch parallel loop) get one thread by design
-   and are listed too; compare the counts between a run that differs and one that does not.
+   the team size every parallel region got, lists regions that got fewer threads than their
+   caller asked for, and counts the SSE control words (MXCSR: rounding, flush-to-zero,
+   denormals-are-zero) the team's threads computed under. Nested regions (MKL inside a torch
+   parallel loop) get one thread by design and are listed too; compare the counts between a run
+   that differs and one that does not.
 
    Build and run (torch's own libgomp, which torch loads privately, must be named):
      gcc -O2 -shared -fPIC -o /tmp/omp_teams.so ops/diag/omp_teams.c -ldl
@@ -22,16 +24,31 @@
 #include <stdatomic.h>
 #include <unistd.h>
 #include <sys/syscall.h>
+#include <xmmintrin.h>
 
 typedef void (*real_fn)(void (*)(void*), void*, unsigned, unsigned);
 static real_fn real_parallel;
 static int (*p_thread_num)(void), (*p_num_threads)(void), (*p_max_threads)(void);
 struct ctx { void (*fn)(void*); void *data; int expected; unsigned requested; long tid; };
-#define MAXLOG 4096
-static atomic_long n_regions, n_main, n_other;
+static atomic_long n_regions;
 static atomic_long n_short;
 static struct { long tid; int expected; unsigned requested; int got; } shortlog[64];
 static atomic_long hist[3][17];  /* [main, other][team] */
+/* The SSE control word (rounding, flush-to-zero, denormals-are-zero) each thread computed under:
+   a worker thread inherits its creator's at creation, and a different one changes results. */
+static atomic_uint csr_seen[8];
+static atomic_long csr_count[8];
+
+static void note_csr(void) {
+    unsigned csr = _mm_getcsr() & ~0x3fu;  /* without the sticky exception flags */
+    for (int i = 0; i < 8; i++) {
+        unsigned expected = 0;
+        if (atomic_load(&csr_seen[i]) == csr + 1 || atomic_compare_exchange_strong(&csr_seen[i], &expected, csr + 1)) {
+            atomic_fetch_add(&csr_count[i], 1);
+            return;
+        }
+    }
+}
 
 static void init(void) {
     const char *lib = getenv("GOMP_SHIM_LIB");
@@ -45,6 +62,7 @@ static void init(void) {
 
 static void tramp(void *p) {
     struct ctx *c = p;
+    note_csr();
     if (p_thread_num() == 0) {
         int n = p_num_threads();
         int want = c->requested ? (int)c->requested : c->expected;
@@ -71,6 +89,7 @@ __attribute__((destructor)) static void report(void) {
     char path[512]; snprintf(path, sizeof path, "%s.%d", out, getpid());
     FILE *f = fopen(path, "w"); if (!f) return;
     fprintf(f, "regions %ld short %ld\n", (long)n_regions, (long)n_short);
+    for (int i = 0; i < 8 && csr_seen[i]; i++) fprintf(f, "mxcsr %#x regions-threads %ld\n", csr_seen[i] - 1, (long)csr_count[i]);
     for (int w = 0; w < 2; w++) { fprintf(f, w ? "other" : "main"); for (int i = 0; i < 17; i++) if (hist[w][i]) fprintf(f, " %d:%ld", i, (long)hist[w][i]); fprintf(f, "\n"); }
     for (long k = 0; k < n_short && k < 64; k++)
         fprintf(f, "short tid=%ld main=%d expected=%d requested=%u got=%d\n", shortlog[k].tid, shortlog[k].tid == getpid(), shortlog[k].expected, shortlog[k].requested, shortlog[k].got);
