@@ -14,6 +14,7 @@ signature: whoever can rewrite a file can rewrite the manifest too.
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -21,11 +22,26 @@ import blake3
 
 DEFAULT_ALGORITHM = "blake3"
 
+# Whether this process is a fork of one that may have hashed over every core. BLAKE3's threads
+# are a process-wide pool (Rust's rayon), started by the first multi-threaded hash; a fork copies
+# the pool's state but not its threads, so a forked child (a DataLoader worker checking a data
+# shard) that hashes over it waits forever for threads that are not there.
+_forked = False
+
+
+def _note_fork() -> None:
+    global _forked
+    _forked = True
+
+
+os.register_at_fork(after_in_child=_note_fork)
+
 
 def _blake3() -> Any:
     # AUTO: a large update is split over every core (same digest). On the 2-core reference
-    # machine a warm verified load took 1.24x a raw read with it, 2.4x on one thread.
-    return blake3.blake3(max_threads=blake3.blake3.AUTO)
+    # machine a warm verified load took 1.24x a raw read with it, 2.4x on one thread. A forked
+    # child hashes on its own thread (above).
+    return blake3.blake3(max_threads=1 if _forked else blake3.blake3.AUTO)
 
 
 # Name in the manifest -> constructor of a hasher with update() and hexdigest(); both give 64 hex digits.
