@@ -16,8 +16,10 @@ Contracts:
   optim.sharded, which adds the sharded-parameter path). A batch holds
   matrices of one *wide* shape: a (4d, d) and a (d, 4d) matrix share one, the tall one transposed
   (the iteration runs on the wide orientation anyway). Each matrix is normalised in its own
-  orientation before the stack, so in float32 on CPU every batched result is bitwise the
-  single-matrix result (tested); elsewhere bmm and mm may sum in other orders (float tolerance).
+  orientation before the stack, so in float32 on the Intel CPUs measured every batched result
+  is bitwise the single-matrix result (tested); on an AMD EPYC a tall matrix's could differ in
+  the last bits (its slot is contiguous, the single path iterates on its transposed view, and
+  MKL there sums by operand layout); on GPUs bmm and mm may sum in other orders (float tolerance).
   A batch's stack is at most `MAX_STACK_BYTES`, which bounds the transient memory of batching.
 - `ns_dtype("auto", device)`: bfloat16 on CUDA (tensor cores, as the field runs Muon), float32
   elsewhere: on a CPU float32 is the reference math, and bfloat16 matrix products were slower
@@ -73,10 +75,14 @@ def _iterate(X: torch.Tensor, steps: int) -> torch.Tensor:
     for _ in range(steps):
         # The reference's B = b*A + c*A^2 and X = a*X + B X, with every product and sum rounded
         # as there (no fused multiply-add), but in place: ~20% faster on CPU, bitwise the same.
+        # X keeps its layout as the reference's `a * X + ...` does (a tall matrix iterates on its
+        # transposed view): oneMKL may sum a product in another order for another operand
+        # layout (it did on an AMD EPYC, not on the Intel CPUs measured before).
         A = X @ X.mT
         B = A @ A
         B.mul_(c).add_(A.mul_(b))
-        X = (B @ X).add_(X.mul_(a))
+        BX = B @ X
+        X = X.mul_(a).add_(BX)
     return X
 
 

@@ -19,14 +19,15 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 DEFAULT_THREADS_ENV = {k: v for k, v in ENV.items()
                        if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR", "MKL_DYNAMIC", "OMP_DYNAMIC")}
 
-# Bitwise comparisons of oneMKL products computed by different call sequences (our Newton-Schulz
-# against the reference's; one thread against two without strict mode) were written on Intel
-# CPUs and hold there. On an AMD EPYC (AVX2) machine on 2026-12-01 they did not: the tall-matrix
-# Newton-Schulz and the Muon paths built on it differed from the reference in the last bits, and
-# MKL gave one result on 1 and 2 threads even without strict mode. Cause not yet found.
+# Bitwise comparisons of oneMKL products computed by different call sequences were written on
+# Intel CPUs and hold there. On an AMD EPYC (AVX2) machine on 2026-12-01 two did not: MKL gave
+# one result on 1 and 2 threads even without strict mode, and the batched Newton-Schulz (a tall
+# matrix iterates in a contiguous slot of the stack) differed in the last bits from the
+# reference (which iterates on the tall matrix's transposed view): MKL there sums a product in
+# another order for another operand layout. The per-matrix path keeps the reference's layout.
 INTEL_CPU = "GenuineIntel" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
-MKL_LAYOUT_BITWISE = dict(condition=not INTEL_CPU, strict=False,
-                          reason="bitwise oneMKL comparisons hold on Intel CPUs; on this one they did not (tests/procs.py)")
+MKL_BITWISE_ON_INTEL = dict(condition=not INTEL_CPU, strict=False,
+                            reason="bitwise oneMKL comparisons hold on Intel CPUs; on this one they did not (tests/procs.py)")
 
 
 def harness(*args: str, timeout: float = 300, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:

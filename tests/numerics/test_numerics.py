@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from procs import DEFAULT_THREADS_ENV, MKL_LAYOUT_BITWISE, ROOT, TINY, assert_same_run, harness, kill_at_step, start
+from procs import DEFAULT_THREADS_ENV, MKL_BITWISE_ON_INTEL, ROOT, TINY, assert_same_run, harness, kill_at_step, start
 
 PROBE = ROOT / "tests" / "numerics" / "mkl_threads_probe.py"
 
@@ -37,7 +37,7 @@ def test_mkl_dropping_threads_cannot_change_the_numbers():
     assert out["mkl1"] == out["mkl2"]
 
 
-@pytest.mark.xfail(**MKL_LAYOUT_BITWISE)
+@pytest.mark.xfail(**MKL_BITWISE_ON_INTEL)
 def test_the_probe_sees_mkl_threads_without_strict_mode():
     """The check above can fail: with MKL's reproducibility off (the user's own MKL_CBWR, which
     the harness keeps and warns about), one thread and two give other bits."""

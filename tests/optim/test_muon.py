@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from procs import MKL_LAYOUT_BITWISE
+from procs import MKL_BITWISE_ON_INTEL
 
 from optim.muon import Muon
 from optim.newton_schulz import newton_schulz
@@ -43,7 +43,6 @@ def reference_muon(ns, steps=3, lr=0.02, momentum=0.95, nesterov=True):
     return params
 
 
-@pytest.mark.xfail(**MKL_LAYOUT_BITWISE)
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_per_matrix_path_is_bitwise_the_reference(nesterov, ref_ns):
     params = make_params()
@@ -52,7 +51,7 @@ def test_per_matrix_path_is_bitwise_the_reference(nesterov, ref_ns):
         assert torch.equal(x, y)
 
 
-@pytest.mark.xfail(**MKL_LAYOUT_BITWISE)
+@pytest.mark.xfail(**MKL_BITWISE_ON_INTEL)
 @pytest.mark.parametrize("ns_batched", [True, None])
 def test_batched_and_default_paths_are_bitwise_the_reference_on_cpu(ns_batched, ref_ns):
     """SHAPES hold a transposed pair, (8, 16) and (16, 8), which share one batch: the default

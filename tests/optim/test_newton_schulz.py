@@ -5,13 +5,11 @@ import sys
 import pytest
 import torch
 
-from procs import MKL_LAYOUT_BITWISE
 from optim.newton_schulz import newton_schulz, ns_batches, ns_dtype, orthogonalize
 
 SHAPES = [(8, 16), (16, 8), (12, 12), (32, 64), (64, 32)]
 
 
-@pytest.mark.xfail(**MKL_LAYOUT_BITWISE)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_single_matrix_is_bitwise_the_reference(shape, ref_ns):
     G = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
