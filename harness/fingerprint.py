@@ -43,10 +43,10 @@ import torch
 import xxhash
 
 from harness.buffer_probe import non_persistent_buffers
-from harness.checkpoint.sharded import local_tensor
 from harness.checkpoint.tensorfile import tensor_bytes
 from harness.errors import UserError
 from harness.log import get_logger
+from optim.dtensor import local
 
 log = get_logger(__name__)
 
@@ -70,7 +70,7 @@ def digest(data: bytes) -> str:
 
 def tensor_digest(t: torch.Tensor) -> str:
     h = xxhash.xxh3_64(f"{t.dtype}{tuple(t.shape)}".encode())
-    h.update(tensor_bytes(local_tensor(t)))  # a DTensor: this rank's shard (FSDP; rank 0 checks)  # a dense CPU tensor is hashed where it lies, without a copy
+    h.update(tensor_bytes(local(t)))  # a DTensor: this rank's shard (FSDP; rank 0 checks)  # a dense CPU tensor is hashed where it lies, without a copy
     return h.hexdigest()
 
 

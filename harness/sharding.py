@@ -19,13 +19,11 @@ from __future__ import annotations
 import re
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
 from harness.config import ParallelSection
 from harness.errors import UserError
 from harness.log import get_logger
+from optim.dtensor import is_dtensor
 
 log = get_logger(__name__)
 
@@ -45,6 +43,10 @@ def shard_model(model: torch.nn.Module, cfg: ParallelSection, device: torch.devi
     if not units and "shard_modules" in cfg.model_fields_set:
         raise UserError(f"parallel.shard_modules = {cfg.shard_modules!r} matches no module of the model; "
                         f"pick names from model.named_modules() (e.g. 'h\\.\\d+'), or unset it")
+    # Imported here: FSDP loads DTensor, which costs a second at every start (optim/dtensor.py).
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     if not units:
         log.warning("parallel.shard_modules matches no module: the whole model is one FSDP unit (every parameter "
                     "gathered for the whole forward)", pattern=cfg.shard_modules)
@@ -63,13 +65,9 @@ def shard_model(model: torch.nn.Module, cfg: ParallelSection, device: torch.devi
     return units
 
 
-def is_sharded(t: torch.Tensor) -> bool:
-    return isinstance(t, DTensor)
-
-
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """A scalar result of sharded math (a DTensor) as a plain tensor; collective for DTensors."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def materialize_optimizer_state(optimizers: dict[str, torch.optim.Optimizer]) -> None:

@@ -33,11 +33,11 @@ from harness.fingerprint import FingerprintLog
 from harness.health.anomaly import Anomaly, detect
 from harness.log import get_logger
 from harness.models.contract import build_model, split_output
-from harness.checkpoint.sharded import local_tensor
 from harness.rng import RNGState, seed_everything
 from harness.sharding import full_value, materialize_optimizer_state, shard_model
 from harness.state import TrainerCounters, TrainState
 from optim.build import build_bundle
+from optim.dtensor import local
 from optim.errors import OptimError
 
 log = get_logger(__name__)
@@ -308,7 +308,7 @@ class Trainer:
             names = {id(p): n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
             named += [(f"optim/{opt_name}/{names.get(id(p), '?')}/{k}", v)
                       for p, st in opt.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)]
-        named = [(n, local_tensor(t).detach()) for n, t in named if t.is_floating_point() and t.numel()]
+        named = [(n, local(t).detach()) for n, t in named if t.is_floating_point() and t.numel()]
         suspect = bool(named) and not bool(
             torch.stack([t.sum(dtype=torch.float32).to(self.device) for _, t in named]).isfinite().all())
         bad = next((n for n, t in named if not bool(t.isfinite().all())), None) if suspect else None

@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from optim.base import MatrixOptimizer
 from optim.closure import run_closure
-from optim.sharded import factor_zeros, layout_of, local
+from optim.dtensor import local
+from optim.sharded import factor_zeros, layout_of
 
 
 class Adafactor2D(MatrixOptimizer):

@@ -16,7 +16,7 @@ import torch
 
 from optim.base import Optimizer
 from optim.closure import run_closure
-from optim.sharded import local
+from optim.dtensor import local
 
 
 class Lion(Optimizer):

@@ -39,8 +39,9 @@ import torch
 
 from optim.base import MatrixOptimizer
 from optim.closure import run_closure
+from optim.dtensor import local
 from optim.newton_schulz import NS_DTYPE_CHOICES, ns_dtype
-from optim.sharded import local, matrix_rounds, orthogonalize_matrices
+from optim.sharded import matrix_rounds, orthogonalize_matrices
 
 
 class Muon(MatrixOptimizer):

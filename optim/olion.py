@@ -21,7 +21,8 @@ import torch
 
 from optim.base import MatrixOptimizer
 from optim.closure import run_closure
-from optim.sharded import local, matrix_rounds, orthogonalize_matrices
+from optim.dtensor import local
+from optim.sharded import matrix_rounds, orthogonalize_matrices
 
 
 class OLion(MatrixOptimizer):

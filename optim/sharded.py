@@ -34,16 +34,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor import zeros as dtensor_zeros
 
+from optim.dtensor import is_dtensor
 from optim.newton_schulz import MAX_STACK_BYTES, ns_batches, orthogonalize
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The part of `t` this rank holds (a view: in-place ops on it update `t`): a DTensor's local
-    shard, a plain tensor itself."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def chunk_sizes(n: int, world: int) -> tuple[int, ...]:
@@ -81,8 +74,10 @@ def layout_of(p: torch.Tensor, name: str = "a parameter") -> ShardLayout | None:
     """The layout of a sharded DTensor `p`; None for a plain tensor or a fully replicated DTensor.
     Raises ValueError, naming `name`, for placements Newton-Schulz and Adafactor's statistics
     cannot take (module docstring)."""
-    if not isinstance(p, DTensor):
+    if not is_dtensor(p):
         return None
+    from torch.distributed.tensor import Replicate, Shard  # loaded already: `p` is a DTensor (optim/dtensor.py)
+
     sharded = [(mesh_dim, pl) for mesh_dim, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
     if not sharded:
         return None
@@ -105,8 +100,10 @@ def layout_of(p: torch.Tensor, name: str = "a parameter") -> ShardLayout | None:
 def factor_zeros(p: torch.Tensor, dim: int) -> torch.Tensor:
     """float32 zeros of length `p.shape[dim]` (a row or column statistic of a matrix), placed as
     that dimension of `p` is: sharded where `p` is sharded along `dim`, replicated elsewhere."""
-    if not isinstance(p, DTensor):
+    if not is_dtensor(p):
         return torch.zeros(p.shape[dim], device=p.device, dtype=torch.float32)
+    from torch.distributed.tensor import Replicate, Shard, zeros as dtensor_zeros  # loaded: `p` is a DTensor
+
     placements = [Shard(0) if isinstance(pl, Shard) and pl.dim == dim else Replicate() for pl in p.placements]
     return dtensor_zeros(p.shape[dim], device_mesh=p.device_mesh, placements=placements, dtype=torch.float32)
 

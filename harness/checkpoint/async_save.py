@@ -49,16 +49,15 @@ from collections.abc import Callable, Collection, Mapping
 from typing import Any, Literal
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from harness.checkpoint.background import BackgroundJob
 from harness.checkpoint.commit import Committed, Committer
 from harness.checkpoint.errors import CheckpointError, failed_save, still_committed
-from harness.checkpoint.sharded import local_tensor
 from harness.checkpoint.format import Snapshot, capture
 from harness.checkpoint.saver import Saver, Submitted
 from harness.errors import Unavailable, UserError
 from harness.log import get_logger
+from optim.dtensor import local
 
 log = get_logger(__name__)
 
@@ -106,15 +105,16 @@ class StagingBuffers:
             for name, whole in named.items():
                 key = (file, name)
                 wanted.add(key)
-                src = local_tensor(whole)  # a DTensor's own shard: each rank stages only what it holds
+                src = local(whole)  # a DTensor's own shard: each rank stages only what it holds
                 buf = self._buffers.get(key)
                 if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
                     buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
                     self._buffers[key] = buf
                 # A DTensor's buffer keeps its spec (mesh, placements, global shape), on the CPU:
                 # `DTensor.from_local` would move it back to the mesh's device (as DCP's own
-                # staging does, the local tensor is swapped, never moved).
-                out[name] = buf if src is whole else DTensor(buf, whole._spec, requires_grad=False)
+                # staging does, the local tensor is swapped, never moved). `type(whole)` is DTensor,
+                # named without importing it (optim/dtensor.py).
+                out[name] = buf if src is whole else type(whole)(buf, whole._spec, requires_grad=False)
                 if src.is_cuda:
                     on_gpu.setdefault(src.device, []).append((buf, src))
                 else:

@@ -24,7 +24,7 @@ from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.format import tensor_refs
 from harness.checkpoint.loading import Checkpoint, open_tensors, read_listed
 from harness.checkpoint.location import open_location, write_stream
-from harness.checkpoint.sharded import MAX_METADATA_BYTES, METADATA_FILE, SHARDED, metadata_from_json
+from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE, SHARDED
 from harness.checkpoint.store import CheckpointRef, CheckpointStore
 from harness.checkpoint.tensorfile import read_tensor, stream
 
@@ -97,6 +97,8 @@ def _unsharded(refs: dict, file):
 
 
 def _sharded(store: CheckpointStore, checkpoint, refs: dict, file):
+    from harness.checkpoint.sharded import metadata_from_json  # DCP: only sharded checkpoints load it
+
     meta_bytes = read_listed(store.loc, checkpoint.ref, checkpoint.manifest, METADATA_FILE, MAX_METADATA_BYTES)
     metadata = metadata_from_json(meta_bytes, f"{checkpoint.ref.url}/{METADATA_FILE}")
     chunks: dict[str, list] = {}

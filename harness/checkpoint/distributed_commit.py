@@ -50,7 +50,7 @@ from harness.checkpoint.commit import Committer
 from harness.checkpoint.format import STATE_FILE, Snapshot, dump_state, rank_file
 from harness.checkpoint.loading import Checkpoint, Verify
 from harness.checkpoint.manifest import FileRecord
-from harness.checkpoint.sharded import SHARDED, save_shards
+from harness.checkpoint.shard_files import SHARDED
 from harness.checkpoint.store import CheckpointRef, CheckpointStore
 from harness.checkpoint.tensorfile import serialize
 from harness.log import get_logger
@@ -157,6 +157,8 @@ class GroupCommit(Committer):
             files = [(own, snapshot.tensors[own])] if own in snapshot.tensors else []
         records = []
         if SHARDED in snapshot.tensors:  # every rank its own shards, through DCP (a collective on the group)
+            from harness.checkpoint.sharded import save_shards  # DCP: only sharded runs load it (shard_files.py)
+
             records += save_shards(snapshot.tensors[SHARDED], lambda name, chunks: self.store.write_file(
                 work, ref, name, chunks), rank, ref.url, group=self.group)
         for file, tensors in files:

@@ -39,10 +39,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from harness.checkpoint.errors import CheckpointError
-from harness.checkpoint.sharded import SHARDED, local_nbytes
+from harness.checkpoint.shard_files import SHARDED, local_nbytes
+from optim.dtensor import is_dtensor
 
 FORMAT_VERSION = 1
 STATE_FILE = "state.json"
@@ -154,7 +154,7 @@ def tensor_view(t: torch.Tensor) -> tuple:
     device. Empty tensors are never the same (they have no storage to share)."""
     if t.numel() == 0:
         return (id(t),)
-    if isinstance(t, DTensor):  # the same tensor as its local shard is (a tied parameter under FSDP)
+    if is_dtensor(t):  # the same tensor as its local shard is (a tied parameter under FSDP)
         return ("dtensor", *tensor_view(t.to_local()))
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device)
 

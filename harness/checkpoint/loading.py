@@ -36,8 +36,7 @@ from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.format import STATE_FILE, parse_state
 from harness.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_manifest
 from harness.checkpoint.restore import restore_parts
-from harness.checkpoint.sharded import (MAX_METADATA_BYTES, METADATA_FILE, check_fit, load_shards, metadata_from_json,
-                                        opened_once)
+from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE
 from harness.checkpoint.location import HashingReader, Location, hash_file, open_read, read_bytes
 from harness.checkpoint.tensorfile import TensorEntry, read_header
 from harness.log import get_logger
@@ -158,30 +157,38 @@ def _check_content(loc: Location, path: str, rec: FileRecord, where: str) -> Non
     elif rec.name == STATE_FILE:
         parse_state(read_bytes(loc, path, MAX_STATE_BYTES), where)
     elif rec.name == METADATA_FILE:
+        from harness.checkpoint.sharded import metadata_from_json  # DCP: only sharded checkpoints load it
+
         metadata_from_json(read_bytes(loc, path, MAX_METADATA_BYTES), where)
 
 
 class CheckpointShards:
     """The sharded tensors of `checkpoint` (restore.ShardedSource): its DCP metadata (read once,
     checked against the manifest, JSON), and its shard files opened through `open_file` (listed
-    in the manifest, size and header checked, hashed while read when the load verifies)."""
+    in the manifest, size and header checked, hashed while read when the load verifies). Built
+    only for a checkpoint with sharded parts: it imports DCP (checkpoint/shard_files.py says why
+    nothing else does)."""
 
     def __init__(self, loc: Location, checkpoint: Checkpoint, open_file: Callable) -> None:
+        from harness.checkpoint import sharded
+
         self.loc, self.checkpoint, self.open_file = loc, checkpoint, open_file
+        self._dcp = sharded
         self._metadata = None
 
     @property
     def metadata(self):
         if self._metadata is None:
             data = read_listed(self.loc, self.checkpoint.ref, self.checkpoint.manifest, METADATA_FILE, MAX_METADATA_BYTES)
-            self._metadata = metadata_from_json(data, self.loc.url_of(f"{self.checkpoint.ref.path}/{METADATA_FILE}"))
+            self._metadata = self._dcp.metadata_from_json(
+                data, self.loc.url_of(f"{self.checkpoint.ref.path}/{METADATA_FILE}"))
         return self._metadata
 
     def check(self, dest: Mapping[str, Any]) -> list[str]:
-        return check_fit(self.metadata, dest, self.checkpoint.ref.url)
+        return self._dcp.check_fit(self.metadata, dest, self.checkpoint.ref.url)
 
     def load(self, stack: ExitStack, dest: Mapping[str, Any]) -> None:
-        load_shards(self.metadata, dest, opened_once(self.open_file, stack))
+        self._dcp.load_shards(self.metadata, dest, self._dcp.opened_once(self.open_file, stack))
 
 
 def open_checkpoint(loc: Location, ref: CheckpointRef) -> Checkpoint:

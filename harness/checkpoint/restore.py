@@ -28,13 +28,12 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import DROP, KeyPath, decode, path_str, tensor_refs, tensor_view
-from harness.checkpoint.sharded import SHARDED
+from harness.checkpoint.shard_files import SHARDED
 from harness.checkpoint.tensorfile import TensorEntry, describe, read_tensor
+from optim.dtensor import is_dtensor
 
 # (file handle, header entries, name for messages) of one tensor file of the checkpoint.
 OpenTensors = Callable[[ExitStack, str], tuple[Any, dict[str, TensorEntry], str]]
@@ -152,8 +151,10 @@ def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], 
 def _read_into(f: Any, entry: TensorEntry, where: str, live: torch.Tensor | None) -> torch.Tensor:
     """Read one stored tensor into `live` (or a new tensor). A sharded live tensor (FSDP) loading
     an unsharded checkpoint (DDP, one process) takes its own shard of the whole tensor read."""
-    if not isinstance(live, DTensor):
+    if not is_dtensor(live):
         return read_tensor(f, entry, where, out=live)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # loaded: `live` is a DTensor
+
     whole = read_tensor(f, entry, where)
     shape, offset = compute_local_shape_and_global_offset(whole.shape, live.device_mesh, live.placements)
     for dim, (start, length) in enumerate(zip(offset, shape)):

@@ -18,7 +18,9 @@ pickles its `.metadata` and carries no content hashes; here
 
 A tensor of a sharded part is referenced in state.json as `{"$tensor": ["$dcp", FQN]}`
 (`SHARDED`, not a file name a manifest can hold), so the JSON side of the part stays where every
-other part's is and the format knows no part names.
+other part's is and the format knows no part names. Those names live in shard_files.py, which
+every checkpoint path imports; this module only sharded saves and loads do (DCP costs time at
+process start).
 """
 
 from __future__ import annotations
@@ -41,34 +43,15 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
-from torch.distributed.tensor import DTensor
 
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from harness.checkpoint.shard_files import METADATA_FILE, shard_file
 from harness.checkpoint.tensorfile import CODES, DTYPES, TensorEntry, read_tensor, serialize
 
 if TYPE_CHECKING:  # manifest.py imports format.py, which imports this module
     from harness.checkpoint.manifest import FileRecord
 
-SHARDED = "$dcp"
-"""The pseudo file of a sharded part's tensors in a `Snapshot` and in state.json references."""
-METADATA_FILE = "dcp-metadata.json"
 METADATA_FORMAT = 1
-MAX_METADATA_BYTES = 256 << 20
-
-
-def shard_file(rank: int) -> str:
-    """The safetensors file of rank `rank`'s shards."""
-    return f"shards-{rank:05d}.safetensors"
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of `t`: the local shard of a DTensor, `t` itself otherwise."""
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
-def local_nbytes(t: torch.Tensor) -> int:
-    local = local_tensor(t)
-    return local.numel() * local.element_size()
 
 
 @dataclass(frozen=True)

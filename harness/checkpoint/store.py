@@ -50,7 +50,7 @@ from harness.checkpoint.lease import DEFAULT_HEARTBEAT_S, Lease
 from harness.checkpoint.loading import (Checkpoint, Verify, open_checkpoint, open_tensors, read_manifest,
                                         read_state_file, restore, verify_files)
 from harness.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest
-from harness.checkpoint.sharded import SHARDED
+from harness.checkpoint.shard_files import SHARDED
 from harness.checkpoint.retention import check_policy, steps_to_keep
 from harness.checkpoint.location import Location, fsync_dir, open_location, rename, write_small, write_stream
 from harness.checkpoint.tensorfile import TensorEntry, serialize

@@ -16,7 +16,7 @@ from typing import Any
 from harness import distributed
 from harness.checkpoint import CheckpointCorrupt, CheckpointRef, CheckpointStore, Verify
 from harness.checkpoint.distributed_commit import load_checkpoint
-from harness.checkpoint.sharded import METADATA_FILE
+from harness.checkpoint.shard_files import METADATA_FILE
 from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR, folder_name, skipped
 from harness.config import RunConfig, config_changes
 from harness.data.sources import identity_changes, open_data

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from optim import Adafactor2D, Lion, Muon, OLion
-from optim.sharded import chunk_sizes, layout_of, local
+from optim.dtensor import local
+from optim.sharded import chunk_sizes, layout_of
 
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
