@@ -7,11 +7,19 @@ S3 server (ops/s3/local_server.py, moto, started here in its own process on loop
   checkpoint's bytes, staged on local disk beforehand: boto3 does not serialize or hash);
 * load: `CheckpointStore.load` of that checkpoint into a live model (streaming range reads into
   the tensors) against `boto3` `download_file` of the same objects to local disk;
-* verify: the hash pass `latest_good` makes before a resume, on its own.
+* verify: the hash pass `latest_good` makes before a resume, on its own;
+* the fixed cost of one save, whatever its size: median seconds of `--fixed-rounds` saves of a
+  tiny checkpoint (a 64x64 layer) against `upload_file` of its files (the store's commit protocol
+  and retention make S3 requests that a plain upload does not).
 
 Figures are MiB/s of checkpoint bytes, best of `--repeat` rounds; the two saves take turns going
 first (boto3 uploads the files of a checkpoint staged before the first round). The server is moto (Python, in memory): it bounds both sides alike, so the ratio is the
 figure to read, not the absolute speed. Run: `python ops/bench/s3_io.py --size-mib 256`.
+
+`--server-cpus 1` pins the server to those CPUs and this process (both clients) to the others, as
+when the endpoint is another machine: on a 2-core box the unpinned run makes every client
+CPU-second (the store serializes and hashes; `upload_file` of staged files does neither) a
+second taken from the server's share.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,7 +56,13 @@ def build(size_mib: int, seed: int) -> nn.Module:
     return nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)])
 
 
-def start_server() -> tuple[subprocess.Popen, str]:
+def pin(pid: int, cpus: set[int]) -> None:
+    """Every thread of process `pid` onto `cpus` (affinity is per thread; new threads inherit it)."""
+    for thread in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(thread), cpus)
+
+
+def start_server(cpus: set[int] | None) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -58,6 +73,11 @@ def start_server() -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen([sys.executable, str(ROOT / "ops/s3/local_server.py"), "--port", str(port),
                              "--bucket", BUCKET], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
     proc.stdout.readline()  # the "S3 server on ..." line: bucket created, serving
+    if cpus:
+        clients = set(os.sched_getaffinity(0)) - cpus
+        pin(proc.pid, cpus)
+        pin(os.getpid(), clients)
+        torch.set_num_threads(len(clients))
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -88,11 +108,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--fixed-rounds", type=int, default=10)
+    parser.add_argument("--server-cpus", type=lambda text: {int(c) for c in text.split(",")}, default=None,
+                        help="CPUs for the server, e.g. 1; the clients get the rest (default: all share all)")
     args = parser.parse_args()
+    if args.server_cpus and not args.server_cpus < set(os.sched_getaffinity(0)):
+        parser.error(f"--server-cpus {sorted(args.server_cpus)}: leave at least one of CPUs "
+                     f"{sorted(os.sched_getaffinity(0))} for the clients")
     os.environ.update(PLACEHOLDER_ENV)
-    server, endpoint = start_server()
+    server, endpoint = start_server(args.server_cpus)
     try:
-        print(json.dumps(run(args.size_mib, args.repeat, endpoint), indent=2))
+        result = run(args.size_mib, args.repeat, endpoint)
+        result["fixed_seconds"] = fixed_costs(args.fixed_rounds, endpoint)
+        result["server_cpus"] = sorted(args.server_cpus) if args.server_cpus else "shared"
+        print(json.dumps(result, indent=2))
     finally:
         server.terminate()
         server.wait()
@@ -135,6 +164,22 @@ def run(size_mib: int, repeat: int, endpoint: str) -> dict:
             "mib_per_s": {k: rate(k) for k in best},
             "save_ratio_store_vs_boto3": round(best["boto3_upload"] / best["store_save"], 2),
             "load_ratio_store_vs_boto3": round(best["boto3_download"] / best["store_load"], 2)}
+
+
+def fixed_costs(rounds: int, endpoint: str) -> dict[str, float]:
+    """Median seconds of a tiny checkpoint's save (commit and retention) and of `upload_file` of
+    its files, in a store of its own."""
+    client = boto3.client("s3", endpoint_url=endpoint, config=Config(s3={"payload_signing_enabled": False}))
+    store = CheckpointStore(f"s3://{BUCKET}/fixed", keep_last=2, storage_options={"endpoint_url": endpoint})
+    model = nn.Linear(64, 64)
+    times: dict[str, list[float]] = {"store_save": [], "boto3_upload": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        staged = _download(client, store.save(0, {"model": model}), Path(tmp))
+        for step in range(1, rounds + 1):
+            times["store_save"].append(timed(lambda: store.save(step, {"model": model})))
+            times["boto3_upload"].append(timed(lambda: [
+                client.upload_file(str(p), BUCKET, f"boto3-fixed/{step}/{p.name}") for p in staged.values()]))
+    return {name: round(statistics.median(values), 3) for name, values in times.items()}
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""ops/bench/optim_step.py, sharded_muon.py (under torchrun), harness_overhead.py and data_wait.py still run (tiny
+"""ops/bench/optim_step.py, sharded_muon.py (under torchrun), harness_overhead.py, data_wait.py and s3_io.py still run (tiny
 sizes) and print every figure docs/bench-optim.md, docs/bench-data.md and README quote. They time nothing here: no
 figure is asserted."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -43,3 +44,13 @@ def test_data_wait_reports_the_share_of_the_step_spent_waiting_for_data():
     out = bench("data_wait.py", "--steps", "3", "--warmup", "1", "--configs", "quickstart", "--workers", "0")
     assert "| config | num_workers | step, median | wait for data, share of step time |" in out
     assert "| quickstart | 0 |" in out
+
+
+def test_s3_io_bench_pinned_reports_every_figure():
+    pinned = ["--server-cpus", str(max(os.sched_getaffinity(0)))] if len(os.sched_getaffinity(0)) > 1 else []
+    text = bench("s3_io.py", "--size-mib", "2", "--repeat", "1", "--fixed-rounds", "2", *pinned)
+    text = "\n" + text  # the store's log lines come first, then the JSON
+    out = json.loads(text[text.rindex("\n{\n"):])
+    assert set(out["mib_per_s"]) == {"store_save", "boto3_upload", "boto3_download", "store_load", "store_verify"}
+    assert set(out["fixed_seconds"]) == {"store_save", "boto3_upload"}
+    assert out["save_ratio_store_vs_boto3"] > 0 and out["load_ratio_store_vs_boto3"] > 0
