@@ -38,7 +38,7 @@ import re
 import socket
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, suppress
 from dataclasses import dataclass
 from secrets import token_hex
 from typing import Any
@@ -125,19 +125,26 @@ class CheckpointStore:
         path = f"{self.dir}/step-{step:08d}"
         return CheckpointRef(step, path, self.loc.url_of(path))
 
+    def scan(self) -> tuple[list[CheckpointRef], list[str]]:
+        """(`list()`, `incomplete()`) from one listing and one manifest check per step folder
+        (on an object store each is a request; retention after every save needs both)."""
+        committed, incomplete = [], []
+        for name in self._names():
+            path = f"{self.dir}/{name}"
+            step = STEP_DIR.fullmatch(name)
+            if step and self.loc.fs.exists(f"{path}/{MANIFEST_FILE}"):
+                committed.append(self.ref(int(step[1])))
+            elif step or TMP_DIR.fullmatch(name):
+                incomplete.append(path)
+        return committed, incomplete
+
     def list(self) -> list[CheckpointRef]:
         """Committed checkpoints (a manifest exists; not yet verified), oldest first."""
-        refs = [self.ref(int(m[1])) for n in self._names() if (m := STEP_DIR.fullmatch(n))]
-        return [r for r in refs if self.loc.fs.exists(f"{r.path}/{MANIFEST_FILE}")]
+        return self.scan()[0]
 
     def incomplete(self) -> list[str]:
         """Paths of folders that are not checkpoints: temporary folders, step folders without manifest."""
-        out = []
-        for name in self._names():
-            path = f"{self.dir}/{name}"
-            if TMP_DIR.fullmatch(name) or (STEP_DIR.fullmatch(name) and not self.loc.fs.exists(f"{path}/{MANIFEST_FILE}")):
-                out.append(path)
-        return out
+        return self.scan()[1]
 
     def manifest(self, ref: CheckpointRef) -> Manifest:
         """The parsed manifest of `ref`; `CheckpointCorrupt` when it is missing or malformed."""
@@ -151,10 +158,9 @@ class CheckpointStore:
     def candidates(self) -> list[CheckpointRef]:
         """Committed checkpoints newest first, not yet verified; step folders without a manifest
         (interrupted saves) are logged as ignored."""
-        committed = self.list()
-        paths = {r.path for r in committed}
-        for path in self.incomplete():
-            if path not in paths and STEP_DIR.fullmatch(folder_name(path)):
+        committed, incomplete = self.scan()
+        for path in incomplete:
+            if STEP_DIR.fullmatch(folder_name(path)):
                 log.warning("ignoring a checkpoint folder without manifest (an interrupted save?)", path=self.loc.url_of(path))
         log.debug("checkpoint candidates, newest first", url=self.url, steps=[r.step for r in committed[::-1]])
         return committed[::-1]
@@ -258,14 +264,16 @@ class CheckpointStore:
             self.loc.fs.remove_tree(work)
 
     def delete(self, ref: CheckpointRef) -> None:
-        """Remove a checkpoint, manifest first, so it stops existing before its data goes."""
-        manifest = f"{ref.path}/{MANIFEST_FILE}"
-        if self.loc.fs.exists(manifest):
-            self.loc.fs.rm(manifest)
+        """Remove a checkpoint, manifest first, so it stops existing before its data goes. What is
+        already gone is no error (asked by removing, not by checking first: on an object store
+        every check is a request, and retention runs after every save)."""
+        with suppress(FileNotFoundError):
+            self.loc.fs.rm(f"{ref.path}/{MANIFEST_FILE}")
         if self.loc.is_local:
             self.loc.fs.remove_tree(ref.path)
-        elif self.loc.fs.exists(ref.path):
-            self.loc.fs.rm(ref.path, recursive=True)
+        else:
+            with suppress(FileNotFoundError):
+                self.loc.fs.rm(ref.path, recursive=True)
 
     def gc(self, newest_good: int | None = None, *, dry_run: bool = False) -> list[str]:
         """Apply retention and remove leftovers of dead writers; returns the URLs removed (with
@@ -274,7 +282,7 @@ class CheckpointStore:
         looked for (reading checkpoints newest first). Retention keeps it and deletes nothing
         while there is none (retention.py)."""
         removed = []
-        committed = self.list()
+        committed, incomplete = self.scan()
         if newest_good is None:
             newest_good = getattr(self.first_good(committed[::-1]), "step", None)
         keep = steps_to_keep([r.step for r in committed], self.keep_last, self.keep_every, newest_good)
@@ -283,11 +291,9 @@ class CheckpointStore:
                 if not dry_run:
                     self.delete(ref)
                 removed.append(ref.url)
-        alive = {self.writer_id}
-        holder = self._lease.read()
-        if holder is not None and self._lease.gone_reason(holder) is None:
-            alive.add(str(holder["owner"]))
-        for path in self.incomplete():
+        temporary = any(TMP_DIR.fullmatch(folder_name(path)) for path in incomplete)
+        alive = self._live_writers() if temporary else set()
+        for path in incomplete:  # listed before the deletes: those removed whole checkpoints only
             tmp = TMP_DIR.fullmatch(folder_name(path))
             if tmp is not None and tmp[2] in alive:
                 continue
@@ -297,6 +303,15 @@ class CheckpointStore:
         if removed and not dry_run:
             log.info("checkpoint retention removed", paths=removed)
         return removed
+
+    def _live_writers(self) -> set[str]:
+        """This store's writer and the lease holder, if its lease is live: their temporary folders
+        may be a save in progress."""
+        alive = {self.writer_id}
+        holder = self._lease.read()
+        if holder is not None and self._lease.gone_reason(holder) is None:
+            alive.add(str(holder["owner"]))
+        return alive
 
     # ---- reading ---------------------------------------------------------------------------
 

@@ -76,6 +76,25 @@ def test_prefix_without_manifest_is_ignored(proxy, s3_server, s3_url):
     assert reopened.latest_good().step == 1
 
 
+def test_deleting_what_is_partly_or_wholly_gone_is_no_error(proxy, s3_server, s3_url):
+    """`delete` removes without checking first (every check is a request): a checkpoint whose
+    manifest a crashed deleter already removed, and one removed twice, are no error; the
+    others stay."""
+    store = CheckpointStore(s3_url, storage_options=options(proxy.endpoint))
+    live = parts(seed=0)
+    for step in (1, 2, 3):
+        store.save(step, live)
+    before = [r.step for r in store.list()]
+    assert 2 in before
+    prefix = s3_url.split("/", 3)[3]
+    s3_server.client().delete_object(Bucket=s3_server.bucket, Key=f"{prefix}/checkpoints/step-00000002/manifest.json")
+    store.delete(store.ref(2))
+    store.delete(store.ref(2))
+    committed, incomplete = store.scan()
+    assert [r.step for r in committed] == [s for s in before if s != 2] and not incomplete
+    assert not s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{prefix}/checkpoints/step-00000002/").get("Contents")
+
+
 def test_discovery_sees_what_another_process_wrote(proxy, s3_url):
     """One process's view of the run dir follows another writer's commits and deletions (the
     supervisor polls the newest checkpoint while its child trains), despite s3fs's listing cache."""
