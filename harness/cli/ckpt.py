@@ -68,7 +68,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
     store, ref = open_target(args.run_dir, storage_options_of(args))
     if ref is not None:
         raise CheckpointError(f"{args.run_dir} is a checkpoint; `harness ckpt ls` takes its run dir")
-    refs, incomplete = store.list(), store.incomplete()
+    refs, incomplete = store.scan()
     if not refs and not incomplete:
         print(f"no checkpoints in {store.url}")
         return 0
@@ -94,11 +94,10 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def verify_target(url: str, options: dict | None = None) -> int:
     """`harness ckpt verify URL`: print each checkpoint's verdict and problems; 1 if any fails."""
     store, ref = open_target(url, options)
-    refs = [ref] if ref is not None else store.list()
-    if ref is None:
-        for path in store.incomplete():
-            if STEP_DIR.fullmatch(folder_name(path)):
-                refs.append(CheckpointRef(int(STEP_DIR.fullmatch(folder_name(path))[1]), path, store.loc.url_of(path)))
+    refs, incomplete = ([ref], []) if ref is not None else store.scan()
+    for path in incomplete:  # a step folder without manifest: reported as a failed checkpoint
+        if STEP_DIR.fullmatch(folder_name(path)):
+            refs.append(CheckpointRef(int(STEP_DIR.fullmatch(folder_name(path))[1]), path, store.loc.url_of(path)))
     if not refs:
         print(f"no checkpoints in {store.url}")
         return 1

@@ -81,6 +81,18 @@ def start_server(cpus: set[int] | None) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
+def boto3_client(endpoint: str):
+    """boto3 with the store's S3 settings where they change the work per byte: bodies unsigned,
+    checksummed (what both do over https anyway; see checkpoint/s3.py)."""
+    return boto3.client("s3", endpoint_url=endpoint, config=Config(s3={"payload_signing_enabled": False}))
+
+
+def _upload(client, staged: dict[str, Path], prefix: str) -> None:
+    """boto3 `upload_file` of every staged file under `prefix`."""
+    for path in staged.values():
+        client.upload_file(str(path), BUCKET, f"{prefix}/{path.name}")
+
+
 def _download(client, ref, folder: Path) -> dict[str, Path]:
     """boto3 `download_file` of every object of the checkpoint `ref` into `folder`: key -> file."""
     prefix = ref.path.split("/", 1)[1]
@@ -130,9 +142,7 @@ def main() -> None:
 def run(size_mib: int, repeat: int, endpoint: str) -> dict:
     model = build(size_mib, seed=0)
     target = build(size_mib, seed=1)
-    # The store's S3 settings where they change the work per byte: bodies unsigned, checksummed
-    # (what both do over https anyway; see checkpoint/s3.py).
-    client = boto3.client("s3", endpoint_url=endpoint, config=Config(s3={"payload_signing_enabled": False}))
+    client = boto3_client(endpoint)
     store = CheckpointStore(f"s3://{BUCKET}/store", keep_last=2, storage_options={"endpoint_url": endpoint})
     best: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,8 +156,7 @@ def run(size_mib: int, repeat: int, endpoint: str) -> dict:
                 nonlocal ref
                 ref = store.save(step, {"model": model})
 
-            saves = [("store_save", save), ("boto3_upload", lambda: [
-                client.upload_file(str(p), BUCKET, f"boto3/{step}/{p.name}") for p in staged.values()])]
+            saves = [("store_save", save), ("boto3_upload", lambda: _upload(client, staged, f"boto3/{step}"))]
             rounds = {name: timed(fn) for name, fn in (saves if step % 2 else saves[::-1])}  # alternate who goes first
             rounds["boto3_download"] = timed(lambda: _download(client, ref, Path(tmp)))
             rounds["store_load"] = timed(lambda: store.load(ref, {"model": target}))
@@ -169,7 +178,7 @@ def run(size_mib: int, repeat: int, endpoint: str) -> dict:
 def fixed_costs(rounds: int, endpoint: str) -> dict[str, float]:
     """Median seconds of a tiny checkpoint's save (commit and retention) and of `upload_file` of
     its files, in a store of its own."""
-    client = boto3.client("s3", endpoint_url=endpoint, config=Config(s3={"payload_signing_enabled": False}))
+    client = boto3_client(endpoint)
     store = CheckpointStore(f"s3://{BUCKET}/fixed", keep_last=2, storage_options={"endpoint_url": endpoint})
     model = nn.Linear(64, 64)
     times: dict[str, list[float]] = {"store_save": [], "boto3_upload": []}
@@ -177,8 +186,7 @@ def fixed_costs(rounds: int, endpoint: str) -> dict[str, float]:
         staged = _download(client, store.save(0, {"model": model}), Path(tmp))
         for step in range(1, rounds + 1):
             times["store_save"].append(timed(lambda: store.save(step, {"model": model})))
-            times["boto3_upload"].append(timed(lambda: [
-                client.upload_file(str(p), BUCKET, f"boto3-fixed/{step}/{p.name}") for p in staged.values()]))
+            times["boto3_upload"].append(timed(lambda: _upload(client, staged, f"boto3-fixed/{step}")))
     return {name: round(statistics.median(values), 3) for name, values in times.items()}
 
 
