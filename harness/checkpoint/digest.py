@@ -37,25 +37,42 @@ def _note_fork() -> None:
 os.register_at_fork(after_in_child=_note_fork)
 
 
-def _blake3() -> Any:
-    # AUTO: a large update is split over every core (same digest). On the 2-core reference
-    # machine a warm verified load took 1.24x a raw read with it, 2.4x on one thread. A forked
-    # child hashes on its own thread (above).
-    return blake3.blake3(max_threads=1 if _forked else blake3.blake3.AUTO)
+def hash_threads() -> int:
+    """Threads a large hash is split over (the digest is the same whatever the count): every core
+    this process may run on but one. A hash runs beside the thread that reads or writes the bytes
+    it hashes (location.BackgroundHash); hashing over every core took that thread's CPU as it woke
+    from the disk, and the disk waited: a cold verified read of 1 GiB on 2 cores took 1.13 s
+    hashing on both and 0.79 s on one (medians of 9, docs/bench-checkpoint.md). A forked child
+    hashes on its own thread (above)."""
+    if _forked:
+        return 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores - 1)
 
 
-# Name in the manifest -> constructor of a hasher with update() and hexdigest(); both give 64 hex digits.
-ALGORITHMS: dict[str, Callable[[], Any]] = {"blake3": _blake3, "sha256": hashlib.sha256}
+def _blake3(threads: int) -> Any:
+    # More than one thread: a pool of that many for this hasher alone (blake3's AUTO would use
+    # rayon's process-wide pool, which a fork breaks, and every core).
+    return blake3.blake3(max_threads=threads)
+
+
+# Name in the manifest -> constructor of a hasher (given the threads it may use) with update()
+# and hexdigest(); both give 64 hex digits.
+ALGORITHMS: dict[str, Callable[[int], Any]] = {"blake3": _blake3, "sha256": lambda _threads: hashlib.sha256()}
 HEX_DIGITS = 64
 
+# Below this, a one-call hash runs on the calling thread: starting a pool took 0.3 ms for two
+# threads and 1.5 ms for eight on the 2-core machine, and one thread hashes a megabyte in 0.5 ms.
+_THREADED_MIN_BYTES = 1 << 20
 
-def new_hasher(algorithm: str) -> Any:
-    """A fresh hasher for `algorithm` (a key of `ALGORITHMS`)."""
-    return ALGORITHMS[algorithm]()
+
+def new_hasher(algorithm: str, threads: int | None = None) -> Any:
+    """A fresh hasher for `algorithm` (a key of `ALGORITHMS`) on `threads` (`hash_threads()` when None)."""
+    return ALGORITHMS[algorithm](threads or hash_threads())
 
 
 def hexdigest(algorithm: str, data: bytes | memoryview) -> str:
     """The digest of `data` in one call (small files: state.json, a manifest's own checks)."""
-    h = new_hasher(algorithm)
+    h = new_hasher(algorithm, 1 if len(data) < _THREADED_MIN_BYTES else None)
     h.update(data)
     return h.hexdigest()

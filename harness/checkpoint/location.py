@@ -20,7 +20,7 @@ reads every byte once and costs about a raw read while the hash keeps up with th
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -133,18 +133,23 @@ def write_stream(loc: Location, path: str, chunks: Iterable[memoryview | bytes])
     `DEFAULT_ALGORITHM`). The hash runs behind the writes (`BackgroundHash`) and finishes during
     the fsync."""
     with BackgroundHash() as digest:
-        with loc.fs.open(path, "wb") as f:
-            for chunk in chunks:
-                digest.update(chunk)
-                f.write(chunk)
-            if loc.is_local:
-                loc.fs.fsync(f)
+        _write(loc, path, chunks, digest.update)
         return digest.size, digest.hexdigest()
 
 
 def write_small(loc: Location, path: str, data: bytes) -> None:
-    """Write a small file whole (a manifest, a lease); durable on local disk."""
-    write_stream(loc, path, [data])
+    """Write a small file whole (a manifest, a lease); durable on local disk. Not hashed: no
+    manifest names its digest (a lease is rewritten every heartbeat)."""
+    _write(loc, path, [data], lambda _chunk: None)
+
+
+def _write(loc: Location, path: str, chunks: Iterable[memoryview | bytes], seen: Callable[[memoryview | bytes], None]) -> None:
+    with loc.fs.open(path, "wb") as f:
+        for chunk in chunks:
+            seen(chunk)
+            f.write(chunk)
+        if loc.is_local:
+            loc.fs.fsync(f)
 
 
 def open_read(loc: Location, path: str, prefetch: bool = False):

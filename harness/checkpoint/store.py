@@ -232,11 +232,16 @@ class CheckpointStore:
             self._lease.check()
         ref = self.ref(step)
         local = self.loc.is_local
-        work = f"{ref.path}.tmp-{self.writer_id}-{token_hex(4)}" if local else ref.path
-        self.loc.fs.makedirs(work, exist_ok=True)
-        if not local and self.loc.fs.exists(f"{ref.path}/{MANIFEST_FILE}"):
+        if local:
+            work = f"{ref.path}.tmp-{self.writer_id}-{token_hex(4)}"
+            self.loc.fs.makedirs(work, exist_ok=True)
+            return ref, work
+        # One request: an object store has no folders to make (s3fs's makedirs asked whether the
+        # bucket exists; a missing one fails the first write, retry.py says how), and removing
+        # a manifest that is not there is no error (asking first took two more).
+        with suppress(FileNotFoundError):
             self.loc.fs.rm(f"{ref.path}/{MANIFEST_FILE}")
-        return ref, work
+        return ref, ref.path
 
     def write_file(self, work: str, ref: CheckpointRef, name: str, chunks) -> FileRecord:
         """Write one file of the checkpoint `ref` into `work` (durably on local disk)."""

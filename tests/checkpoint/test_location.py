@@ -1,17 +1,21 @@
-"""location.py: HashingReader hashes exactly the bytes of the file, whatever way they are read,
-under every algorithm a manifest can name."""
+"""location.py and digest.py: HashingReader hashes exactly the bytes of the file, whatever way they
+are read, under every algorithm a manifest can name, on any number of threads."""
 
 from __future__ import annotations
 
 import hashlib
 import io
+import os
+import subprocess
+import sys
 
 import blake3
 import pytest
 
 from harness.checkpoint import location
-from harness.checkpoint.digest import ALGORITHMS, DEFAULT_ALGORITHM
+from harness.checkpoint.digest import ALGORITHMS, DEFAULT_ALGORITHM, hexdigest, new_hasher
 from harness.checkpoint.location import HashingReader, hash_file, open_location, write_stream
+from procs import ENV, ROOT
 
 # Reference digests straight from the libraries, not through digest.py.
 REFERENCE = {"blake3": lambda data: blake3.blake3(data).hexdigest(), "sha256": lambda data: hashlib.sha256(data).hexdigest()}
@@ -68,3 +72,31 @@ def test_write_stream_returns_the_default_algorithms_digest_of_what_it_wrote(tmp
     loc = open_location(str(tmp_path))
     assert write_stream(loc, str(tmp_path / "f"), chunks) == (len(data), REFERENCE[DEFAULT_ALGORITHM](data))
     assert (tmp_path / "f").read_bytes() == data
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, None])
+def test_a_digest_does_not_depend_on_the_threads_that_computed_it(threads):
+    # Old manifests were hashed over every core (blake3's AUTO); they must verify on any count.
+    data = bytes(range(256)) * (12 << 10)  # 3 MiB: large enough for blake3 to split
+    h = new_hasher("blake3", threads)
+    h.update(data[:1000])
+    h.update(memoryview(data)[1000:])
+    assert h.hexdigest() == REFERENCE["blake3"](data) == blake3.blake3(data, max_threads=blake3.blake3.AUTO).hexdigest()
+    assert hexdigest("blake3", data) == hexdigest("blake3", data[:100] + data[100:]) == REFERENCE["blake3"](data)
+
+
+SHOW_HASH_THREADS = "import os, sys; os.sched_setaffinity(0, set(map(int, sys.argv[1:]))); " \
+                    "from harness.checkpoint.digest import hash_threads; print(hash_threads())"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_hash_leaves_one_of_the_cores_it_may_use_to_the_reader():
+    cpus = sorted(os.sched_getaffinity(0))
+
+    def threads(*allowed: int) -> int:
+        out = subprocess.run([sys.executable, "-c", SHOW_HASH_THREADS, *map(str, allowed)], capture_output=True,
+                             text=True, check=True, cwd=ROOT, env=ENV)
+        return int(out.stdout)
+
+    assert threads(cpus[0]) == 1
+    assert threads(*cpus) == len(cpus) - 1

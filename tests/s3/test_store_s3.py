@@ -170,3 +170,21 @@ def test_ckpt_commands_take_storage_options(s3_server, s3_url):
     assert diff.returncode == 0 and "bitwise equal" in diff.stdout, diff.stdout + diff.stderr
     bad = ckpt("ls", s3_url, "-o", "retry")
     assert bad.returncode == 2 and "-o 'retry': expected key=value" in bad.stderr
+
+
+def test_starting_a_commit_asks_the_store_once_and_a_recommit_replaces_the_manifest(proxy, s3_server, s3_url):
+    """`begin` on an object store removes the step's manifest without asking first whether the
+    bucket or the manifest exists (each question was a request, at every save); committing a
+    step again replaces the checkpoint, and until its new manifest is written, none is listed."""
+    store = CheckpointStore(s3_url, storage_options=options(proxy.endpoint))
+    store.save(1, parts(seed=0))
+    proxy.reset_counters()
+    ref, work = store.begin(2)
+    assert proxy.total() == 1 and work == ref.path
+    ref, _ = store.begin(1)  # the committed step 1 loses its manifest first
+    assert [r.step for r in store.list()] == []
+    again = parts(seed=1)
+    store.save(1, again)
+    restored = parts(seed=2)
+    store.load(store.ref(1), restored)
+    assert all(torch.equal(a, b) for a, b in zip(tensors(again), tensors(restored)))
