@@ -231,8 +231,7 @@ class CheckpointStore:
         if self._lease.held:
             self._lease.check()
         ref = self.ref(step)
-        local = self.loc.is_local
-        if local:
+        if self.loc.is_local:
             work = f"{ref.path}.tmp-{self.writer_id}-{token_hex(4)}"
             self.loc.fs.makedirs(work, exist_ok=True)
             return ref, work
