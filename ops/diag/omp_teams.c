@@ -15,7 +15,9 @@
        GOMP_SHIM_LIB=$(python -c 'import torch, os; print(os.path.dirname(torch.__file__))')/lib/libgomp.so.1 \
        harness train ...
    Each process writes /tmp/teams.PID at exit (a process that ends with os._exit, as a
-   distributed one does, writes nothing).
+   distributed one does, writes nothing), and appends a line to /tmp/teams.short the moment a
+   region outside nesting gets fewer threads than asked: a SIGKILLed process (the one that
+   differed in issue 16's failures) leaves that witness too.
 */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -28,8 +30,8 @@
 
 typedef void (*real_fn)(void (*)(void*), void*, unsigned, unsigned);
 static real_fn real_parallel;
-static int (*p_thread_num)(void), (*p_num_threads)(void), (*p_max_threads)(void);
-struct ctx { void (*fn)(void*); void *data; int expected; unsigned requested; long tid; };
+static int (*p_thread_num)(void), (*p_num_threads)(void), (*p_max_threads)(void), (*p_active_level)(void);
+struct ctx { void (*fn)(void*); void *data; int expected; unsigned requested; long tid; int nested; };
 static atomic_long n_regions;
 static atomic_long n_short;
 static struct { long tid; int expected; unsigned requested; int got; } shortlog[64];
@@ -58,6 +60,19 @@ static void init(void) {
     p_thread_num = dlsym(h, "omp_get_thread_num");
     p_num_threads = dlsym(h, "omp_get_num_threads");
     p_max_threads = dlsym(h, "omp_get_max_threads");
+    p_active_level = dlsym(h, "omp_get_active_level");
+}
+
+/* A team smaller than asked outside nesting is written at once to GOMP_SHIM_OUT.short (one line,
+   appended): a SIGKILLed process never reaches the report at exit. */
+static void log_short_now(const struct ctx *c, int got) {
+    const char *out = getenv("GOMP_SHIM_OUT");
+    if (!out) return;
+    char path[512]; snprintf(path, sizeof path, "%s.short", out);
+    FILE *f = fopen(path, "a"); if (!f) return;
+    fprintf(f, "pid=%d tid=%ld main=%d expected=%d requested=%u got=%d region=%ld\n", getpid(), c->tid,
+            c->tid == getpid(), c->expected, c->requested, got, (long)n_regions);
+    fclose(f);
 }
 
 static void tramp(void *p) {
@@ -71,6 +86,7 @@ static void tramp(void *p) {
         if (n < want && n < c->expected) {
             long k = atomic_fetch_add(&n_short, 1);
             if (k < 64) { shortlog[k].tid = c->tid; shortlog[k].expected = c->expected; shortlog[k].requested = c->requested; shortlog[k].got = n; }
+            if (!c->nested) log_short_now(c, n);
         }
     }
     c->fn(c->data);
@@ -78,7 +94,7 @@ static void tramp(void *p) {
 
 void GOMP_parallel(void (*fn)(void*), void *data, unsigned num_threads, unsigned flags) {
     if (!real_parallel) init();
-    struct ctx c = {fn, data, p_max_threads(), num_threads, syscall(SYS_gettid)};
+    struct ctx c = {fn, data, p_max_threads(), num_threads, syscall(SYS_gettid), p_active_level() > 0};
     atomic_fetch_add(&n_regions, 1);
     real_parallel(tramp, &c, num_threads, flags);
 }
