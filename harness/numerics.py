@@ -24,12 +24,16 @@ Contract:
 - `settings()` is what is in force: recorded in run.json and in every checkpoint's environment.
   A resume under different `RESUME_SENSITIVE` settings warns (bitwise equality is not promised
   there), as a different torch version does.
+- `warn_of_open_residual(device_type)`: where a residual nondeterminism is known on this platform
+  and not yet explained (`open_residual`), one warning at the trainer's start names it and the
+  setting that avoids it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -41,6 +45,8 @@ REPRODUCIBLE_ENV = {
     # cuBLAS picks reduction splits by workspace; a fixed one makes its GEMMs repeatable.
     "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
 }
+
+CPUINFO = Path("/proc/cpuinfo")
 
 # Settings whose change between a checkpoint and its resume can change the bits.
 RESUME_SENSITIVE = ("cpu_threads", "mkl_cbwr")
@@ -102,6 +108,7 @@ def settings() -> dict[str, Any]:
         "mkl_cbwr": _describe_cbwr(mkl.mkl_serv_cbwr_get(-1)) if mkl is not None else "no MKL",
         "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
         "env": {name: os.environ.get(name) for name in REPRODUCIBLE_ENV},
+        "cpu": cpu().model,
     }
     if torch.cuda.is_available():
         sdpa = torch.backends.cuda
@@ -116,6 +123,56 @@ def settings() -> dict[str, Any]:
             "nccl": {name: os.environ.get(name) for name in ("NCCL_ALGO", "NCCL_PROTO")},
         }
     return out
+
+
+def open_residual(device_type: str) -> str | None:
+    """The nondeterminism known on this platform that the settings above do not remove, or None.
+
+    Issue 16, open: on an Intel Xeon with AVX-512, default-threaded runs were seen to differ by
+    one ulp from an early step on (some torch reduction early in a process ran on a team of
+    another size; why was not found); never on one thread, nor on the AMD EPYC after it. The
+    conditions and figures: docs/verify-resume.md "Conditions of the guarantee"."""
+    if device_type != "cpu" or _mkl() is None:
+        return None
+    import torch
+
+    info = cpu()
+    if torch.get_num_threads() > 1 and info.vendor == "GenuineIntel" and "avx512f" in info.flags:
+        return ("on Intel CPUs with AVX-512, runs on more than one CPU thread were seen to differ by one ulp "
+                "from an early step on (issue 16, cause not found); runs on one thread never were")
+    return None
+
+
+def warn_of_open_residual(device_type: str) -> None:
+    """One warning per process when `open_residual` names something for this run."""
+    import torch
+
+    residual = open_residual(device_type)
+    if residual is not None:
+        _warn_once(residual, cpu=cpu().model, cpu_threads=str(torch.get_num_threads()),
+                   fix="set train.cpu_threads=1 where runs must be bitwise repeatable from one to the next")
+
+
+@dataclass(frozen=True)
+class Cpu:
+    vendor: str
+    model: str
+    flags: frozenset[str]
+
+
+@lru_cache(maxsize=1)
+def cpu() -> Cpu:
+    """This machine's CPU from /proc/cpuinfo (its first processor); empty where there is none."""
+    fields: dict[str, str] = {}
+    try:
+        text = CPUINFO.read_text()
+    except OSError:
+        text = ""
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields.setdefault(key.strip(), value.strip())
+    return Cpu(fields.get("vendor_id", ""), fields.get("model name", ""), frozenset(fields.get("flags", "").split()))
 
 
 @lru_cache(maxsize=None)

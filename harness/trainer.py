@@ -91,6 +91,7 @@ class Trainer:
         if self.device.type == "cuda" and world_size > 1:
             self.device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, set by the process group
         numerics.apply(cfg.train.cpu_threads)
+        numerics.warn_of_open_residual(self.device.type)
         seed_everything(cfg.train.seed)
 
         factory_args = model_args(cfg)

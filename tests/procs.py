@@ -10,6 +10,8 @@ import sys
 import time
 from pathlib import Path
 
+from harness import numerics
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "data" / "tiny.toml"
 
@@ -25,7 +27,7 @@ DEFAULT_THREADS_ENV = {k: v for k, v in ENV.items()
 # matrix iterates in a contiguous slot of the stack) differed in the last bits from the
 # reference (which iterates on the tall matrix's transposed view): MKL there sums a product in
 # another order for another operand layout. The per-matrix path keeps the reference's layout.
-INTEL_CPU = "GenuineIntel" in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else False
+INTEL_CPU = numerics.cpu().vendor == "GenuineIntel"
 MKL_BITWISE_ON_INTEL = dict(condition=not INTEL_CPU, strict=False,
                             reason="bitwise oneMKL comparisons hold on Intel CPUs; on this one they did not (tests/procs.py)")
 
