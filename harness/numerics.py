@@ -136,11 +136,16 @@ def open_residual(device_type: str) -> str | None:
         return None
     import torch
 
-    info = cpu()
-    if torch.get_num_threads() > 1 and info.vendor == "GenuineIntel" and "avx512f" in info.flags:
+    if torch.get_num_threads() > 1 and residual_platform():
         return ("on Intel CPUs with AVX-512, runs on more than one CPU thread were seen to differ by one ulp "
                 "from an early step on (issue 16, cause not found); runs on one thread never were")
     return None
+
+
+def residual_platform() -> bool:
+    """Whether this CPU is of the kind issue 16's residual was seen on (Intel, AVX-512)."""
+    info = cpu()
+    return info.vendor == "GenuineIntel" and "avx512f" in info.flags
 
 
 def warn_of_open_residual(device_type: str) -> None:
