@@ -48,8 +48,9 @@ REPRODUCIBLE_ENV = {
 
 CPUINFO = Path("/proc/cpuinfo")
 
-# Settings whose change between a checkpoint and its resume can change the bits.
-RESUME_SENSITIVE = ("cpu_threads", "mkl_cbwr")
+# Settings whose change between a checkpoint and its resume can change the bits. The CPU model too:
+# MKL's AUTO branch follows the instruction set, and a preempted job may come back on other nodes.
+RESUME_SENSITIVE = ("cpu_threads", "mkl_cbwr", "cpu")
 
 # mkl_cbwr.h: branch codes and the strict flag.
 _MKL_CBWR_AUTO = 2

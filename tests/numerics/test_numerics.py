@@ -17,6 +17,7 @@ import torch
 
 from harness import numerics
 from harness.config import load_config
+from harness.run.environment import environment_fingerprint, warn_if_changed
 from harness.trainer import Trainer
 from procs import DEFAULT_THREADS_ENV, MKL_BITWISE_ON_INTEL, ROOT, TINY, assert_same_run, harness, kill_at_step, start
 
@@ -125,3 +126,19 @@ def test_a_trainer_on_such_a_cpu_warns_once_at_its_start(monkeypatch, capfd, tmp
     finally:
         torch.set_num_threads(1)
         numerics._warn_once.cache_clear()
+
+
+def test_a_resume_on_another_cpu_model_warns(capfd):
+    """MKL's AUTO branch follows the CPU: a checkpoint written on another model warns at resume
+    (one written before the model was recorded does not)."""
+    device = torch.device("cpu")
+    now = environment_fingerprint(device)
+    moved = {**now, "numerics": {**now["numerics"], "cpu": "Some Other CPU @ 2.0GHz"}}
+    warn_if_changed(moved, device)
+    out, err = capfd.readouterr()
+    assert "numerics.cpu" in out + err and "Some Other CPU" in out + err, out + err
+    older = {**now, "numerics": {k: v for k, v in now["numerics"].items() if k != "cpu"}}
+    warn_if_changed(older, device)
+    warn_if_changed(now, device)
+    out, err = capfd.readouterr()
+    assert "different environment" not in out + err, out + err
