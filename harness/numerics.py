@@ -130,14 +130,14 @@ def open_residual(device_type: str) -> str | None:
     """The nondeterminism known on this platform that the settings above do not remove, or None.
 
     Issue 16, open: on an Intel Xeon with AVX-512, default-threaded runs were seen to differ by
-    one ulp from an early step on (some torch reduction early in a process ran on a team of
-    another size; why was not found); never on one thread, nor on the AMD EPYC after it. The
-    conditions and figures: docs/verify-resume.md "Conditions of the guarantee"."""
-    if device_type != "cpu" or _mkl() is None:
-        return None
+    one ulp from an early step on (a step 1 on another thread count gives the same bits; why a
+    run would compute on another count was not found); never on one thread, nor on the AMD EPYC
+    after it. Not tied to MKL: the suspect is one of torch's own reductions, so a build without
+    MKL is named too. The conditions and figures: docs/verify-resume.md "Conditions of the
+    guarantee"."""
     import torch
 
-    if torch.get_num_threads() > 1 and residual_platform():
+    if device_type == "cpu" and torch.get_num_threads() > 1 and residual_platform():
         return ("on Intel CPUs with AVX-512, runs on more than one CPU thread were seen to differ by one ulp "
                 "from an early step on (issue 16, cause not found); runs on one thread never were")
     return None

@@ -101,8 +101,6 @@ INTEL_AVX512 = numerics.Cpu("GenuineIntel", "Intel(R) Xeon(R) Platinum", frozens
 def test_the_open_residual_is_named_where_it_was_seen(monkeypatch, cpu, threads, device, named):
     """Issue 16's residual is known on Intel CPUs with AVX-512 and more than one CPU thread: a
     CPU run there names it, nowhere else."""
-    if numerics._mkl() is None:
-        pytest.skip("a torch build without MKL (ARM, macOS)")
     monkeypatch.setattr(numerics, "cpu", lambda: cpu)
     torch.set_num_threads(threads)
     try:
@@ -112,8 +110,6 @@ def test_the_open_residual_is_named_where_it_was_seen(monkeypatch, cpu, threads,
 
 
 def test_a_trainer_on_such_a_cpu_warns_once_at_its_start(monkeypatch, capfd, tmp_path):
-    if numerics._mkl() is None:
-        pytest.skip("a torch build without MKL (ARM, macOS)")
     monkeypatch.setattr(numerics, "cpu", lambda: INTEL_AVX512)
     numerics._warn_once.cache_clear()
     try:
