@@ -24,8 +24,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from harness.errors import UserError
-from harness.models import DEFAULT_FACTORY
-from optim.build import ARMS, OptimConfig, arms_taking
+from optim.config import ARMS, OptimConfig, arms_taking, parse_optim_config
+
+
+# The built-in GPT (harness/models/gpt.py), named by its path so that reading a config imports no
+# model code (and no torch).
+DEFAULT_FACTORY = "harness.models.gpt:build_gpt"
 
 
 class Section(BaseModel):
@@ -206,8 +210,6 @@ def model_args(cfg: RunConfig) -> dict[str, Any]:
 
 
 def _default_optim() -> OptimConfig:
-    from optim.build import parse_optim_config
-
     return parse_optim_config({})
 
 

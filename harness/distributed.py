@@ -28,7 +28,6 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,25 +38,11 @@ import torch.distributed as dist
 from harness import process_end
 from harness.errors import Unavailable, UserError
 from harness.log import get_logger
+from harness.topology import Topology, topology_from_env
 
 log = get_logger(__name__)
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Topology:
-    """Where this process sits: its global rank, the world size, its rank on this node."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-
-def topology_from_env(env: dict[str, str] | None = None) -> Topology:
-    """The topology torchrun (or SLURM through ops/slurm/train.sbatch) put in the environment."""
-    env = os.environ if env is None else env
-    return Topology(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
 
 
 @contextmanager

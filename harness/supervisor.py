@@ -272,7 +272,9 @@ def checkpoint_progress(run_dir: str, storage_options: dict | None = None) -> Ca
     """A progress probe: the step of the newest checkpoint at `run_dir` that verifies."""
 
     def progress() -> int | None:
-        # Imported here: the supervisor itself must not need torch or the checkpoint format.
+        # Imported at the first probe, not at the start: verifying a checkpoint reads its tensor
+        # headers with torch's dtypes, and a supervisor refused before it runs (a bad config)
+        # should not pay three CPU-seconds of imports for that.
         from harness.checkpoint import CheckpointStore
 
         ref = CheckpointStore(run_dir, storage_options=storage_options or None).latest_good()

@@ -1,17 +1,23 @@
 """Optimizers the team researches (Muon, Lion, OLion, Adafactor2D) and resumable bundles.
 
-`optim.build.build_bundle(cfg, model, total_steps)` turns an `OptimConfig` into a `MultiOpt`
-(name-keyed, resumable optimizers) and a `MultiSched` (their schedules: warmup, then cosine,
-linear or warmup-stable-decay; `optim.schedule`).
+`optim.build.build_bundle(cfg, model, total_steps)` turns an `OptimConfig` (optim/config.py) into
+a `MultiOpt` (name-keyed, resumable optimizers) and a `MultiSched` (their schedules: warmup,
+then cosine, linear or warmup-stable-decay; `optim.schedule`).
+
+The names below load their module on first use: `optim.config` and `optim.errors` import no
+torch, and a process that only checks a config (the harness's supervisor) should not pay for it.
 """
 
-from optim.adafactor import Adafactor2D
-from optim.build import OptimConfig, build_bundle, parse_optim_config
-from optim.bundle import MultiOpt, MultiSched
-from optim.lion import Lion
-from optim.muon import Muon
-from optim.newton_schulz import newton_schulz
-from optim.olion import OLion
+from importlib import import_module
 
-__all__ = ["Adafactor2D", "Lion", "Muon", "MultiOpt", "MultiSched", "OLion", "OptimConfig",
-           "build_bundle", "newton_schulz", "parse_optim_config"]
+_EXPORTS = {"Adafactor2D": "adafactor", "Lion": "lion", "Muon": "muon", "MultiOpt": "bundle",
+            "MultiSched": "bundle", "OLion": "olion", "OptimConfig": "config", "build_bundle": "build",
+            "newton_schulz": "newton_schulz", "parse_optim_config": "config"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)

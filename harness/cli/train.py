@@ -12,8 +12,8 @@ import sys
 from harness.checkpoint.errors import USER_FIXABLE_ERRNOS, storage_errno
 from harness.cli.args import add_allow_config_change, add_config_args, add_restart_args, config_of
 from harness.config import batch_shape
-from harness.distributed import process_group, topology_from_env
 from harness.errors import UserError
+from harness.topology import topology_from_env
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
         return supervise_self(sys.argv[1:], args.max_restarts, args.crash_loop_limit, cfg.run_dir,
                               cfg.checkpoint.storage_options, log_dir=cfg.log_dir)
+    from harness.distributed import process_group
     from harness.run.process import train
 
     try:

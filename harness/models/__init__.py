@@ -10,10 +10,9 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
+from harness.config import DEFAULT_FACTORY
 from harness.errors import UserError
 from harness.models.gpt import GPT, GPTConfig, build_gpt
-
-DEFAULT_FACTORY = "harness.models.gpt:build_gpt"
 
 __all__ = ["DEFAULT_FACTORY", "GPT", "GPTConfig", "build_gpt", "load_factory"]
 

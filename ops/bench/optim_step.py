@@ -31,7 +31,8 @@ from contextlib import contextmanager
 import torch
 import torch.optim._muon as torch_muon
 
-from optim.build import build_bundle, parse_optim_config
+from optim.build import build_bundle
+from optim.config import parse_optim_config
 from optim.bundle import MultiOpt
 from optim.muon import Muon
 

@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 
 import optim.sharded
 from harness import distributed, process_end
-from optim.build import build_bundle, parse_optim_config
+from optim.build import build_bundle
+from optim.config import parse_optim_config
 from optim.muon import Muon
 from optim.sharded import matrix_rounds
 

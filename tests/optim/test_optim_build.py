@@ -7,16 +7,17 @@ import pytest
 import torch
 
 from optim.errors import OptimError
-from optim import build
+from optim import config
 from optim.adafactor import Adafactor2D
-from optim.build import build_bundle, parse_optim_config
+from optim.build import build_bundle
+from optim.config import parse_optim_config
 from optim.lion import Lion
 from optim.muon import Muon
 from optim.olion import OLion
 
 ARMS = ["adamw", "muon", "lion", "olion", "adafactor", "sgdm"]
-MEMBERS = [build.AdamWConfig, build.MuonConfig, build.LionConfig, build.OLionConfig,
-           build.AdafactorConfig, build.SGDMConfig]
+MEMBERS = [config.AdamWConfig, config.MuonConfig, config.LionConfig, config.OLionConfig,
+           config.AdafactorConfig, config.SGDMConfig]
 
 
 def names(opt):
@@ -25,7 +26,7 @@ def names(opt):
 
 def test_config_without_type_is_adamw_with_the_reference_defaults():
     cfg = parse_optim_config({"lr": 1e-3})
-    assert isinstance(cfg, build.AdamWConfig) and cfg.type == "adamw"
+    assert isinstance(cfg, config.AdamWConfig) and cfg.type == "adamw"
     assert (cfg.weight_decay, cfg.adam_betas, cfg.lr_min_ratio, cfg.total_steps) == (1e-4, (0.9, 0.999), 0.1, None)
     muon = parse_optim_config({"type": "muon"})
     assert (muon.lr_muon, muon.momentum, muon.nesterov, muon.ns_steps, muon.consistent_rms,
@@ -57,11 +58,11 @@ def test_every_field_is_documented_and_extra_is_forbidden(member):
 
 def test_the_union_works_as_a_field_type():
     class Run(pydantic.BaseModel):
-        optim: build.OptimConfig = pydantic.Field(default_factory=build.AdamWConfig)
+        optim: config.OptimConfig = pydantic.Field(default_factory=config.AdamWConfig)
 
-    assert isinstance(Run().optim, build.AdamWConfig)
-    assert isinstance(Run(optim={"type": "lion", "wd": 0.1}).optim, build.LionConfig)
-    assert isinstance(Run(optim={}).optim, build.AdamWConfig)
+    assert isinstance(Run().optim, config.AdamWConfig)
+    assert isinstance(Run(optim={"type": "lion", "wd": 0.1}).optim, config.LionConfig)
+    assert isinstance(Run(optim={}).optim, config.AdamWConfig)
 
 
 def test_untyped_config_decaying_everything_reproduces_plain_adamw_and_lambdalr_bit_for_bit(tiny_gpt, train):

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from optim.errors import OptimError
-from optim.build import build_bundle, parse_optim_config
+from optim.build import build_bundle
+from optim.config import parse_optim_config
 from optim.bundle import MultiOpt, MultiSched
 
 

@@ -4,7 +4,8 @@ k steps, checkpoint, a fresh model and bundle, load, n more steps == an uninterr
 import pytest
 import torch
 
-from optim.build import build_bundle, parse_optim_config
+from optim.build import build_bundle
+from optim.config import parse_optim_config
 
 K, N, TOTAL = 3, 3, 8
 ARMS = {

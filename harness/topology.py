@@ -1,0 +1,27 @@
+"""Where this process sits in a job, as the launcher put it in the environment.
+
+torchrun, or SLURM through ops/slurm/train.sbatch, sets RANK, WORLD_SIZE and LOCAL_RANK; a plain
+`harness train` is rank 0 of 1. Reading it needs no torch, so the commands that only decide
+(`harness train --max-restarts` as a supervisor) start without it; joining the group is
+harness/distributed.py.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where this process sits: its global rank, the world size, its rank on this node."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+
+def topology_from_env(env: dict[str, str] | None = None) -> Topology:
+    """The topology torchrun (or SLURM through ops/slurm/train.sbatch) put in the environment."""
+    env = os.environ if env is None else env
+    return Topology(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
