@@ -5,7 +5,8 @@ a `MultiOpt` (name-keyed, resumable optimizers) and a `MultiSched` (their schedu
 then cosine, linear or warmup-stable-decay; `optim.schedule`).
 
 The names below load their module on first use: `optim.config` and `optim.errors` import no
-torch, and a process that only checks a config (the harness's supervisor) should not pay for it.
+torch, and a process that only checks a config (`harness train` refusing a mistake in it) should
+not pay for it.
 """
 
 from importlib import import_module

@@ -19,8 +19,8 @@ diff (checkpoint differences; the `harness ckpt` command is harness/cli/ckpt.py)
 from importlib import import_module
 
 # The names below are loaded on first use, so that importing a torch-free module of this package
-# (errors, lease, store's URL helpers) does not import torch: the supervisor, `harness status` and
-# `harness report` need them and nothing else (three CPU-seconds and 200 MiB less per process).
+# (errors, location, lease) does not import torch: `harness train` reads checkpoint.errors before
+# it checks the config, and a config it refuses should cost no torch import (three CPU-seconds).
 _EXPORTS = {"CheckpointCorrupt": "errors", "CheckpointError": "errors", "Snapshot": "format", "capture": "format",
             "Checkpoint": "loading", "Verify": "loading", "CheckpointRef": "store", "CheckpointStore": "store"}
 
