@@ -15,7 +15,8 @@
   exponential backoff with jitter (tenacity's wait functions) and resumes by itself
   from the newest good checkpoint.
 
-Crash loops: `progress()` returns the newest committed checkpoint step (or None). A crash after
+Crash loops: `progress()` returns the newest committed checkpoint step (or None; found without
+reading the checkpoint's data, `checkpoint_progress`). A crash after
 which it has not advanced since that child started counts toward `crash_loop_limit`; a crash
 that did commit something resets the count (and the backoff), so a long run that crashes now
 and then is never given up. At `crash_loop_limit` consecutive crashes without progress, or
@@ -269,15 +270,18 @@ def supervise_self(argv: list[str], max_restarts: int, crash_loop_limit: int, ru
 
 
 def checkpoint_progress(run_dir: str, storage_options: dict | None = None) -> Callable[[], int | None]:
-    """A progress probe: the step of the newest checkpoint at `run_dir` that verifies."""
+    """A progress probe: the step of the newest checkpoint committed at `run_dir` whose files are
+    all there at their recorded sizes. It reads no data (the supervisor probes before and after
+    every child, and reading a multi-GB checkpoint each time would double a restart's reads); the
+    child's resume verifies every byte and falls back past a damaged checkpoint itself."""
 
     def progress() -> int | None:
-        # Imported at the first probe, not at the start: verifying a checkpoint reads its tensor
-        # headers with torch's dtypes, and a supervisor refused before it runs (a bad config)
-        # should not pay three CPU-seconds of imports for that.
+        # Imported at the first probe, not at the start: the checkpoint package imports torch,
+        # and a supervisor refused before it runs (a bad config) should not pay three
+        # CPU-seconds of imports for that.
         from harness.checkpoint import CheckpointStore
 
-        ref = CheckpointStore(run_dir, storage_options=storage_options or None).latest_good()
+        ref = CheckpointStore(run_dir, storage_options=storage_options or None).latest_committed()
         return None if ref is None else ref.step
 
     return progress

@@ -1,6 +1,7 @@
 """Reading one committed checkpoint: its manifest and state parsed once, then loaded into live parts.
 
-`verify_files(loc, ref)` lists every problem of a checkpoint (reads every byte: discovery).
+`verify_files(loc, ref)` lists every problem of a checkpoint (reads every byte: discovery);
+`check_sizes(loc, ref)` the ones that show without reading data (a progress probe).
 `open_checkpoint(loc, ref)` reads `manifest.json` and `state.json` (checked against the
 manifest's digest) once and returns a `Checkpoint` holding both parsed; everything after that
 (the config check of a resume, a rank's own state file, the load) takes that object, so a resume
@@ -37,7 +38,7 @@ from harness.checkpoint.format import STATE_FILE, parse_state
 from harness.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_manifest
 from harness.checkpoint.restore import restore_parts
 from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE
-from harness.checkpoint.location import HashingReader, Location, hash_file, open_read, read_bytes
+from harness.checkpoint.location import HashingReader, Location, folder_name, hash_file, open_read, read_bytes
 from harness.checkpoint.tensorfile import TensorEntry, read_header
 from harness.log import get_logger
 
@@ -133,11 +134,11 @@ def verify_files(loc: Location, ref: CheckpointRef) -> list[str]:
         path = f"{ref.path}/{rec.name}"
         where = loc.url_of(path)
         if not loc.fs.exists(path):
-            problems.append(f"{where}: missing (the manifest lists {rec.size} bytes)")
+            problems.append(_size_problem(where, rec, None))
             continue
         size, digest = hash_file(loc, path, rec.algorithm)
         if size != rec.size:
-            problems.append(f"{where}: {size} bytes, the manifest says {rec.size}")
+            problems.append(_size_problem(where, rec, size))
         elif digest != rec.digest:
             problems.append(f"{where}: {rec.algorithm} {digest}, the manifest says {rec.digest}")
         else:
@@ -148,6 +149,27 @@ def verify_files(loc: Location, ref: CheckpointRef) -> list[str]:
     log.debug("checkpoint verified", url=ref.url, files=len(manifest.files), bytes=manifest.nbytes,
               problems=len(problems), seconds=round(time.perf_counter() - started, 3))
     return problems
+
+
+def check_sizes(loc: Location, ref: CheckpointRef) -> list[str]:
+    """The problems of `ref` that show without reading its data: a missing or malformed
+    manifest, a file it lists missing or of another size. Costs the manifest's read and one
+    listing of the folder; the digests and headers that `verify_files` also checks need every
+    byte."""
+    try:
+        manifest = read_manifest(loc, ref)
+    except CheckpointError as e:
+        return [str(e)]
+    sizes = {folder_name(entry["name"]): entry["size"] for entry in loc.fs.ls(ref.path, detail=True)}
+    return [_size_problem(loc.url_of(f"{ref.path}/{rec.name}"), rec, sizes.get(rec.name))
+            for rec in manifest.files if sizes.get(rec.name) != rec.size]
+
+
+def _size_problem(where: str, rec: FileRecord, size: int | None) -> str:
+    """The message for a file of the manifest found at another size (None: not found)."""
+    if size is None:
+        return f"{where}: missing (the manifest lists {rec.size} bytes)"
+    return f"{where}: {size} bytes, the manifest says {rec.size}"
 
 
 def _check_content(loc: Location, path: str, rec: FileRecord, where: str) -> None:

@@ -58,6 +58,11 @@ class Location:
         return f"{protocol}://{path.lstrip('/')}"
 
 
+def folder_name(path: str) -> str:
+    """The last component of a path in a location (a file's or folder's own name)."""
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
 def open_location(url: str, storage_options: dict | None = None) -> Location:
     """Resolve `url` (local path or fsspec URL); an unknown protocol is a `CheckpointError`."""
     try:

@@ -47,12 +47,12 @@ from harness.checkpoint.errors import CheckpointError
 from harness.errors import Unavailable
 from harness.checkpoint.format import STATE_FILE, Snapshot, capture, dump_state
 from harness.checkpoint.lease import DEFAULT_HEARTBEAT_S, Lease
-from harness.checkpoint.loading import (Checkpoint, Verify, open_checkpoint, open_tensors, read_manifest,
+from harness.checkpoint.loading import (Checkpoint, Verify, check_sizes, open_checkpoint, open_tensors, read_manifest,
                                         read_state_file, restore, verify_files)
 from harness.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest
 from harness.checkpoint.shard_files import SHARDED
 from harness.checkpoint.retention import check_policy, steps_to_keep
-from harness.checkpoint.location import Location, fsync_dir, open_location, rename, write_small, write_stream
+from harness.checkpoint.location import Location, folder_name, fsync_dir, open_location, rename, write_small, write_stream
 from harness.checkpoint.tensorfile import TensorEntry, serialize
 from harness.log import get_logger
 
@@ -78,8 +78,14 @@ def skipped(ref: CheckpointRef, problems: list[str]) -> None:
         log.warning("skipping a checkpoint that fails verification", step=ref.step, problem=problem)
 
 
-def folder_name(path: str) -> str:
-    return path.rstrip("/").rsplit("/", 1)[-1]
+def _first_without_problems(refs: Iterable[CheckpointRef],
+                            problems_of: Callable[[CheckpointRef], list[str]]) -> CheckpointRef | None:
+    for ref in refs:
+        problems = problems_of(ref)
+        if not problems:
+            return ref
+        skipped(ref, problems)
+    return None
 
 
 class CheckpointStore:
@@ -169,14 +175,16 @@ class CheckpointStore:
         """The newest checkpoint that verifies fully; bad ones are logged and skipped. None if none."""
         return self.first_good(self.candidates())
 
+    def latest_committed(self) -> CheckpointRef | None:
+        """The newest checkpoint whose manifest parses and whose files are all there at the sizes
+        it records, found without reading their data (`loading.check_sizes`): one listing and one
+        manifest per candidate, where `latest_good` reads every byte. For watching a run's
+        progress; a resume still verifies (`latest_good` or a verified load). None if none."""
+        return _first_without_problems(self.candidates(), lambda ref: check_sizes(self.loc, ref))
+
     def first_good(self, refs: Iterable[CheckpointRef]) -> CheckpointRef | None:
         """The first of `refs` that verifies fully; bad ones are logged and skipped. None if none."""
-        for ref in refs:
-            problems = self.verify(ref)
-            if not problems:
-                return ref
-            skipped(ref, problems)
-        return None
+        return _first_without_problems(refs, self.verify)
 
     # ---- writing ---------------------------------------------------------------------------
 

@@ -165,6 +165,23 @@ def test_a_damaged_newest_checkpoint_is_reported_and_skipped(run_dir, kind, caps
         assert message in capsys.readouterr().out
 
 
+# The damage a listing and the manifest show; the rest is inside files at their recorded sizes.
+SEEN_WITHOUT_READING_DATA = {"truncated", "missing file", "missing manifest", "malformed manifest", "path outside"}
+
+
+@pytest.mark.parametrize("kind", DAMAGE)
+def test_latest_committed_skips_what_shows_without_reading_data(run_dir, kind):
+    """The supervisor's progress probe: a checkpoint whose files are not all there at their
+    recorded sizes is passed over; damage inside a file of the right size is left to the
+    resume's verification (the probe reads no data, so it cannot see it)."""
+    store = CheckpointStore(run_dir)
+    store.save(1, torch_state(steps=1))
+    newest = store.save(2, torch_state(steps=2))
+    assert store.latest_committed() == newest
+    _damage(kind, newest)
+    assert store.latest_committed().step == (1 if kind in SEEN_WITHOUT_READING_DATA else 2)
+
+
 @pytest.mark.parametrize("verify", [Verify.BEFORE, Verify.WHILE])
 @pytest.mark.parametrize("kind", DAMAGE)
 def test_loading_a_damaged_checkpoint_is_a_clean_error(run_dir, kind, verify):

@@ -103,11 +103,11 @@ def test_discovery_sees_what_another_process_wrote(proxy, s3_url):
     assert reader.loc.fs is not writer.loc.fs
     live = parts(seed=0)
     writer.save(1, live)
-    assert reader.latest_good().step == 1
+    assert reader.latest_good().step == reader.latest_committed().step == 1
     writer.save(2, live)
-    assert reader.latest_good().step == 2
+    assert reader.latest_committed().step == reader.latest_good().step == 2
     writer.delete(writer.ref(2))
-    assert [r.step for r in reader.list()] == [1]
+    assert [r.step for r in reader.list()] == [1] and reader.latest_committed().step == 1
 
 
 def test_uploads_left_open_by_a_killed_writer_are_aborted_by_the_next(proxy, s3_server, s3_url):
