@@ -1,8 +1,8 @@
 """End to end with the real trainer: preemption signals, transient crashes and SIGKILLs under the
 supervisor all finish bitwise equal to an uninterrupted run (tests/data/tiny.toml, 12 steps,
-a checkpoint every 4). Each real process pays the torch import, so only the SIGTERM case runs by
-default; the rest are `slow`, and each has a fast counterpart with fake children in
-test_signals.py / test_supervisor.py.
+a checkpoint every 4). Each real process pays the torch import, so all but the mid-run SIGTERM
+case are marked `slow` (the default run includes them; `-m 'not slow'` leaves them out), and each
+has a fast counterpart with fake children in test_signals.py / test_supervisor.py.
 """
 
 import json
