@@ -52,6 +52,8 @@ from collections.abc import Callable, Iterable, Sequence
 
 import tenacity
 
+from harness.checkpoint.discovery import latest_committed
+from harness.checkpoint.location import open_location
 from harness.events import EventLog
 from harness.run.files import events_url
 from harness.errors import Unavailable, UserError
@@ -271,17 +273,13 @@ def supervise_self(argv: list[str], max_restarts: int, crash_loop_limit: int, ru
 
 def checkpoint_progress(run_dir: str, storage_options: dict | None = None) -> Callable[[], int | None]:
     """A progress probe: the step of the newest checkpoint committed at `run_dir` whose files are
-    all there at their recorded sizes. It reads no data (the supervisor probes before and after
-    every child, and reading a multi-GB checkpoint each time would double a restart's reads); the
-    child's resume verifies every byte and falls back past a damaged checkpoint itself."""
+    all there at their recorded sizes (`discovery.latest_committed`). It reads no data (the
+    supervisor probes before and after every child, and reading a multi-GB checkpoint each time
+    would double a restart's reads), and imports no torch; the child's resume verifies every byte
+    and falls back past a damaged checkpoint itself."""
 
     def progress() -> int | None:
-        # Imported at the first probe, not at the start: the checkpoint package imports torch,
-        # and a supervisor refused before it runs (a bad config) should not pay three
-        # CPU-seconds of imports for that.
-        from harness.checkpoint import CheckpointStore
-
-        ref = CheckpointStore(run_dir, storage_options=storage_options or None).latest_committed()
+        ref = latest_committed(open_location(run_dir, storage_options or None))
         return None if ref is None else ref.step
 
     return progress

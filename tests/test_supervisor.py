@@ -245,6 +245,30 @@ def test_an_unreadable_checkpoint_store_does_not_stop_the_supervision(run):
     assert [r["step"] for r in run.kinds("restart")] == [None]
 
 
+def test_the_progress_probe_finds_the_newest_committed_step_without_torch(tmp_path):
+    """`harness train --max-restarts` probes its child's run dir before and after every child: the
+    newest committed step, passing over a checkpoint whose files are not all there, with no torch
+    imported in the supervisor (and no data read: tests/checkpoint/test_store.py)."""
+    import torch
+
+    from harness.checkpoint import CheckpointStore
+
+    store = CheckpointStore(str(tmp_path))
+    for step in (1, 2):
+        store.save(step, {"model": torch.nn.Linear(4, 4)})
+    probe = ("import sys\nfrom harness.supervisor import checkpoint_progress\n"
+             "print(checkpoint_progress(sys.argv[1])(), 'torch' in sys.modules)")
+
+    def probed() -> str:
+        return subprocess.run([sys.executable, "-c", probe, str(tmp_path)], env=ENV, capture_output=True,
+                              text=True, check=True).stdout.splitlines()[-1].split()
+
+    assert probed() == ["2", "False"]
+    model = Path(store.ref(2).path) / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:-1])
+    assert probed() == ["1", "False"]
+
+
 def test_user_error_is_not_retried(run, capsys):
     assert run.supervisor(crash="user_error").run() == USER_ERROR
     assert run.kinds("restart") == []

@@ -8,9 +8,10 @@
 
 Modules, bottom up: filesystem (URL -> fsspec filesystem), location (durable writes and hashed
 reads on a Location), digest, tensorfile (safetensors read/write), format (what the files hold),
-manifest (the commit record), retention (what to keep), lease (one writer), restore (loading
-into live parts), loading (a checkpoint read once, then restored), store (commit sequence,
-discovery, retention, reading), background (one background job), commit (committers), saver and
+manifest (the commit record), discovery (finding committed checkpoints without reading data;
+no torch), retention (what to keep), lease (one writer), restore (loading into live parts),
+loading (a checkpoint read once, then restored), store (commit sequence, discovery, retention,
+reading), background (one background job), commit (committers), saver and
 async_save (how a training loop saves), distributed_commit (every rank's part), local_first
 (local commit, background upload), faults (fault injection), s3 and retry (the S3 client),
 diff (checkpoint differences; the `harness ckpt` command is harness/cli/ckpt.py).
@@ -19,10 +20,10 @@ diff (checkpoint differences; the `harness ckpt` command is harness/cli/ckpt.py)
 from importlib import import_module
 
 # The names below are loaded on first use, so that importing a torch-free module of this package
-# (errors, location, lease) does not import torch: `harness train` reads checkpoint.errors before
+# (errors, location, lease, discovery) does not import torch: `harness train` reads checkpoint.errors before
 # it checks the config, and a config it refuses should cost no torch import (three CPU-seconds).
 _EXPORTS = {"CheckpointCorrupt": "errors", "CheckpointError": "errors", "Snapshot": "format", "capture": "format",
-            "Checkpoint": "loading", "Verify": "loading", "CheckpointRef": "store", "CheckpointStore": "store"}
+            "Checkpoint": "loading", "Verify": "loading", "CheckpointRef": "discovery", "CheckpointStore": "store"}
 
 __all__ = sorted(_EXPORTS)
 

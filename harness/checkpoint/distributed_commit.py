@@ -47,9 +47,9 @@ from typing import Any
 
 from harness import distributed
 from harness.checkpoint.commit import Committer
-from harness.checkpoint.format import STATE_FILE, Snapshot, dump_state, rank_file
+from harness.checkpoint.format import Snapshot, dump_state, rank_file
 from harness.checkpoint.loading import Checkpoint, Verify
-from harness.checkpoint.manifest import FileRecord
+from harness.checkpoint.manifest import STATE_FILE, FileRecord
 from harness.checkpoint.shard_files import SHARDED
 from harness.checkpoint.store import CheckpointRef, CheckpointStore
 from harness.checkpoint.tensorfile import serialize

@@ -45,7 +45,6 @@ from harness.checkpoint.shard_files import SHARDED, local_nbytes
 from optim.dtensor import is_dtensor
 
 FORMAT_VERSION = 1
-STATE_FILE = "state.json"
 TENSOR_KEY = "$tensor"
 ITEMS_KEY = "$items"
 _PART_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")

@@ -1,7 +1,7 @@
 """Reading one committed checkpoint: its manifest and state parsed once, then loaded into live parts.
 
-`verify_files(loc, ref)` lists every problem of a checkpoint (reads every byte: discovery);
-`check_sizes(loc, ref)` the ones that show without reading data (a progress probe).
+`verify_files(loc, ref)` lists every problem of a checkpoint (reads every byte: discovery; the
+ones that show without reading data are discovery.py's `check_sizes`).
 `open_checkpoint(loc, ref)` reads `manifest.json` and `state.json` (checked against the
 manifest's digest) once and returns a `Checkpoint` holding both parsed; everything after that
 (the config check of a resume, a rank's own state file, the load) takes that object, so a resume
@@ -30,20 +30,18 @@ from collections.abc import Callable, Collection, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from harness.checkpoint.digest import hexdigest
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
-from harness.checkpoint.format import STATE_FILE, parse_state
-from harness.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_manifest
+from harness.checkpoint.format import parse_state
+from harness.checkpoint.discovery import CheckpointRef, read_manifest, size_problem
+from harness.checkpoint.manifest import STATE_FILE, FileRecord, Manifest
 from harness.checkpoint.restore import restore_parts
 from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE
-from harness.checkpoint.location import HashingReader, Location, folder_name, hash_file, open_read, read_bytes
+from harness.checkpoint.location import HashingReader, Location, hash_file, open_read, read_bytes
 from harness.checkpoint.tensorfile import TensorEntry, read_header
 from harness.log import get_logger
-
-if TYPE_CHECKING:
-    from harness.checkpoint.store import CheckpointRef
 
 log = get_logger(__name__)
 
@@ -70,22 +68,6 @@ class Checkpoint:
     @property
     def records(self) -> dict[str, FileRecord]:
         return {r.name: r for r in self.manifest.files}
-
-
-def read_manifest(loc: Location, ref: CheckpointRef) -> Manifest:
-    """The parsed manifest of `ref`; `CheckpointCorrupt` when it is missing or malformed."""
-    path = f"{ref.path}/{MANIFEST_FILE}"
-    if not loc.fs.exists(path):
-        raise CheckpointCorrupt(f"{ref.url}: no {MANIFEST_FILE}, so this is not a committed checkpoint (an interrupted save?)")
-    try:
-        manifest = parse_manifest(read_bytes(loc, path, MAX_MANIFEST_BYTES), loc.url_of(path))
-    except CheckpointCorrupt:
-        raise
-    except CheckpointError as e:
-        raise CheckpointCorrupt(str(e)) from e
-    if manifest.step != ref.step:
-        raise CheckpointCorrupt(f"{ref.url}: the manifest says step {manifest.step}, the folder says {ref.step}")
-    return manifest
 
 
 def read_state_file(loc: Location, ref: CheckpointRef, manifest: Manifest, file: str = STATE_FILE) -> dict[str, Any]:
@@ -134,11 +116,11 @@ def verify_files(loc: Location, ref: CheckpointRef) -> list[str]:
         path = f"{ref.path}/{rec.name}"
         where = loc.url_of(path)
         if not loc.fs.exists(path):
-            problems.append(_size_problem(where, rec, None))
+            problems.append(size_problem(where, rec, None))
             continue
         size, digest = hash_file(loc, path, rec.algorithm)
         if size != rec.size:
-            problems.append(_size_problem(where, rec, size))
+            problems.append(size_problem(where, rec, size))
         elif digest != rec.digest:
             problems.append(f"{where}: {rec.algorithm} {digest}, the manifest says {rec.digest}")
         else:
@@ -149,27 +131,6 @@ def verify_files(loc: Location, ref: CheckpointRef) -> list[str]:
     log.debug("checkpoint verified", url=ref.url, files=len(manifest.files), bytes=manifest.nbytes,
               problems=len(problems), seconds=round(time.perf_counter() - started, 3))
     return problems
-
-
-def check_sizes(loc: Location, ref: CheckpointRef) -> list[str]:
-    """The problems of `ref` that show without reading its data: a missing or malformed
-    manifest, a file it lists missing or of another size. Costs the manifest's read and one
-    listing of the folder; the digests and headers that `verify_files` also checks need every
-    byte."""
-    try:
-        manifest = read_manifest(loc, ref)
-    except CheckpointError as e:
-        return [str(e)]
-    sizes = {folder_name(entry["name"]): entry["size"] for entry in loc.fs.ls(ref.path, detail=True)}
-    return [_size_problem(loc.url_of(f"{ref.path}/{rec.name}"), rec, sizes.get(rec.name))
-            for rec in manifest.files if sizes.get(rec.name) != rec.size]
-
-
-def _size_problem(where: str, rec: FileRecord, size: int | None) -> str:
-    """The message for a file of the manifest found at another size (None: not found)."""
-    if size is None:
-        return f"{where}: missing (the manifest lists {rec.size} bytes)"
-    return f"{where}: {size} bytes, the manifest says {rec.size}"
 
 
 def _check_content(loc: Location, path: str, rec: FileRecord, where: str) -> None:

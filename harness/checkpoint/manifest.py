@@ -20,9 +20,11 @@ from dataclasses import dataclass
 
 from harness.checkpoint.digest import ALGORITHMS, DEFAULT_ALGORITHM, HEX_DIGITS
 from harness.checkpoint.errors import CheckpointError
-from harness.checkpoint.format import STATE_FILE
 
 MANIFEST_FILE = "manifest.json"
+# Every checkpoint's state file (format.py writes it): named here, where a manifest that does not
+# list it is refused, so that reading a manifest needs no torch (format.py imports it).
+STATE_FILE = "state.json"
 MAX_MANIFEST_BYTES = 16 << 20
 MANIFEST_VERSION = 2
 # Version -> the algorithms its file entries may name (version 1 wrote sha256 only).

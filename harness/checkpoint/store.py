@@ -39,17 +39,18 @@ import socket
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, suppress
-from dataclasses import dataclass
 from secrets import token_hex
 from typing import Any
 
 from harness.checkpoint.errors import CheckpointError
 from harness.errors import Unavailable
-from harness.checkpoint.format import STATE_FILE, Snapshot, capture, dump_state
+from harness.checkpoint.format import Snapshot, capture, dump_state
 from harness.checkpoint.lease import DEFAULT_HEARTBEAT_S, Lease
-from harness.checkpoint.loading import (Checkpoint, Verify, check_sizes, open_checkpoint, open_tensors, read_manifest,
+from harness.checkpoint.discovery import (CHECKPOINTS_DIR, TMP_DIR, CheckpointRef, candidates,
+                                          first_without_problems, latest_committed, read_manifest, ref_at, scan)
+from harness.checkpoint.loading import (Checkpoint, Verify, open_checkpoint, open_tensors,
                                         read_state_file, restore, verify_files)
-from harness.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest
+from harness.checkpoint.manifest import MANIFEST_FILE, STATE_FILE, FileRecord, Manifest
 from harness.checkpoint.shard_files import SHARDED
 from harness.checkpoint.retention import check_policy, steps_to_keep
 from harness.checkpoint.location import Location, folder_name, fsync_dir, open_location, rename, write_small, write_stream
@@ -57,35 +58,6 @@ from harness.checkpoint.tensorfile import TensorEntry, serialize
 from harness.log import get_logger
 
 log = get_logger(__name__)
-
-CHECKPOINTS_DIR = "checkpoints"
-STEP_DIR = re.compile(r"step-(\d{8,})")
-TMP_DIR = re.compile(r"step-(\d{8,})\.tmp-(.+)-[0-9a-f]{8}")
-
-
-@dataclass(frozen=True, order=True)
-class CheckpointRef:
-    """One checkpoint folder: its step, its path in the store's filesystem, its URL for messages."""
-
-    step: int
-    path: str
-    url: str
-
-
-def skipped(ref: CheckpointRef, problems: list[str]) -> None:
-    """Log why the checkpoint `ref` is passed over."""
-    for problem in problems:
-        log.warning("skipping a checkpoint that fails verification", step=ref.step, problem=problem)
-
-
-def _first_without_problems(refs: Iterable[CheckpointRef],
-                            problems_of: Callable[[CheckpointRef], list[str]]) -> CheckpointRef | None:
-    for ref in refs:
-        problems = problems_of(ref)
-        if not problems:
-            return ref
-        skipped(ref, problems)
-    return None
 
 
 class CheckpointStore:
@@ -118,31 +90,13 @@ class CheckpointStore:
         """Whether the run dir exists at all."""
         return self.loc.fs.isdir(self.loc.root)
 
-    def _names(self) -> list[str]:
-        # Listings are cached per filesystem instance, and fsspec shares one instance per URL and
-        # options across a process: without this, a long-lived reader (the supervisor polling the
-        # newest checkpoint of its child) would keep seeing the checkpoints of its first look.
-        self.loc.fs.invalidate_cache()
-        if not self.loc.fs.isdir(self.dir):
-            return []
-        return sorted(folder_name(p) for p in self.loc.fs.ls(self.dir, detail=False))
-
     def ref(self, step: int) -> CheckpointRef:
-        path = f"{self.dir}/step-{step:08d}"
-        return CheckpointRef(step, path, self.loc.url_of(path))
+        return ref_at(self.loc, step)
 
     def scan(self) -> tuple[list[CheckpointRef], list[str]]:
         """(`list()`, `incomplete()`) from one listing and one manifest check per step folder
         (on an object store each is a request; retention after every save needs both)."""
-        committed, incomplete = [], []
-        for name in self._names():
-            path = f"{self.dir}/{name}"
-            step = STEP_DIR.fullmatch(name)
-            if step and self.loc.fs.exists(f"{path}/{MANIFEST_FILE}"):
-                committed.append(self.ref(int(step[1])))
-            elif step or TMP_DIR.fullmatch(name):
-                incomplete.append(path)
-        return committed, incomplete
+        return scan(self.loc)
 
     def list(self) -> list[CheckpointRef]:
         """Committed checkpoints (a manifest exists; not yet verified), oldest first."""
@@ -164,12 +118,7 @@ class CheckpointStore:
     def candidates(self) -> list[CheckpointRef]:
         """Committed checkpoints newest first, not yet verified; step folders without a manifest
         (interrupted saves) are logged as ignored."""
-        committed, incomplete = self.scan()
-        for path in incomplete:
-            if STEP_DIR.fullmatch(folder_name(path)):
-                log.warning("ignoring a checkpoint folder without manifest (an interrupted save?)", path=self.loc.url_of(path))
-        log.debug("checkpoint candidates, newest first", url=self.url, steps=[r.step for r in committed[::-1]])
-        return committed[::-1]
+        return candidates(self.loc)
 
     def latest_good(self) -> CheckpointRef | None:
         """The newest checkpoint that verifies fully; bad ones are logged and skipped. None if none."""
@@ -177,14 +126,14 @@ class CheckpointStore:
 
     def latest_committed(self) -> CheckpointRef | None:
         """The newest checkpoint whose manifest parses and whose files are all there at the sizes
-        it records, found without reading their data (`loading.check_sizes`): one listing and one
-        manifest per candidate, where `latest_good` reads every byte. For watching a run's
-        progress; a resume still verifies (`latest_good` or a verified load). None if none."""
-        return _first_without_problems(self.candidates(), lambda ref: check_sizes(self.loc, ref))
+        it records, found without reading their data (`discovery.latest_committed`): one listing
+        and one manifest per candidate, where `latest_good` reads every byte. For watching a
+        run's progress; a resume still verifies (`latest_good` or a verified load). None if none."""
+        return latest_committed(self.loc)
 
     def first_good(self, refs: Iterable[CheckpointRef]) -> CheckpointRef | None:
         """The first of `refs` that verifies fully; bad ones are logged and skipped. None if none."""
-        return _first_without_problems(refs, self.verify)
+        return first_without_problems(refs, self.verify)
 
     # ---- writing ---------------------------------------------------------------------------
 

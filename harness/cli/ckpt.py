@@ -25,7 +25,9 @@ from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import tensor_refs
 from harness.checkpoint.manifest import MANIFEST_FILE, parse_manifest
 from harness.checkpoint.location import open_location, read_bytes
-from harness.checkpoint.store import STEP_DIR, CHECKPOINTS_DIR, CheckpointRef, CheckpointStore, folder_name
+from harness.checkpoint.discovery import CHECKPOINTS_DIR, STEP_DIR, CheckpointRef
+from harness.checkpoint.location import folder_name
+from harness.checkpoint.store import CheckpointStore
 from harness.cli.args import storage_option_parser, storage_options_of
 from harness.run_id import RUN_JSON
 

@@ -17,7 +17,8 @@ from harness import distributed
 from harness.checkpoint import CheckpointCorrupt, CheckpointRef, CheckpointStore, Verify
 from harness.checkpoint.distributed_commit import load_checkpoint
 from harness.checkpoint.shard_files import METADATA_FILE
-from harness.checkpoint.store import CHECKPOINTS_DIR, STEP_DIR, folder_name, skipped
+from harness.checkpoint.discovery import CHECKPOINTS_DIR, STEP_DIR, skipped
+from harness.checkpoint.location import folder_name
 from harness.config import RunConfig, config_changes
 from harness.data.sources import identity_changes, open_data
 from harness.errors import UserError

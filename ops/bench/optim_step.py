@@ -12,6 +12,10 @@ machine's load hits all of them alike) and reporting medians:
    plus the reference rule's plain per-matrix Muon (the team's seed, below, verbatim) and ours
    with every same-shape group batched. Targets: ours / torch.optim.Muon <= 1.0 at the same NS
    dtype; ours / reference <= 1.0.
+   Then Newton-Schulz alone in float32 on each distinct block-matrix shape, ours
+   (`optim.newton_schulz`) against torch's (`torch_ns_in(float32)`): where the fp32 row's
+   difference comes from (tall matrices iterate on a transposed view to keep the reference's
+   bits; docs/bench-optim.md).
 2. Every arm of optim.build: the bundle's `step()` against calling its optimizers' `step()`
    directly. Target: bundle / direct within 1.02. On a shared machine those ratios carry a few
    percent of noise either way, so the bundle's own cost is also measured alone: MultiOpt.step
@@ -35,6 +39,7 @@ from optim.build import build_bundle
 from optim.config import parse_optim_config
 from optim.bundle import MultiOpt
 from optim.muon import Muon
+from optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, newton_schulz
 
 ARMS = ["adamw", "muon", "lion", "olion", "adafactor", "sgdm"]
 
@@ -196,6 +201,22 @@ def muon_comparison(args) -> tuple[list[tuple[str, float, float]], list[tuple[st
     return rows, side
 
 
+def ns_by_shape(args) -> list[tuple[tuple[int, ...], float, float, float]]:
+    """Float32 Newton-Schulz alone per distinct block-matrix shape: (shape, ours s, torch's s,
+    median same-round ratio)."""
+    model = model_with_grads(args)
+    shapes = sorted({tuple(p.shape) for n, p in model.named_parameters() if n.startswith("blocks.") and p.ndim == 2})
+    theirs = torch_ns_in(torch.float32)
+    rows = []
+    for shape in shapes:
+        G = torch.randn(shape, device=args.device)
+        times = alternate({"ours": lambda G=G: newton_schulz(G), "torch": lambda G=G: theirs(G, NS_COEFFICIENTS, 5, NS_EPS)},
+                          {"ours": args.reps, "torch": args.reps}, args.device)
+        rows.append((shape, statistics.median(times["ours"]), statistics.median(times["torch"]),
+                     ratio(times, "ours", "torch")))
+    return rows
+
+
 def bundle_comparison(args) -> list[tuple[str, float, float, float]]:
     rows = []
     adamw_time = None
@@ -255,6 +276,9 @@ def main() -> None:
           "\n|---|---:|---:|---:|")
     for tag, ours, theirs, vs_torch in side:
         print(f"| {tag} | {ours * 1e3:.1f} | {theirs * 1e3:.1f} | {vs_torch:.3f} |")
+    print("\n| float32 Newton-Schulz alone, shape | ours ms | torch's ms | ours / torch |\n|---|---:|---:|---:|")
+    for shape, ours, theirs, vs_torch in ns_by_shape(args):
+        print(f"| {' x '.join(map(str, shape))} | {ours * 1e3:.2f} | {theirs * 1e3:.2f} | {vs_torch:.3f} |")
     print("\n| arm | bundle ms/step | bundle / direct | direct / adamw |\n|---|---:|---:|---:|")
     rows = bundle_comparison(args)
     for arm, t, overhead, vs_adamw in rows:

@@ -22,7 +22,7 @@ def bench(name: str, *args: str, launcher: tuple[str, ...] = (sys.executable,)) 
 def test_optim_step_compares_ours_and_torch_muon_at_both_ns_dtypes():
     out = bench("optim_step.py", "--d", "32", "--blocks", "1", "--vocab", "64", "--ctx", "16", "--reps", "1")
     for row in ("| ours, fp32 NS |", "| torch.optim.Muon, fp32 NS |", "| ours, bf16 NS |", "| torch.optim.Muon, bf16 NS |",
-                "| fp32 |", "| bf16 |", "| muon |", "Bundle dispatch overhead"):
+                "| fp32 |", "| bf16 |", "| 32 x 32 |", "| 128 x 32 |", "| 32 x 128 |", "| muon |", "Bundle dispatch overhead"):
         assert row in out, row
 
 
