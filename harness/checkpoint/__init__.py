@@ -20,8 +20,9 @@ diff (checkpoint differences; the `harness ckpt` command is harness/cli/ckpt.py)
 from importlib import import_module
 
 # The names below are loaded on first use, so that importing a torch-free module of this package
-# (errors, location, lease, discovery) does not import torch: `harness train` reads checkpoint.errors before
-# it checks the config, and a config it refuses should cost no torch import (three CPU-seconds).
+# (errors, location, lease, discovery) does not import torch: `harness train` reads checkpoint.errors
+# before it checks the config, so a config it refuses costs no torch import (three CPU-seconds), and
+# the supervisor watches its child's progress through discovery alone.
 _EXPORTS = {"CheckpointCorrupt": "errors", "CheckpointError": "errors", "Snapshot": "format", "capture": "format",
             "Checkpoint": "loading", "Verify": "loading", "CheckpointRef": "discovery", "CheckpointStore": "store"}
 

@@ -41,6 +41,7 @@ class CheckpointRef:
 
 
 def checkpoints_dir(loc: Location) -> str:
+    """The folder of a run dir's checkpoints."""
     return loc.join(CHECKPOINTS_DIR)
 
 

@@ -46,7 +46,7 @@ from harness.checkpoint.errors import CheckpointError
 from harness.errors import Unavailable
 from harness.checkpoint.format import Snapshot, capture, dump_state
 from harness.checkpoint.lease import DEFAULT_HEARTBEAT_S, Lease
-from harness.checkpoint.discovery import (CHECKPOINTS_DIR, TMP_DIR, CheckpointRef, candidates,
+from harness.checkpoint.discovery import (TMP_DIR, CheckpointRef, candidates, checkpoints_dir,
                                           first_without_problems, latest_committed, read_manifest, ref_at, scan)
 from harness.checkpoint.loading import (Checkpoint, Verify, open_checkpoint, open_tensors,
                                         read_state_file, restore, verify_files)
@@ -75,7 +75,7 @@ class CheckpointStore:
         check_policy(keep_last, keep_every)
         self.keep_last, self.keep_every, self.clock = keep_last, keep_every, clock
         self.loc: Location = open_location(url, storage_options)
-        self.dir = self.loc.join(CHECKPOINTS_DIR)
+        self.dir = checkpoints_dir(self.loc)
         raw_id = writer_id or f"{socket.gethostname()}-{os.getpid()}-{token_hex(3)}"
         self.writer_id = re.sub(r"[^A-Za-z0-9_.-]", "_", raw_id)
         self._lease = Lease(self.loc, self.writer_id, clock=clock, heartbeat_s=lease_heartbeat_s)
