@@ -225,6 +225,10 @@ class FaultyFileSystem:
         self._hit("list", path)
         return self.fs.ls(path, detail=detail, **kwargs)
 
+    def find(self, path, **kwargs):
+        self._hit("list", path)
+        return self.fs.find(path, **kwargs)
+
 
 class _FaultyFile:
     """A file of a `FaultyFileSystem`: counts write and flush; closing an object-store file is

@@ -39,7 +39,7 @@ from harness.checkpoint.discovery import CheckpointRef, read_manifest, size_prob
 from harness.checkpoint.manifest import STATE_FILE, FileRecord, Manifest
 from harness.checkpoint.restore import restore_parts
 from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE
-from harness.checkpoint.location import HashingReader, Location, hash_file, open_read, read_bytes
+from harness.checkpoint.location import HashingReader, Location, check_small, hash_file, open_read, read_bytes
 from harness.checkpoint.tensorfile import TensorEntry, read_header
 from harness.log import get_logger
 
@@ -115,34 +115,44 @@ def verify_files(loc: Location, ref: CheckpointRef) -> list[str]:
     for rec in manifest.files:
         path = f"{ref.path}/{rec.name}"
         where = loc.url_of(path)
-        if not loc.fs.exists(path):
-            problems.append(size_problem(where, rec, None))
+        size = loc.fs.size(path) if loc.fs.exists(path) else None
+        if size != rec.size:
+            problems.append(size_problem(where, rec, size))
             continue
-        size, digest = hash_file(loc, path, rec.algorithm)
+        # One pass over each file: its header or contents are checked through the hashing
+        # reader (a second read of the header was a second GET of a whole block on S3).
+        with HashingReader(open_read(loc, path), rec.algorithm) as reader:
+            try:
+                _check_content(reader, rec, where)
+                content_problem = None
+            except CheckpointError as e:
+                content_problem = str(e)
+            size, digest = reader.finish()
         if size != rec.size:
             problems.append(size_problem(where, rec, size))
         elif digest != rec.digest:
             problems.append(f"{where}: {rec.algorithm} {digest}, the manifest says {rec.digest}")
-        else:
-            try:
-                _check_content(loc, path, rec, where)
-            except CheckpointError as e:
-                problems.append(str(e))
+        elif content_problem:
+            problems.append(content_problem)
     log.debug("checkpoint verified", url=ref.url, files=len(manifest.files), bytes=manifest.nbytes,
               problems=len(problems), seconds=round(time.perf_counter() - started, 3))
     return problems
 
 
-def _check_content(loc: Location, path: str, rec: FileRecord, where: str) -> None:
+def _check_content(reader: HashingReader, rec: FileRecord, where: str) -> None:
+    """Parse what `reader` (at the start of the file `rec`, of `rec.size` bytes) holds: a
+    safetensors header, or the whole of a state or DCP metadata file; `CheckpointError` if it
+    does not parse."""
     if rec.name.endswith(".safetensors"):
-        with open_read(loc, path) as f:
-            read_header(f, rec.size, where)
+        read_header(reader, rec.size, where)
     elif rec.name == STATE_FILE:
-        parse_state(read_bytes(loc, path, MAX_STATE_BYTES), where)
+        check_small(where, rec.size, MAX_STATE_BYTES)
+        parse_state(reader.read(rec.size), where)
     elif rec.name == METADATA_FILE:
         from harness.checkpoint.sharded import metadata_from_json  # DCP: only sharded checkpoints load it
 
-        metadata_from_json(read_bytes(loc, path, MAX_METADATA_BYTES), where)
+        check_small(where, rec.size, MAX_METADATA_BYTES)
+        metadata_from_json(reader.read(rec.size), where)
 
 
 class CheckpointShards:

@@ -234,10 +234,14 @@ def hash_file(loc: Location, path: str, algorithm: str = DEFAULT_ALGORITHM) -> t
         return reader.finish()
 
 
+def check_small(where: str, size: int, limit: int) -> None:
+    """Refuse a small file (a manifest, a state file) of more than `limit` bytes before reading it."""
+    if size > limit:
+        raise CheckpointError(f"{where} is {size} bytes, more than the {limit} allowed for this file; it is not a file this harness wrote")
+
+
 def read_bytes(loc: Location, path: str, limit: int) -> bytes:
     """A small file's bytes; refuses files over `limit` (a manifest is never megabytes)."""
-    size = loc.fs.size(path)
-    if size > limit:
-        raise CheckpointError(f"{loc.url_of(path)} is {size} bytes, more than the {limit} allowed for this file; it is not a file this harness wrote")
+    check_small(loc.url_of(path), loc.fs.size(path), limit)
     with open_read(loc, path) as f:
         return f.read()

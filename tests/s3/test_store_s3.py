@@ -188,3 +188,34 @@ def test_starting_a_commit_asks_the_store_once_and_a_recommit_replaces_the_manif
     restored = parts(seed=2)
     store.load(store.ref(1), restored)
     assert all(torch.equal(a, b) for a, b in zip(tensors(again), tensors(restored)))
+
+
+def test_finding_verifying_and_loading_read_each_object_once_without_asking_about_it(proxy, s3_server, s3_url):
+    """What a save's retention, the progress probe, a verification and a load need to know of a
+    checkpoint's objects (present? how large?) comes from listings: no HEAD request at all
+    (three per file before), and each file of the checkpoint is fetched once per reader."""
+    store = CheckpointStore(s3_url, keep_last=2, storage_options=options(proxy.endpoint))
+    live = parts(seed=0)
+    train(live, 1)
+    for step in (1, 2, 3):
+        store.save(step, live)
+    prefix = s3_url.split("/", 3)[3]
+    files = sorted(k.rsplit("/", 1)[1] for k in s3_server.keys(f"{prefix}/checkpoints/step-00000003/"))
+    assert files == ["manifest.json", "model.safetensors", "optim.safetensors", "state.json"]
+
+    def fetched() -> dict[str, int]:
+        gets = {path.split("?")[0].rsplit("/", 1)[1]: n for (method, path), n in proxy.seen.items()
+                if method == "GET" and "step-00000004/" in path}
+        proxy.reset_counters()
+        return gets
+
+    proxy.reset_counters()
+    store.save(4, live)  # retention removes step 2
+    assert proxy.total("HEAD") == 0 and [r.step for r in store.list()] == [3, 4]
+    proxy.reset_counters()
+    assert store.latest_committed().step == 4
+    assert proxy.total("HEAD") == 0 and fetched() == {"manifest.json": 1}
+    assert store.latest_good().step == 4
+    assert proxy.total("HEAD") == 0 and fetched() == dict.fromkeys(files, 1)
+    store.load(store.ref(4), parts(seed=1))
+    assert proxy.total("HEAD") == 0 and fetched() == dict.fromkeys(files, 1)
