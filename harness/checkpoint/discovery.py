@@ -16,8 +16,8 @@ so never imports torch (three CPU-seconds and about 200 MiB for the life of the 
 from __future__ import annotations
 
 import re
-from contextlib import suppress
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from dataclasses import dataclass
 
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
