@@ -23,14 +23,22 @@ process; the ratio harness / bare is taken within each round. Target: <= 1.03.
 `--bare-numerics` gives the bare loop the harness's reproducibility settings too
 (`harness.numerics.apply`: MKL strict CNR, deterministic algorithms): the ratio is then the tax
 of everything else, and the two runs together split the price of bitwise repeatability from it.
+`--contender strict-cnr` puts the bare loop against itself with `MKL_CBWR=AUTO,STRICT` set
+before torch loads (the harness's MKL setting, nothing else): the price of that setting alone.
 
-    python ops/bench/harness_overhead.py --steps 110 --rounds 5 [--bare-numerics]
+Besides the median of the rounds' ratios, the ratio of the totals over all rounds and the
+geometric mean of the rounds are printed: where one process's speed differs from the next by
+more than the target (10% on a shared 2-core VM), a median of few rounds is mostly that noise.
+
+    python ops/bench/harness_overhead.py --steps 110 --rounds 5 [--bare-numerics] [--contender strict-cnr]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import subprocess
 import sys
@@ -109,23 +117,27 @@ def child(mode: str, steps: int, threads: int, work: str, bare_numerics: bool) -
 
     torch.set_num_threads(threads)
     clock = StepClock()
-    if mode == "bare":
+    if mode == "harness":
+        harness_loop(steps, clock, tempfile.mkdtemp(prefix="run-", dir=work))
+    else:
         if bare_numerics:
             from harness import numerics
 
             numerics.apply(threads)
         bare_loop(steps, clock)
-    else:
-        harness_loop(steps, clock, tempfile.mkdtemp(prefix="run-", dir=work))
     print(json.dumps(clock.ends))
 
 
 def run_child(mode: str, args: argparse.Namespace, work: str) -> dict[str, float]:
     """Mean seconds per step after the warmup of one fresh process: {"wall": ..., "cpu": ...}."""
+    env = dict(os.environ)
+    env.pop("MKL_CBWR", None)
+    if mode == "strict-cnr":
+        env["MKL_CBWR"] = "AUTO,STRICT"  # read by MKL when it loads, before any computation
     proc = subprocess.run([sys.executable, __file__, "--child", mode, "--steps", str(args.steps),
                            "--threads", str(args.threads), "--work", work,
                            *(["--bare-numerics"] if args.bare_numerics else [])],
-                          cwd=ROOT, capture_output=True, text=True, timeout=3600)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"the {mode} run failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
     ends = json.loads(proc.stdout.splitlines()[-1])[args.warmup:]
@@ -143,30 +155,35 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads in both contenders")
     p.add_argument("--bare-numerics", action="store_true",
                    help="the bare loop runs under the harness's reproducibility settings too")
-    p.add_argument("--child", choices=["bare", "harness"], help=argparse.SUPPRESS)
+    p.add_argument("--contender", choices=["harness", "strict-cnr"], default="harness",
+                   help="what the bare loop is measured against (see the module docstring)")
+    p.add_argument("--child", choices=["bare", "harness", "strict-cnr"], help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         child(args.child, args.steps, args.threads, args.work, args.bare_numerics)
         return
+    other = args.contender
     print(f"quickstart, {args.steps} steps per run (mean over the last {args.steps - args.warmup - 1}), "
-          f"{args.threads} torch thread(s), {args.rounds} rounds"
+          f"{args.threads} torch thread(s), {args.rounds} rounds, bare against {other}"
           + (", the bare loop under the harness's reproducibility settings" if args.bare_numerics else ""))
     rows = []
     with tempfile.TemporaryDirectory(prefix="harness-overhead-") as work:
         for r in range(args.rounds):
-            order = ["bare", "harness"] if r % 2 == 0 else ["harness", "bare"]
+            order = ["bare", other] if r % 2 == 0 else [other, "bare"]
             t = {mode: run_child(mode, args, work) for mode in order}
             rows.append(t)
-            print(f"round {r + 1}: CPU ms/step bare {t['bare']['cpu'] * 1e3:.1f}, harness {t['harness']['cpu'] * 1e3:.1f}, "
-                  f"harness / bare {t['harness']['cpu'] / t['bare']['cpu']:.3f}; wall ms/step bare "
-                  f"{t['bare']['wall'] * 1e3:.1f}, harness {t['harness']['wall'] * 1e3:.1f}, "
-                  f"harness / bare {t['harness']['wall'] / t['bare']['wall']:.3f}", flush=True)
+            print(f"round {r + 1}: CPU ms/step bare {t['bare']['cpu'] * 1e3:.1f}, {other} {t[other]['cpu'] * 1e3:.1f}, "
+                  f"{other} / bare {t[other]['cpu'] / t['bare']['cpu']:.3f}; wall ms/step bare "
+                  f"{t['bare']['wall'] * 1e3:.1f}, {other} {t[other]['wall'] * 1e3:.1f}, "
+                  f"{other} / bare {t[other]['wall'] / t['bare']['wall']:.3f}", flush=True)
     for clock in ("cpu", "wall"):
-        ratios = [t["harness"][clock] / t["bare"][clock] for t in rows]
-        print(f"median harness / bare, {clock}: {statistics.median(ratios):.3f} "
-              f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)}; target <= 1.03)")
-
+        ratios = [t[other][clock] / t["bare"][clock] for t in rows]
+        total = sum(t[other][clock] for t in rows) / sum(t["bare"][clock] for t in rows)
+        geomean = math.exp(statistics.fmean(math.log(x) for x in ratios))
+        print(f"median {other} / bare, {clock}: {statistics.median(ratios):.3f} "
+              f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)}; target <= 1.03); "
+              f"all rounds together {total:.3f}, geometric mean {geomean:.3f}")
 
 if __name__ == "__main__":
     main()

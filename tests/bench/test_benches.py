@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -26,10 +28,12 @@ def test_optim_step_compares_ours_and_torch_muon_at_both_ns_dtypes():
         assert row in out, row
 
 
-def test_harness_overhead_reports_both_clocks():
-    out = bench("harness_overhead.py", "--steps", "4", "--warmup", "1", "--rounds", "1")
+@pytest.mark.parametrize("contender", ["harness", "strict-cnr"])
+def test_harness_overhead_reports_both_clocks(contender):
+    out = bench("harness_overhead.py", "--steps", "4", "--warmup", "1", "--rounds", "1", "--contender", contender)
     assert "round 1: CPU ms/step bare" in out
-    assert "median harness / bare, cpu:" in out and "median harness / bare, wall:" in out
+    for clock in ("cpu", "wall"):
+        assert f"median {contender} / bare, {clock}:" in out and "all rounds together" in out and "geometric mean" in out
 
 
 def test_sharded_muon_bench_runs_both_contenders_and_they_agree():
