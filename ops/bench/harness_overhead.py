@@ -185,5 +185,6 @@ def main() -> None:
               f"(rounds: {', '.join(f'{x:.3f}' for x in ratios)}; target <= 1.03); "
               f"all rounds together {total:.3f}, geometric mean {geomean:.3f}")
 
+
 if __name__ == "__main__":
     main()
