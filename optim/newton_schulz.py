@@ -11,7 +11,8 @@ Contracts:
   X = aX + BX` on the wide orientation) with the same roundings: for one float32 matrix the
   result is bitwise the reference's. In bfloat16 (`NS_DTYPES`) the two sums are fused into the
   products (`addmm`, as torch.optim.Muon and modded-nanogpt do): one kernel instead of three per
-  sum, and rounding differences far below bfloat16's own precision.
+  sum, and rounding differences far below bfloat16's own precision; on a CPU without bfloat16
+  instructions each product also takes the operand layout torch's kernel there is fast for.
 - `ns_batches(params)` + `orthogonalize(batch)` are what Muon and OLion use (through
   optim.sharded, which adds the sharded-parameter path). A batch holds
   matrices of one *wide* shape: a (4d, d) and a (d, 4d) matrix share one, the tall one transposed
@@ -28,6 +29,7 @@ Contracts:
   Adafactor2D: a non-2D parameter is a `ValueError` that names the parameter.
 """
 
+import functools
 from collections import defaultdict
 
 import torch
@@ -39,9 +41,10 @@ NS_DTYPE_CHOICES = ("auto", *NS_DTYPES)
 
 # On CPU (one thread) a stacked float32 bmm wins for small matrices and loses for large ones:
 # measured batch/loop time 0.33 at 32x32, 0.88 at 96x96, 1.13 at 128x128, 1.40 at 256x256. In
-# bfloat16 the stack won at every size measured (0.66 at 128x128, 0.96 at 256x256, 0.97 at
-# 512x512). On accelerators the batch removes per-matrix kernel launches, which dominate for
-# the matrix sizes of small GPTs.
+# bfloat16 the stack won at every size measured on an AVX-512 CPU (0.66 at 128x128, 0.96 at
+# 256x256, 0.97 at 512x512) and was even with the loop on an AVX2 one (0.83-1.02 up to
+# 512x512). On accelerators the batch removes per-matrix kernel launches, which dominate for the
+# matrix sizes of small GPTs.
 _BATCH_ON_CPU_MAX_NUMEL = 12288
 # The transient memory of one batch is a few times its stack (the stack, X X^T and its square,
 # the next X): 256 MiB of stack keeps it about 1 GiB, and a batch that large is compute-bound.
@@ -67,11 +70,7 @@ def _iterate(X: torch.Tensor, steps: int) -> torch.Tensor:
     """The quintic iteration on a normalised, wide X (or stack of them), in X's dtype."""
     a, b, c = NS_COEFFICIENTS
     if X.dtype != torch.float32:
-        addmm = torch.addmm if X.ndim == 2 else torch.baddbmm
-        for _ in range(steps):
-            A = X @ X.mT
-            X = addmm(X, addmm(A, A, A, beta=b, alpha=c), X, beta=a)
-        return X
+        return _iterate_fused(X, steps)
     for _ in range(steps):
         # The reference's B = b*A + c*A^2 and X = a*X + B X, with every product and sum rounded
         # as there (no fused multiply-add), but in place: ~20% faster on CPU, bitwise the same.
@@ -83,6 +82,36 @@ def _iterate(X: torch.Tensor, steps: int) -> torch.Tensor:
         B.mul_(c).add_(A.mul_(b))
         BX = B @ X
         X = X.mul_(a).add_(BX)
+    return X
+
+
+@functools.cache
+def _torch_own_bfloat16_products() -> bool:
+    """Whether this CPU's bfloat16 matrix products run in torch's own kernel, not oneDNN's: a CPU
+    without AVX-512 or bfloat16 instructions (the check torch's matrix product itself makes)."""
+    return not torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def _iterate_fused(X: torch.Tensor, steps: int) -> torch.Tensor:
+    """The quintic iteration with its two sums fused into the products (`addmm`), for bfloat16.
+
+    Where torch's own bfloat16 matrix product runs (`_torch_own_bfloat16_products`), each product
+    gets the operand layout that kernel is fast for, a column-major left factor and a row-major
+    right one: 6-17x faster per product than two row-major operands on an AVX2 CPU
+    (docs/bench-optim.md). A = X X^T and B = bA + cA^2 are symmetric, so their transposed views
+    stand in for them as left factors (the same products); the Gram product takes a column-major
+    copy of X. On GPUs and oneDNN CPUs the products are the plain ones.
+    """
+    a, b, c = NS_COEFFICIENTS
+    addmm = torch.addmm if X.ndim == 2 else torch.baddbmm
+    by_layout = X.device.type == "cpu" and _torch_own_bfloat16_products()
+    if by_layout:
+        X = X.contiguous()  # a tall matrix arrives as a transposed view: the right factor of B X
+    for _ in range(steps):
+        left = X.mT.contiguous().mT if by_layout else X
+        A = left @ left.mT
+        B = addmm(A, A.mT if by_layout else A, A, beta=b, alpha=c)
+        X = addmm(X, B.mT if by_layout else B, X, beta=a)
     return X
 
 

@@ -87,3 +87,18 @@ def test_stack_of_matrices_matches_each_matrix(ref_ns):
 def test_results_come_back_in_the_input_dtype():
     mats = [torch.randn(8, 8, dtype=torch.bfloat16) for _ in range(2)]
     assert all(q.dtype == torch.bfloat16 for q in orthogonalize(mats))
+
+
+@pytest.mark.parametrize("by_layout", [True, False])
+def test_bfloat16_iteration_agrees_with_float32_whichever_kernel_layout_it_takes(monkeypatch, by_layout):
+    """The bfloat16 iteration feeds torch's own CPU kernel transposed views of the symmetric A and
+    B (and a column-major copy of X) where that kernel runs, the plain products elsewhere: both
+    are the float32 iteration to bfloat16 precision, single and batched, tall matrices included."""
+    module = sys.modules["optim.newton_schulz"]
+    monkeypatch.setattr(module, "_torch_own_bfloat16_products", lambda: by_layout)
+    g = torch.Generator().manual_seed(6)
+    mats = [torch.randn(*s, generator=g) for s in [(24, 56), (56, 24), (24, 56)]]
+    for m, batched in zip(mats, orthogonalize(mats, dtype=torch.bfloat16)):
+        exact = newton_schulz(m)
+        for q in (batched, newton_schulz(m, dtype=torch.bfloat16).float()):
+            assert (q - exact).norm() / exact.norm() < 2e-2
