@@ -58,3 +58,6 @@ def test_s3_io_bench_pinned_reports_every_figure():
     assert set(out["mib_per_s"]) == {"store_save", "boto3_upload", "boto3_download", "store_load", "store_verify"}
     assert set(out["fixed_seconds"]) == {"store_save", "boto3_upload"}
     assert out["save_ratio_store_vs_boto3"] > 0 and out["load_ratio_store_vs_boto3"] > 0
+    # the smallest model is one 16 MiB layer: two parts, so both saves complete a multipart upload
+    assert all(len(v) == 1 and v[0] > 0 for v in out["completion_seconds"].values()), out["completion_seconds"]
+    assert out["save_ratio_less_completion"] > 0
