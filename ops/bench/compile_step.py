@@ -6,6 +6,9 @@ Both trainers are built from configs/quickstart.toml (same model, optimizer bund
 Then `--rounds` rounds each time `--steps` steps of one trainer and then of the other (the first
 place swapping each round) on two clocks: process CPU time and wall time. The figure is the
 median over rounds of compiled / eager per-step time (below 1: compiled is faster).
+`--inductor-random` compiles with torch's default options instead of the harness's (on a CPU
+the harness keeps ATen's dropout kernels, `compile_options` in harness/trainer.py), to measure
+what that choice is worth.
 
     python ops/bench/compile_step.py --rounds 7 --steps 10
 """
@@ -20,12 +23,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def build(compiled: bool, threads: int):
+def build(compiled: bool, threads: int, inductor_random: bool = False):
+    import torch
+
     from harness.config import load_config
     from harness.trainer import Trainer
 
-    return Trainer(load_config(ROOT / "configs" / "quickstart.toml",
-                               [f"train.cpu_threads={threads}", f"train.compile={str(compiled).lower()}"]))
+    by_harness = compiled and not inductor_random
+    trainer = Trainer(load_config(ROOT / "configs" / "quickstart.toml",
+                                  [f"train.cpu_threads={threads}", f"train.compile={str(by_harness).lower()}"]))
+    if compiled and inductor_random:
+        trainer.net = torch.compile(trainer.model)  # what the harness compiles, with torch's default options
+    return trainer
 
 
 def timed(trainer, steps: int) -> tuple[float, float]:
@@ -42,8 +51,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--inductor-random", action="store_true",
+                        help="compile with torch's default options (inductor's own random numbers for dropout)")
     args = parser.parse_args()
-    eager, compiled = build(False, args.threads), build(True, args.threads)
+    eager, compiled = build(False, args.threads), build(True, args.threads, args.inductor_random)
     t0 = time.perf_counter()
     timed(compiled, args.warmup)
     compile_s = time.perf_counter() - t0
@@ -56,7 +67,9 @@ def main() -> None:
             ratios[clock].append(got["compiled"][i] / got["eager"][i])
         print(f"round {r + 1}: ms/step eager wall {got['eager'][0] * 1e3:.1f} cpu {got['eager'][1] * 1e3:.1f}, "
               f"compiled wall {got['compiled'][0] * 1e3:.1f} cpu {got['compiled'][1] * 1e3:.1f}", flush=True)
-    print(f"quickstart, {args.threads} torch thread(s), first {args.warmup} compiled steps (compilation) {compile_s:.1f} s")
+    options = "torch's default options" if args.inductor_random else "the harness's options"
+    print(f"quickstart, {args.threads} torch thread(s), compiled with {options}, "
+          f"first {args.warmup} compiled steps (compilation) {compile_s:.1f} s")
     for clock, values in ratios.items():
         print(f"median compiled / eager, {clock}: {statistics.median(values):.3f} "
               f"(rounds: {', '.join(f'{v:.3f}' for v in values)})")

@@ -4,6 +4,7 @@ resumes from them; since compiled kernels round differently, only with --allow-c
 
 import json
 
+import torch
 from safetensors import safe_open
 
 from procs import TINY, assert_same_run, final_checkpoint, harness, kill_at_step
@@ -30,3 +31,17 @@ def test_a_compiled_run_killed_and_resumed_is_bitwise_equal_and_eager_reads_its_
     assert refused.returncode == 2 and "train.compile" in refused.stderr, refused.stderr[-3000:]
     resumed = harness("train", str(TINY), "--run-dir", str(eager), "--allow-config-change", check=True, timeout=900)
     assert "resuming with a changed config" in resumed.stderr and "train.compile" in resumed.stderr
+
+
+def test_a_compiled_trainer_on_a_cpu_keeps_atens_dropout(monkeypatch):
+    """On a CPU the model is compiled with `fallback_random` (inductor's own random numbers made
+    the compiled step 1.23-1.42x the eager one's CPU time, harness/trainer.py); elsewhere with
+    torch's defaults."""
+    from harness import trainer as trainer_module
+    from harness.config import load_config
+
+    seen = []
+    monkeypatch.setattr(trainer_module.torch, "compile", lambda net, **kw: seen.append(kw) or net)
+    trainer_module.Trainer(load_config(TINY, ["train.compile=true", "train.device=cpu"]))
+    assert seen == [{"options": {"fallback_random": True}}]
+    assert trainer_module.compile_options(torch.device("cuda")) is None
