@@ -36,7 +36,8 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
     """(trainer, the checkpoint it was restored from or None for a fresh start, seconds spent
     reading, loading and verifying checkpoints, the config changes since that checkpoint as
     `config_changes` gives them, the world-size change since it or None), or None when the
-    newest checkpoint is of a finished run (it says so on stderr). At another world size than
+    newest good checkpoint is of a finished run (it says so on stderr; with `Verify.WHILE` that
+    checkpoint is verified first, since it is not loaded). At another world size than
     the checkpoint's, every rank's random streams are restarted (harness/run/elastic.py).
 
     `candidates` are tried newest first, each read once (`source.open`: manifest and state.json)
@@ -55,6 +56,13 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             changes = check_compatible(saved["meta"], cfg, allow_config_change, data.identity)
             # Whether the run finished is the trainer part's (state.TrainerCounters), nowhere else.
             if saved["parts"]["trainer"]["finished"] and ref.step >= cfg.train.steps:
+                # Finished only if that checkpoint is whole: a damaged one is passed over like any
+                # other, and the steps after the one before are trained again.
+                problems = source.verify(ref) if verify is Verify.WHILE else []
+                if problems:
+                    skipped(ref, problems)
+                    restore_s += time.perf_counter() - t0
+                    continue
                 log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
                 print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
                 return None

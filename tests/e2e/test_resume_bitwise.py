@@ -9,7 +9,7 @@ import zlib
 
 import pytest
 
-from procs import TINY, assert_same_run, events, final_checkpoint, harness, kill_at_step
+from procs import TINY, assert_one_line_error, assert_same_run, events, final_checkpoint, harness, kill_at_step
 
 STEPS = 12
 ARMS = {
@@ -68,6 +68,32 @@ def test_finished_run_started_again_says_so(tmp_path):
     again = harness("train", str(TINY), "--run-dir", str(run), "--set", "train.steps=4")
     assert again.returncode == 0
     assert "already finished at step 4" in again.stderr
+
+
+def test_a_finished_run_whose_last_checkpoint_is_damaged_trains_its_last_steps_again(tmp_path):
+    """A run is finished only if its last checkpoint verifies: a damaged one is skipped like any
+    other, the steps after the one before are trained again, and the new last checkpoint is byte
+    for byte the first one; with every checkpoint damaged the start is refused (exit 2)."""
+    run = tmp_path / "run"
+    args = ["train", str(TINY), "--run-dir", str(run), "--set", "train.steps=8"]
+    harness(*args, check=True)
+    last = final_checkpoint(run, 8) / "model.safetensors"
+    original = last.read_bytes()
+    flip_a_byte(last)
+    again = harness(*args, check=True)
+    assert "already finished" not in again.stderr
+    assert "skipping a checkpoint that fails verification" in again.stderr
+    assert [e for e in events(run) if e["event"] == "start"][-1]["resumed_from"] == 4
+    assert last.read_bytes() == original
+    for step in (4, 8):
+        flip_a_byte(final_checkpoint(run, step) / "model.safetensors")
+    assert_one_line_error(harness(*args), "fails verification")
+
+
+def flip_a_byte(path):
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40
+    path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
