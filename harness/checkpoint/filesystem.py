@@ -7,7 +7,8 @@ The one place a URL becomes a filesystem, so every store gets the same treatment
   global `random`, which is training state.
 * Local paths: a `LocalDiskFileSystem`, fsspec's local filesystem plus the durability calls of the
   commit protocol (fsync of a file and of a folder, atomic rename, exclusive create), so every
-  storage operation of every store goes through the filesystem object.
+  storage operation of every store goes through the filesystem object. It takes no storage
+  options: any given (other than `faults`) are ignored with a warning, once per process.
 * Other protocols (`memory://`, ...): fsspec's own; they have no transient errors worth retrying.
 
 That makes the filesystem the seam of the fault layer (faults.py): `faults` in the storage
@@ -21,8 +22,14 @@ import os
 import shutil
 from typing import Any
 
+import functools
+
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+
+from harness.log import get_logger
+
+log = get_logger(__name__)
 
 S3_PROTOCOLS = ("s3", "s3a")
 FAULTS_ENV = "HARNESS_FAULTS"
@@ -42,10 +49,20 @@ def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
         fs, path = fsspec.core.url_to_fs(str(url), **options)
         if type(fs) is LocalFileSystem:
             fs = LocalDiskFileSystem()
+            if options:
+                _warn_ignored_options(tuple(sorted(options)), str(url))
     if faults:
         from harness.checkpoint.faults import wrap_filesystem  # debug only: not imported otherwise
         fs = wrap_filesystem(fs, faults)
     return fs, path
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_ignored_options(names: tuple[str, ...], url: str) -> None:
+    # A warning, not an error: data sources inherit data.storage_options, so a local source
+    # beside an S3 one gets the S3 source's options with no way to opt out.
+    log.warning("storage options ignored: a local path takes none (they are for remote stores such as s3://)",
+                options=list(names), path=url)
 
 
 class LocalDiskFileSystem(LocalFileSystem):

@@ -11,6 +11,7 @@ import sys
 
 import blake3
 import pytest
+from structlog.testing import capture_logs
 
 from harness.checkpoint import location
 from harness.checkpoint.digest import ALGORITHMS, DEFAULT_ALGORITHM, hexdigest, new_hasher
@@ -19,6 +20,18 @@ from procs import ENV, ROOT
 
 # Reference digests straight from the libraries, not through digest.py.
 REFERENCE = {"blake3": lambda data: blake3.blake3(data).hexdigest(), "sha256": lambda data: hashlib.sha256(data).hexdigest()}
+
+
+def test_storage_options_for_a_local_path_are_ignored_with_one_warning(tmp_path):
+    """A local path takes no storage options (`faults`, the debug option, aside): given some, it
+    says they are ignored, once per process, rather than dropping them silently."""
+    url = str(tmp_path / "run")
+    with capture_logs() as logs:
+        for _ in range(2):
+            assert open_location(url, {"endpoint_url": "http://x", "bogus": 1}).is_local
+        open_location(str(tmp_path / "other"), {"faults": "count"})
+    warned = [r for r in logs if r["event"].startswith("storage options ignored")]
+    assert [(r["log_level"], r["options"], r["path"]) for r in warned] == [("warning", ["bogus", "endpoint_url"], url)]
 
 
 def test_every_algorithm_a_manifest_can_name_has_a_reference():
