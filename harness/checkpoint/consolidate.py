@@ -23,7 +23,7 @@ import torch
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.format import tensor_refs
 from harness.checkpoint.loading import Checkpoint, open_tensors, read_listed
-from harness.checkpoint.location import open_location, write_stream
+from harness.checkpoint.location import output_folder, write_stream
 from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE, SHARDED
 from harness.checkpoint.store import CheckpointRef, CheckpointStore
 from harness.checkpoint.tensorfile import read_tensor, stream
@@ -35,13 +35,12 @@ MODEL_FILE = "model.safetensors"
 def consolidate(store: CheckpointStore, ref: CheckpointRef, out: str, storage_options: dict | None = None) -> tuple[str, int]:
     """Write `ref`'s model part to `out/model.safetensors` (a local folder or URL); returns (its
     URL, bytes). Raises `CheckpointCorrupt` for a damaged checkpoint, `CheckpointError` for one
-    without a model part."""
+    without a model part or an `out` that is a file or cannot be written to."""
     problems = store.verify(ref)
     if problems:
         raise CheckpointCorrupt(f"{ref.url} fails verification, nothing written: {problems[0]}")
     with whole_tensors(store, store.open(ref), MODEL_PART) as (specs, produce):
-        dest = open_location(out, storage_options)
-        dest.fs.makedirs(dest.root, exist_ok=True)
+        dest = output_folder(out, storage_options, "--out")
         path = f"{dest.root}/{MODEL_FILE}"
         size, _ = write_stream(dest, path, stream(specs, produce))
     return dest.url_of(path), size

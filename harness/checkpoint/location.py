@@ -80,6 +80,20 @@ def open_location(url: str, storage_options: dict | None = None) -> Location:
     return Location(fs=fs, root=root.rstrip("/") or "/", url=str(url))
 
 
+def output_folder(url: str, storage_options: dict | None, what: str) -> Location:
+    """Open `url` as a folder to write into, creating it. A path that is a file, or a folder that
+    cannot be created, is a `CheckpointError` naming `what` (the flag or setting that gave it),
+    raised before any work starts."""
+    loc = open_location(url, storage_options)
+    try:
+        loc.fs.makedirs(loc.root, exist_ok=True)
+    except FileExistsError:
+        raise CheckpointError(f"{what} {url} is a file, not a folder: give a folder path") from None
+    except OSError as e:
+        raise CheckpointError(f"cannot write to {what} {url}: {e}; choose a writable {what}") from None
+    return loc
+
+
 def fsync_dir(loc: Location, path: str) -> None:
     """Make a rename or file creation inside local folder `path` durable."""
     loc.fs.fsync_dir(path)

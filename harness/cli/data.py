@@ -13,6 +13,7 @@ import argparse
 import hashlib
 import sys
 
+from harness.checkpoint.location import output_folder
 from harness.cli.args import storage_option_parser, storage_options_of
 from harness.data.integrity import shard_problem
 from harness.data.prepare import PrepareSpec, prepare
@@ -26,6 +27,8 @@ def cmd_prepare(args: argparse.Namespace) -> int:
                        text_split=args.text_split, eod=args.eod, shard_tokens=args.shard_tokens)
     if args.workers < 0:
         raise UserError(f"--workers must be >= 0, got {args.workers}")
+    # Here, not around prepare(): an OSError there may be an input's, not to be blamed on --out.
+    output_folder(args.out, storage_options_of(args), "--out")
     index = prepare(spec, args.out, workers=args.workers, storage_options=storage_options_of(args))
     print(f"prepared {args.out}: {index.total_documents} documents, {index.total_tokens} tokens in "
           f"{len(index.shards)} shards ({index.dtype}), vocabulary {index.vocab_size}, index sha256 "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.location import output_folder
 from harness.cli.args import storage_option_parser, storage_options_of
 from harness.log import configure
 from harness.torture import ALL_MODES, DEFAULT_MODES, Torture, corruption_sweep, format_table
@@ -20,6 +21,8 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise CheckpointError(f"--modes: unknown mode(s) {unknown}; use some of {', '.join(ALL_MODES)} or 'all'")
     points = None if args.points == "all" else int(args.points)
+    # Checked before the sweep: a failed write inside it is a point's result, not the user's folder.
+    output_folder(args.run_dir, storage_options_of(args), "scratch folder")
     torture = Torture(args.run_dir, storage_options_of(args))
     tallies = torture.sweep(modes, points)
     print(format_table(torture.kind, tallies))

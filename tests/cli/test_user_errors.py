@@ -5,7 +5,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -170,3 +169,28 @@ def test_a_checkpoint_that_spelled_out_seq_len_resumes_under_a_config_that_deriv
     assert not config_changes(spelled, derived)
     spelled["model"]["args"]["seq_len"] = 2 * derived.data.seq_len
     assert list(config_changes(spelled, derived)) == ["model.args.seq_len"]
+
+
+@pytest.mark.parametrize("command, under, needle", [
+    (["ckpt", "consolidate", "{run}/checkpoints/step-00000002", "--out", "{out}"], False, "--out {out} is a file, not a folder: give a folder path"),
+    (["ckpt", "consolidate", "{run}/checkpoints/step-00000002", "--out", "{out}"], True, "cannot write to --out {out}: "),
+    (["compare", "{run}", "--plot", "{out}"], True, "cannot write the plot to --plot {out}: "),
+    (["data", "prepare", "builtin:corpus", "--out", "{out}", "--tokenizer", "bytes"], False, "--out {out} is a file, not a folder"),
+    (["data", "prepare", "builtin:corpus", "--out", "{out}", "--tokenizer", "bytes"], True, "cannot write to --out {out}: "),
+    (["torture", "{out}", "--points", "1"], False, "scratch folder {out} is a file, not a folder: give a folder path"),
+])
+def test_an_output_path_that_is_a_file_or_unwritable_is_named(trained, tmp_path, capsys, command, under, needle):
+    """A file where a folder goes, or a path under a file (unwritable, even as root): the path and
+    what to do, not a FileExistsError / NotADirectoryError / PermissionError traceback."""
+    a_file = tmp_path / "afile"
+    a_file.write_text("mine")
+    out = f"{a_file}/sub" if under else str(a_file)
+    done = Finished(capsys, [a.format(run=trained, out=out) for a in command])
+    assert_one_line_error(done, needle.format(out=out))
+    assert a_file.read_text() == "mine"
+
+
+def test_a_data_factory_with_the_wrong_signature_is_named_as_model_factories_are(tmp_path, capsys):
+    done = Finished(capsys, ["train", str(TINY), "--run-dir", str(tmp_path / "run"), *FAST,
+                             "--set", 'data.factory="os:getcwd"'])
+    assert_one_line_error(done, "data factory 'os:getcwd' failed with data args {}: TypeError: ")
