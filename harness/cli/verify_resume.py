@@ -10,6 +10,7 @@ import signal
 import tempfile
 from pathlib import Path
 
+from harness.checkpoint.location import output_folder
 from harness.cli.args import add_config_args
 from harness.config import RunConfig, batch_shape, load_config
 from harness.errors import UserError
@@ -38,11 +39,46 @@ def parse_steps(text: str) -> list[int]:
     return steps
 
 
+def positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number >= 1")
+    return n
+
+
+def first_checkpoint(cfg: RunConfig) -> int | None:
+    """The step by which B's first checkpoint is sure to exist, or None when only time tells
+    (`checkpoint.every_minutes` alone: the verdict then says whether a resume was exercised).
+    An interruption before it resumes from nothing and tests nothing; a config that saves only
+    the final step is refused (no interruption could test a resume)."""
+    c = cfg.checkpoint
+    if c.every_steps == "auto":
+        return 1  # "auto" saves once after the first step
+    if c.every_steps:
+        return c.every_steps
+    if c.every_minutes:
+        return None
+    raise UserError("checkpoint.every_steps = 0 and checkpoint.every_minutes = 0: only the final step is saved, so "
+                    "an interrupted run has nothing to resume from; set checkpoint.every_steps (--set)")
+
+
+def check_points(points: list[int], first: int | None, cfg: RunConfig) -> None:
+    """Refuse interruption steps before the first checkpoint (both modes)."""
+    early = [p for p in points if first is not None and p < first]
+    if early:
+        raise UserError(f"--interrupt-at {','.join(map(str, points))}: step {early[0]} is before the first "
+                        f"checkpoint (step {first}, checkpoint.every_steps = {cfg.checkpoint.every_steps!r}), so the "
+                        f"resumed run would start from nothing and test no resume; interrupt at step {first} or later")
+
+
 def register(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("verify-resume", help="check that interrupting and resuming a run changes nothing",
                             description=equivalence_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p, run_dir=False)
-    p.add_argument("--steps", type=int, metavar="N", help="train N steps instead of the config's train.steps")
+    p.add_argument("--steps", type=positive_int, metavar="N", help="train N steps instead of the config's train.steps")
     points = p.add_mutually_exclusive_group()
     points.add_argument("--interrupt-at", type=parse_steps, metavar="S1,S2", help="interrupt B once it logged these steps")
     points.add_argument("--random", type=int, metavar="K", help="interrupt at K random steps (default: 2)")
@@ -63,11 +99,12 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps else [])
+    overrides = list(args.overrides) + ([f"train.steps={args.steps}"] if args.steps is not None else [])
     cfg = load_config(args.config, overrides)
     steps = cfg.train.steps
     if args.tolerance is not None and not args.world_sizes:
         raise UserError("--tolerance applies to --world-sizes only: a resume at the same world size must be identical")
+    first = first_checkpoint(cfg)
     if args.world_sizes:
         points = worlds_points(args, cfg)
     elif args.interrupt_at:
@@ -75,15 +112,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
         k = 2 if args.random is None else args.random
-        if not 0 < k < steps:
-            raise UserError(f"--random {k}: choose between 1 and {steps - 1} interruptions for {steps} steps")
-        points = sorted(random.Random(seed).sample(range(1, steps), k))
+        lowest = 1 if first is None else first + 1  # after the first checkpoint: one to resume from
+        if not 0 < k <= steps - lowest:
+            raise UserError(f"--random {k}: choose between 1 and {steps - lowest} interruptions for {steps} steps "
+                            f"(steps {lowest}..{steps - 1}, after the first checkpoint)")
+        points = sorted(random.Random(seed).sample(range(lowest, steps), k))
         print(f"interrupting once steps {','.join(map(str, points))} are logged (--random {k} --seed {seed})", flush=True)
     if points[0] < 1 or points[-1] >= steps:
         raise UserError(f"--interrupt-at {','.join(map(str, points))}: steps must lie in 1..{steps - 1}")
+    check_points(points, first, cfg)
 
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="verify-resume-"))
-    work.mkdir(parents=True, exist_ok=True)
+    output_folder(str(work), None, "--work-dir")
     sets = [*overrides, f"train.fingerprint_every={args.fingerprint_every}", 'train.on_divergence="warn"']
     sig = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}[args.signal]
     if args.world_sizes:

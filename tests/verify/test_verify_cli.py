@@ -6,7 +6,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from harness.cli import main
+import pytest
+
+from harness.cli import main, verify_resume
+from harness.resume_equivalence import Verdict
 from procs import events
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,3 +39,36 @@ def test_unsaved_generator_in_the_model_is_found(capsys, tmp_path, monkeypatch):
     assert re.search(r"diverged at step 5: part rng\b.*hint: .*dropout", out), out
     # Steps 5 and 6 were logged before the kill: the resumed process compared its re-run at once.
     assert "B's resumed process reported at step 5: loss" in out
+
+
+def test_user_mistakes_are_one_line_errors_before_anything_runs(capsys, tmp_path, monkeypatch):
+    monkeypatch.setattr(verify_resume, "run_pair", lambda *a: pytest.fail("nothing may run"))
+    with pytest.raises(SystemExit) as exit_:  # 0 is not "the config's own step count"
+        main(["verify-resume", TINY, "--steps", "0", "--interrupt-at", "6"])
+    assert exit_.value.code == 2 and "argument --steps: '0': expected a whole number >= 1" in capsys.readouterr().err
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    assert main(["verify-resume", TINY, "--interrupt-at", "6", "--work-dir", str(afile)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --work-dir {afile} is a file, not a folder: give a folder path\n", err
+    # tiny.toml saves every 4 steps: an interruption at 2 would resume from nothing and test nothing.
+    assert main(["verify-resume", TINY, "--interrupt-at", "2,6", "--work-dir", str(tmp_path / "w")]) == 2
+    err = capsys.readouterr().err
+    assert "step 2 is before the first checkpoint (step 4" in err and err.count("\n") == 1, err
+    assert main(["verify-resume", TINY, "--set", "checkpoint.every_steps=0", "--interrupt-at", "6"]) == 2
+    assert "only the final step is saved" in capsys.readouterr().err
+    assert not (tmp_path / "w").exists()
+
+
+def test_random_interruptions_come_after_the_first_checkpoint(capsys, monkeypatch):
+    seen = []
+    monkeypatch.setattr(verify_resume, "run_pair", lambda config, steps, work, sets, points, sig:
+                        seen.append(points) or Verdict(identical=True, steps=steps, interrupt_at=points))
+    for seed in range(20):
+        assert main(["verify-resume", TINY, "--random", "3", "--seed", str(seed)]) == 0
+    assert all(4 < p < 12 for points in seen for p in points), seen
+    assert main(["verify-resume", TINY, "--random", "8", "--seed", "1"]) == 2
+    assert "choose between 1 and 7 interruptions" in capsys.readouterr().err
+    # Time-based checkpoints only: a restart that resumed from nothing tested nothing.
+    verdict = Verdict(identical=True, steps=12, interrupt_at=[2], not_resumed=[2])
+    assert not verdict and str(verdict).startswith("not exercised: B restarted from nothing")
