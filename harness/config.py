@@ -345,10 +345,13 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
     try:
         return RunConfig.model_validate(raw)
     except ValidationError as e:
-        raise UserError(f"{path}: {_describe(e)}") from None
+        given = {item.partition("=")[0].strip() for item in overrides}
+        raise UserError(_describe(e, path, given)) from None
 
 
 def _read_toml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    if path.is_dir():
+        raise UserError(f"config file {path} is a folder; pass the path of a TOML config in it (see configs/)")
     if not path.is_file():
         raise UserError(f"config file {path} does not exist; pass the path of a TOML config (see configs/)")
     if path.resolve() in seen:
@@ -426,16 +429,25 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _describe(e: ValidationError) -> str:
-    """One line per problem: `key: message`, joined with '; '."""
-    parts = []
+def _describe(e: ValidationError, path: Path, given: set[str]) -> str:
+    """`SOURCE: key: message` per key, joined with '; ': SOURCE is the config file, or "command
+    line" for a key an override (`--set`, a sweep's `--grid`) gave. The members of a union field
+    (`every_steps`: an integer or "auto") fail as one key, their messages joined with "or"."""
+    problems: dict[str, list[str]] = {}
     for err in e.errors():
-        loc = ".".join(str(x) for x in err["loc"] if not (isinstance(x, str) and x in _UNION_TAGS))
+        loc = [x for x in err["loc"] if not (isinstance(x, str) and x in _UNION_TAGS)]
+        if len(loc) > 1 and isinstance(loc[-1], str) and not loc[-1].isidentifier():
+            loc = loc[:-1]  # pydantic names the union member it tried: constrained-int, literal['auto']
+        key = ".".join(str(x) for x in loc)
         template = _MESSAGES.get(err["type"])
         msg = template.format(**err.get("ctx", {}), input=err.get("input")) if template else err["msg"]
         if err["type"] == "extra_forbidden" and len(err["loc"]) == 3 and err["loc"][0] == "optim":
             msg = _optim_key_elsewhere(str(err["loc"][1]), str(err["loc"][2])) or msg
-        parts.append(f"{loc}: {msg}" if loc else msg)
+        problems.setdefault(key, []).append(msg)
+    parts = []
+    for key, messages in problems.items():
+        source = "command line" if any(key == g or key.startswith(g + ".") for g in given) else str(path)
+        parts.append(f"{source}: {key}: {' or '.join(messages)}" if key else f"{source}: {' or '.join(messages)}")
     return "; ".join(parts)
 
 

@@ -2,7 +2,6 @@
 bitwise, and its tied weights are stored once in model.safetensors (old checkpoints, with the tied
 tensor stored under each name, still load)."""
 
-import sys
 
 import pytest
 import torch

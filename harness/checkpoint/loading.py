@@ -97,9 +97,12 @@ def read_listed(loc: Location, ref: CheckpointRef, manifest: Manifest, file: str
         data = read_bytes(loc, path, limit)
     except CheckpointError as e:
         raise CheckpointCorrupt(str(e)) from e
-    if len(data) != rec.size or hexdigest(rec.algorithm, data) != rec.digest:
+    if len(data) != rec.size:
         raise CheckpointCorrupt(f"{where}: does not match the manifest ({len(data)} bytes, manifest says "
                                 f"{rec.size}); the checkpoint is corrupt")
+    if hexdigest(rec.algorithm, data) != rec.digest:
+        raise CheckpointCorrupt(f"{where}: does not match the manifest (its {rec.algorithm} digest differs, the "
+                                f"size is right: changed bytes); the checkpoint is corrupt")
     return data
 
 

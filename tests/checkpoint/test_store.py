@@ -273,6 +273,17 @@ def test_state_json_cannot_point_outside_the_manifest(run_dir):
         store.load(ref, {"p": Bag()})
 
 
+def test_a_changed_byte_in_state_json_is_named_as_a_digest_not_a_size(run_dir):
+    store = CheckpointStore(run_dir)
+    ref = store.save(1, {"p": {"w": torch.zeros(2)}})
+    state = folder(ref) / "state.json"
+    data = bytearray(state.read_bytes())
+    data[-2] ^= 0x01  # the same size, one bit changed
+    state.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match=r"state.json: does not match the manifest \(its blake3 digest differs"):
+        store.open(ref)
+
+
 def test_shape_dtype_and_name_mismatches_are_listed_together(run_dir):
     store = CheckpointStore(run_dir)
     ref = store.save(1, {"model": {"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(1), "gone": torch.zeros(1)}})

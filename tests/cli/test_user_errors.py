@@ -194,3 +194,24 @@ def test_a_data_factory_with_the_wrong_signature_is_named_as_model_factories_are
     done = Finished(capsys, ["train", str(TINY), "--run-dir", str(tmp_path / "run"), *FAST,
                              "--set", 'data.factory="os:getcwd"'])
     assert_one_line_error(done, "data factory 'os:getcwd' failed with data args {}: TypeError: ")
+
+
+def test_config_errors_name_where_the_bad_key_came_from(tmp_path):
+    """A key from --set (or a sweep's --grid) is the command line's, not the file's; a union
+    field's members ("every_steps": an integer or "auto") fail as one key; a folder given as the
+    config is named as one."""
+    from harness.config import load_config
+    from harness.errors import UserError
+
+    config = tmp_path / "bad.toml"
+    config.write_text(f'extends = "{TINY}"\n[train]\nstepz = 3\n')
+    with pytest.raises(UserError) as e:
+        load_config(config, ["train.steps=0", 'data.sources=[{url = "x", weight = "a"}]', "checkpoint.every_steps=autox"])
+    assert sorted(str(e.value).split("; ")) == sorted([
+        "command line: train.steps: Input should be greater than 0",
+        "command line: data.sources.0.weight: Input should be a valid number, unable to parse string as a number",
+        "command line: checkpoint.every_steps: Input should be a valid integer, unable to parse string as an integer "
+        "or Input should be 'auto'",
+        f"{config}: train.stepz: unknown key (check the spelling", "see configs/ for the valid keys)"])
+    with pytest.raises(UserError, match=f"config file {tmp_path} is a folder"):
+        load_config(tmp_path)

@@ -1,6 +1,5 @@
 """Model factories that break the contract of docs/models.md, one way each (tests/cli/test_user_errors.py)."""
 
-import torch
 from torch import nn
 from torch.nn import functional as F
 
