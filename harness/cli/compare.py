@@ -30,6 +30,9 @@ def run(args: argparse.Namespace) -> int:
     runs = [summarize(run_dir) for given in args.run_dirs for run_dir in run_dirs_of(given)]
     arms = group_runs(runs)
     grouped = any(len(a.groups) > 1 or len(g.runs) > 1 for a in arms for g in a.groups)
+    if args.target_loss is not None and not grouped:
+        raise UserError("--target-loss applies to grouped runs (an arm's seeds or lrs, as `harness sweep` makes "
+                        "them); these runs are one per arm: drop it, or give the runs of a sweep")
     if grouped:
         print("By lr (mean over seeds; * = the arm's best lr by mean final eval loss):\n" + format_by_lr(arms, args.target_loss)
               + "\n\nEach arm at its best lr:\n" + format_best(arms, args.target_loss), flush=True)

@@ -215,3 +215,8 @@ def test_config_errors_name_where_the_bad_key_came_from(tmp_path):
         f"{config}: train.stepz: unknown key (check the spelling", "see configs/ for the valid keys)"])
     with pytest.raises(UserError, match=f"config file {tmp_path} is a folder"):
         load_config(tmp_path)
+
+
+def test_target_loss_without_grouped_runs_is_refused_not_dropped(trained, capsys):
+    assert_one_line_error(Finished(capsys, ["compare", str(trained), "--target-loss", "4.0"]),
+                          "--target-loss applies to grouped runs")
