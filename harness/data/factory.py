@@ -47,10 +47,7 @@ from typing import Any
 
 from harness.data.dataset import SampleSource
 from harness.errors import UserError
-from harness.log import get_logger
-from harness.models import load_factory
-
-log = get_logger(__name__)
+from harness.models import call_factory, load_factory
 
 EXAMPLE = "mypackage.data:build"
 MAP_STYLE = ("num_samples", "__getitem__", "sample_id")
@@ -61,16 +58,8 @@ def build_user_data(factory: str, args: dict[str, Any], seq_len: int, seed: int,
     """Call the factory and check the shape of what it returns (UserError naming the problem):
     (train, eval), eval map-style, train map-style or a stateful iterator (`is_iterator_source`);
     the factory's own exception (a wrong signature, bad data.args) too, as a model factory's."""
-    build = load_factory(factory, "data factory", EXAMPLE)
-    try:
-        result = build({**args, "seq_len": seq_len, "seed": seed, "rank": rank, "world_size": world_size})
-    except UserError:
-        raise
-    except Exception as e:
-        log.debug("the data factory raised", factory=factory, exc_info=True)
-        raise UserError(f"data factory {factory!r} failed with data args {args}: {type(e).__name__}: {e}; "
-                        "fix data.args (or the factory, which takes one dict; --log-level debug shows "
-                        "the traceback)") from None
+    result = call_factory(load_factory(factory, "data factory", EXAMPLE), factory, "data factory", "data.args", args,
+                          {**args, "seq_len": seq_len, "seed": seed, "rank": rank, "world_size": world_size})
     if not isinstance(result, tuple) or len(result) != 2:
         raise UserError(f"data factory {factory!r} returned a {type(result).__name__}; it must return "
                         f"(train, eval) sample sources (see harness/data/factory.py)")

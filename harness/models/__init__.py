@@ -12,9 +12,27 @@ from typing import Any
 
 from harness.config import DEFAULT_FACTORY
 from harness.errors import UserError
+from harness.log import get_logger
 from harness.models.gpt import GPT, GPTConfig, build_gpt
 
-__all__ = ["DEFAULT_FACTORY", "GPT", "GPTConfig", "build_gpt", "load_factory"]
+__all__ = ["DEFAULT_FACTORY", "GPT", "GPTConfig", "build_gpt", "call_factory", "load_factory"]
+
+log = get_logger(__name__)
+
+
+def call_factory(factory: Callable[[dict[str, Any]], Any], path: str, kind: str, setting: str,
+                 args: dict[str, Any], call_args: dict[str, Any]) -> Any:
+    """`factory(call_args)`. Its UserError passes through; any other exception (a wrong signature,
+    bad `args`) becomes a one-line UserError naming the factory at `path`, the `setting` its
+    `args` came from and the exception; the traceback goes to the debug log."""
+    try:
+        return factory(call_args)
+    except UserError:
+        raise
+    except Exception as e:
+        log.debug(f"the {kind} raised", factory=path, exc_info=True)
+        raise UserError(f"{kind} {path!r} failed with {kind.split()[0]} args {args}: {type(e).__name__}: {e}; fix "
+                        f"{setting} (or the factory, which takes one dict; --log-level debug shows the traceback)") from None
 
 
 def load_factory(path: str, kind: str = "model factory", example: str = DEFAULT_FACTORY) -> Callable[..., Any]:

@@ -17,23 +17,12 @@ import torch
 from torch import nn
 
 from harness.errors import UserError
-from harness.log import get_logger
-from harness.models import load_factory
-
-log = get_logger(__name__)
+from harness.models import call_factory, load_factory
 
 
 def build_model(path: str, args: dict[str, Any]) -> nn.Module:
     """Call the factory at `path` with `args` and check what it returns (see the module docstring)."""
-    factory = load_factory(path)
-    try:
-        model = factory(dict(args))
-    except UserError:
-        raise
-    except Exception as e:
-        log.debug("the model factory raised", factory=path, exc_info=True)
-        raise UserError(f"model factory {path!r} failed with model args {args}: {type(e).__name__}: {e}; "
-                        "fix model.args (or the factory; --log-level debug shows the traceback)") from None
+    model = call_factory(load_factory(path), path, "model factory", "model.args", args, dict(args))
     if not isinstance(model, nn.Module):
         raise UserError(f"model factory {path!r} returned a {type(model).__name__}, not a torch.nn.Module; "
                         "it must build and return the model (docs/models.md)")
