@@ -10,7 +10,8 @@ from pathlib import Path
 
 import psutil
 
-from procs import ENV, ROOT, TINY, last_step
+from harness.checkpoint.manifest import MANIFEST_FILE
+from procs import ENV, ROOT, TINY, final_checkpoint, last_step
 
 # torchrun shares its rendezvous store with the workers' process group by default, and a
 # restarted group then reads the previous group's gloo addresses (pytorch/pytorch#135712):
@@ -74,10 +75,14 @@ def kill_tree(pid: int, sig: int = 9) -> None:
             pass
 
 
-def wait_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout: float = 180) -> None:
-    """Wait until rank 0 logged `step` in metrics.jsonl."""
+def wait_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout: float = 180,
+              committed: int | None = None) -> None:
+    """Wait until rank 0 logged `step` in metrics.jsonl and, with `committed`, the checkpoint of
+    that step is committed too: a background save can still be in flight steps later on a busy
+    machine, and a kill then finds no checkpoint to resume from."""
     deadline = time.monotonic() + timeout
-    while last_step(run_dir) < step:
+    manifest = None if committed is None else final_checkpoint(run_dir, committed) / MANIFEST_FILE
+    while last_step(run_dir) < step or (manifest is not None and not manifest.exists()):
         if proc.poll() is not None:
             raise AssertionError(f"exited {proc.returncode} before step {step}:\n{tail(log)}")
         if time.monotonic() > deadline:

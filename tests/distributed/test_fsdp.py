@@ -61,7 +61,7 @@ def test_group_sigkill_resumes_bitwise(fsdp_run, tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
     args = fsdp_args(run_dir, arm)
     proc = start(args, log)
-    wait_step(proc, run_dir, 6, log)
+    wait_step(proc, run_dir, 6, log, committed=4)
     kill_tree(proc.pid)  # torchrun and both ranks at once
     proc.wait(60)
     assert run(args, log) == 0, tail(log)

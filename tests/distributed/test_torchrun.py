@@ -39,7 +39,7 @@ def test_checkpoint_has_every_rank_and_one_manifest(continuous):
 def test_sigkill_one_rank_torchrun_restarts_the_group(tmp_path, continuous):
     run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
     proc = start(train_args(run_dir, max_restarts=1), log)
-    wait_step(proc, run_dir, 6, log)
+    wait_step(proc, run_dir, 6, log, committed=4)
     rank_process(proc, 1).kill()
     assert proc.wait(300) == 0, tail(log)
     starts = [e for e in events(run_dir) if e["event"] == "start"]
