@@ -14,6 +14,7 @@ is a UserError naming the file and line.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import gzip
 import io
@@ -28,6 +29,7 @@ from harness.errors import UserError
 BUILTIN_CORPUS = "builtin:corpus"
 TextSplit = Literal["file", "line"]
 _JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
+_CHUNK = 1 << 20
 
 
 def iter_documents(inputs: list[str], *, field: str = "text", text_split: TextSplit = "file",
@@ -55,6 +57,20 @@ def _base_name(url: str) -> str:
 
 @contextlib.contextmanager
 def _open_text(url: str, storage_options: dict | None) -> Iterator[io.TextIOBase]:
+    """The input's lines, decoded strictly as UTF-8; a byte that is not UTF-8 is a UserError
+    naming its line and byte offset (found by reading the input again: error path only)."""
+    with _open_binary(url, storage_options) as stream:
+        try:
+            yield io.TextIOWrapper(stream, encoding="utf-8", errors="strict", newline="")
+        except UnicodeDecodeError as e:
+            line, offset = _undecodable_position(url, storage_options)
+            raise UserError(f"input {url} is not UTF-8 text (line {line}, byte offset {offset}: {e.reason}); pass text or "
+                            f"JSON lines, compressed only as .gz or .zst") from None
+
+
+@contextlib.contextmanager
+def _open_binary(url: str, storage_options: dict | None) -> Iterator[io.BufferedIOBase]:
+    """The input's bytes, decompressed when its name ends in .gz or .zst."""
     try:
         fs, path = open_filesystem(url, storage_options)
         raw = fs.open(path, "rb")
@@ -70,15 +86,32 @@ def _open_text(url: str, storage_options: dict | None) -> Iterator[io.TextIOBase
 
         stream = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
     try:
-        yield io.TextIOWrapper(io.BufferedReader(stream) if stream is raw else stream, encoding="utf-8",
-                               errors="strict", newline="")
+        yield io.BufferedReader(stream) if stream is raw else stream
     finally:
         stream.close()
         raw.close()
 
 
+def _undecodable_position(url: str, storage_options: dict | None) -> tuple[int, int]:
+    """(line, byte offset in the decompressed input) of the first byte sequence of `url` that is
+    not UTF-8; a character cut off by the end of the input is at its first byte."""
+    line = offset = 0  # newlines before, and the offset of, the first byte not yet decoded
+    pending = b""
+    with _open_binary(url, storage_options) as stream:
+        while chunk := stream.read(_CHUNK):
+            data = pending + chunk
+            try:
+                _, used = codecs.utf_8_decode(data, "strict", False)
+            except UnicodeDecodeError as e:
+                return line + data.count(b"\n", 0, e.start) + 1, offset + e.start
+            line += data.count(b"\n", 0, used)
+            offset += used
+            pending = data[used:]
+    return line + 1, offset
+
+
 def _checked_lines(url: str, lines: io.TextIOBase) -> Iterator[tuple[int, str]]:
-    """(line number, line) of a UTF-8 text; binary or undecodable input is a UserError."""
+    """(line number, line) of a text; binary or damaged compressed input is a UserError."""
     number = 0
     try:
         for number, line in enumerate(lines, start=1):
@@ -86,9 +119,6 @@ def _checked_lines(url: str, lines: io.TextIOBase) -> Iterator[tuple[int, str]]:
                 raise UserError(f"input {url} line {number} holds NUL bytes: it is binary, not text; "
                                 f"pass text or JSON lines (.gz/.zst compressed is fine)")
             yield number, line
-    except UnicodeDecodeError as e:
-        raise UserError(f"input {url} is not UTF-8 text (after line {number}: {e.reason}); pass text or JSON "
-                        f"lines, compressed only as .gz or .zst") from None
     except (OSError, EOFError) as e:  # a corrupt .gz / .zst stream
         raise UserError(f"input {url} cannot be decompressed after line {number} ({e}); the file is damaged") from None
 

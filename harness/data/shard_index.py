@@ -86,19 +86,37 @@ class ShardIndex:
         """Parse and check an index; anything malformed is a UserError naming `where`."""
         try:
             doc = json.loads(data)
+            if not isinstance(doc, dict):
+                raise ValueError(f"it holds a JSON {type(doc).__name__}, not an object")
             if doc.get("format") != FORMAT_VERSION:
-                raise ValueError(f"format {doc.get('format')!r}, this harness reads format {FORMAT_VERSION}")
-            if doc["dtype"] not in DTYPES:
-                raise ValueError(f"dtype {doc['dtype']!r} is not one of {sorted(DTYPES)}")
-            shards = tuple(ShardEntry(str(s["name"]), int(s["tokens"]), int(s["documents"]), str(s["sha256"]))
-                           for s in doc["shards"])
-            index = cls(dict(doc["tokenizer"]), doc["dtype"], shards)
-            index.vocab_size  # noqa: B018 - must be present and an integer
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise UserError(f"{where} is not a token-shard index ({e}); run `harness data prepare` to make one") from None
+                raise ValueError(f"its format is {doc.get('format')!r}, this harness reads format {FORMAT_VERSION}")
+            dtype = _required(doc, "dtype", "the index")
+            if dtype not in DTYPES:
+                raise ValueError(f"its dtype {dtype!r} is not one of {sorted(DTYPES)}")
+            shards = tuple(_shard_entry(s, f"shards[{n}]") for n, s in enumerate(_required(doc, "shards", "the index")))
+            tokenizer = _required(doc, "tokenizer", "the index")
+            for key in ("vocab_size", "eod_id"):
+                int(_required(tokenizer, key, "the index's tokenizer"))
+            index = cls(dict(tokenizer), dtype, shards)
+        except (ValueError, TypeError) as e:
+            raise UserError(f"{where} is not a token-shard index: {e}; run `harness data prepare` to make one") from None
         if not shards or any(s.tokens < 1 or "/" in s.name for s in shards):
             raise UserError(f"{where} lists no shards or an empty/odd shard; prepare the dataset again")
         return index
+
+
+def _required(record: Any, key: str, within: str) -> Any:
+    """`record[key]`; a ValueError saying in words what is missing when it is not there."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{within} is a JSON {type(record).__name__}, not an object")
+    if key not in record:
+        raise ValueError(f"{within} has no {key!r} entry")
+    return record[key]
+
+
+def _shard_entry(record: Any, within: str) -> ShardEntry:
+    return ShardEntry(str(_required(record, "name", within)), int(_required(record, "tokens", within)),
+                      int(_required(record, "documents", within)), str(_required(record, "sha256", within)))
 
 
 def read_index(url: str, storage_options: dict | None = None) -> tuple[ShardIndex, Location]:
@@ -107,6 +125,9 @@ def read_index(url: str, storage_options: dict | None = None) -> tuple[ShardInde
     try:
         loc = open_location(url, storage_options)
         data = read_bytes(loc, loc.join(INDEX_NAME), _INDEX_LIMIT)
+    except NotADirectoryError:
+        raise UserError(f"{url} is a file, not a dataset folder: pass the folder that `harness data prepare "
+                        f"--out` wrote") from None
     except FileNotFoundError:
         raise UserError(f"{url}/{INDEX_NAME} does not exist: not a prepared dataset, or its prepare did not "
                         f"finish; run `harness data prepare ... --out {url}`") from None

@@ -125,13 +125,35 @@ def test_verify_names_a_corrupt_or_missing_shard_in_one_line(tmp_path, capsys):
     assert code == 2 and "index.json does not exist" in err
 
 
+def test_verify_of_a_file_or_a_bad_index_says_what_is_wrong_in_one_line(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("hello")
+    code, err = _cli(capsys, "data", "verify", str(tmp_path / "a.txt"))
+    assert code == 2 and "a.txt is a file, not a dataset folder" in err and len(err.splitlines()) == 1, err
+    out = tmp_path / "ds"
+    prepare(PrepareSpec((str(tmp_path / "a.txt"),), "bytes"), str(out))
+    capsys.readouterr()
+    good = json.loads((out / "index.json").read_text())
+    for damage, message in [(lambda d: d.pop("dtype"), "the index has no 'dtype' entry"),
+                            (lambda d: d["shards"][0].pop("sha256"), "shards[0] has no 'sha256' entry"),
+                            (lambda d: d["tokenizer"].pop("eod_id"), "the index's tokenizer has no 'eod_id' entry"),
+                            (lambda d: d.update(dtype="int8"), "its dtype 'int8' is not one of")]:
+        doc = json.loads(json.dumps(good))
+        damage(doc)
+        (out / "index.json").write_text(json.dumps(doc))
+        code, err = _cli(capsys, "data", "verify", str(out))
+        assert code == 2 and f"is not a token-shard index: {message}" in err and len(err.splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("name, content, message", [
-    ("blob.bin", bytes(range(256)) * 4, "is not UTF-8 text"),
+    ("blob.bin", bytes(range(256)) * 4, "is not UTF-8 text (line 2, byte offset 128: invalid start byte)"),
+    # The reader decodes ahead of the lines it hands out: the position must be the byte's own.
+    ("late.txt.gz", gzip.compress(b"ok\n" * 5000 + "äö\n".encode() + b"x\xc3"),
+     "is not UTF-8 text (line 5002, byte offset 15006: unexpected end of data)"),
     ("zeros.txt", b"abc\x00\x00\x00", "holds NUL bytes"),
     ("rows.jsonl", b'{"body": "no text field"}\n', "has no field 'text'; pass --field"),
     ("rows2.jsonl", b"not json\n", "is not JSON"),
     ("broken.txt.gz", b"\x1f\x8b\x08\x00garbage", "cannot be decompressed"),
-])
+], ids=["binary", "late-bad-utf8", "nul", "no-field", "not-json", "bad-gzip"])
 def test_bad_inputs_are_one_line_errors(tmp_path, capsys, name, content, message):
     (tmp_path / name).write_bytes(content)
     code, err = _cli(capsys, "data", "prepare", str(tmp_path / name), "--out", str(tmp_path / "ds"),
