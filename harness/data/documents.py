@@ -4,7 +4,8 @@ An input is a local path or fsspec URL; `.gz` and `.zst` are decompressed on the
 comes from the name without that suffix: `.jsonl`, `.ndjson` and `.json` are JSON lines (one
 object per line, the document is its `field`), anything else is UTF-8 text: one document per
 file (`text_split="file"`) or one per non-empty line (`"line"`). `builtin:corpus` is the
-built-in corpus (`corpus.py`), one document per paragraph (line).
+built-in corpus (`corpus.py`), one document per paragraph (line). An empty document (an empty
+file, an empty JSON text) is no document: it would be an end-of-document token alone.
 
 The order is the inputs' order, then the order inside each, so the document stream, and the
 token stream made from it, is a pure function of the inputs: what a restarted prepare relies on.
@@ -20,10 +21,11 @@ import gzip
 import io
 import json
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 from harness.checkpoint.filesystem import open_filesystem
 from harness.data.corpus import default_corpus
+from harness.data.identity import data_identity, file_identity
 from harness.errors import UserError
 
 BUILTIN_CORPUS = "builtin:corpus"
@@ -44,8 +46,8 @@ def iter_documents(inputs: list[str], *, field: str = "text", text_split: TextSp
                 yield from _json_documents(url, lines, field)
             elif text_split == "line":
                 yield from (text for _, text in _checked_lines(url, lines) if text.strip())
-            else:
-                yield "".join(text for _, text in _checked_lines(url, lines))
+            elif document := "".join(line for _, line in _checked_lines(url, lines)):
+                yield document
 
 
 def _base_name(url: str) -> str:
@@ -68,16 +70,32 @@ def _open_text(url: str, storage_options: dict | None) -> Iterator[io.TextIOBase
                             f"JSON lines, compressed only as .gz or .zst") from None
 
 
+def input_identity(url: str, storage_options: dict | None = None) -> dict[str, Any]:
+    """The input's size and the sha256 of its first and last MiB, as the training data's identity
+    takes them (identity.py): what a resumed prepare compares to see an input changed."""
+    if url == BUILTIN_CORPUS:
+        return data_identity(None)
+    with _input_errors(url):
+        return file_identity(url, storage_options)
+
+
 @contextlib.contextmanager
-def _open_binary(url: str, storage_options: dict | None) -> Iterator[io.BufferedIOBase]:
-    """The input's bytes, decompressed when its name ends in .gz or .zst."""
+def _input_errors(url: str) -> Iterator[None]:
+    """A missing or unopenable input as a UserError naming it."""
     try:
-        fs, path = open_filesystem(url, storage_options)
-        raw = fs.open(path, "rb")
+        yield
     except FileNotFoundError:
         raise UserError(f"input {url} does not exist; check the path or URL") from None
     except (ValueError, ImportError, IsADirectoryError) as e:
         raise UserError(f"input {url} cannot be opened ({e}); pass a text or JSON-lines file or an fsspec URL") from None
+
+
+@contextlib.contextmanager
+def _open_binary(url: str, storage_options: dict | None) -> Iterator[io.BufferedIOBase]:
+    """The input's bytes, decompressed when its name ends in .gz or .zst."""
+    with _input_errors(url):
+        fs, path = open_filesystem(url, storage_options)
+        raw = fs.open(path, "rb")
     stream = raw
     if url.endswith(".gz"):
         stream = gzip.GzipFile(fileobj=raw, mode="rb")
@@ -138,4 +156,5 @@ def _json_documents(url: str, lines: io.TextIOBase, field: str) -> Iterator[str]
         text = record[field]
         if not isinstance(text, str):
             raise UserError(f"input {url} line {number}: field {field!r} is a {type(text).__name__}, not text")
-        yield text
+        if text:
+            yield text

@@ -31,10 +31,16 @@ def data_identity(url: str | None, storage_options: dict | None = None) -> dict[
         data = default_corpus()
         return {"url": None, **_fingerprint(len(data), data[:BLOCK], data[-BLOCK:])}
     with data_errors(url):
-        fs, path = open_filesystem(url, storage_options)
-        size = fs.size(path)
-        head = fs.cat_file(path, start=0, end=min(BLOCK, size))
-        tail = fs.cat_file(path, start=max(0, size - BLOCK), end=size)
+        return file_identity(url, storage_options)
+
+
+def file_identity(url: str, storage_options: dict | None = None) -> dict[str, Any]:
+    """`data_identity` of the file at `url`, its errors (FileNotFoundError, ...) raised as they
+    come, for a caller that words them for its own setting (`harness data prepare`'s inputs)."""
+    fs, path = open_filesystem(url, storage_options)
+    size = fs.size(path)
+    head = fs.cat_file(path, start=0, end=min(BLOCK, size))
+    tail = fs.cat_file(path, start=max(0, size - BLOCK), end=size)
     return {"url": url, **_fingerprint(size, head, tail)}
 
 

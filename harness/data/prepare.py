@@ -6,16 +6,24 @@ every `shard_tokens` tokens, are too. That is what makes a restart cheap and exa
 
 - After each shard is durable (local disk: written to a temporary name, fsynced, renamed, the
   folder fsynced; object stores: one PUT), `.prepare-state.json` records it with the stream
-  position where the next shard starts: (document number, tokens of that document already used).
-- A restart with the same arguments keeps the recorded shards, skips the documents before that
-  position without tokenizing them, drops the used tokens of the document it lands in, and goes
-  on. A shard written but not yet recorded is simply written again, with the same bytes.
+  position where the next shard starts: (document number, tokens of that document already used),
+  and each input's identity (size, sha256 of its first and last MiB: `documents.input_identity`).
+- A restart with the same arguments and unchanged inputs keeps the recorded shards, skips the
+  documents before that position without tokenizing them, drops the used tokens of the document
+  it lands in, and goes on. A shard written but not yet recorded is simply written again, with
+  the same bytes.
+- A restart with the same arguments whose inputs changed (another size or first/last MiB) starts
+  again from the beginning, with a warning naming the input: the recorded shards hold text that
+  is no longer there and the stream positions point into other text, and an unfinished folder
+  has no index, so nothing can have used them. (Other arguments are refused instead: that is
+  more likely a wrong --out than a new mind, and it would discard another prepare's work.)
 - `index.json` is written after every shard, then the state file is removed. A folder with an
   index and no state file is finished; one with neither is started again from the beginning.
 
 So a prepare killed at any point and started again produces byte-identical output. The
 tokenizer is `tokenizer.json` in the output (trained first for `train-bpe:VOCAB`; training is
-deterministic, so a retrain after a kill gives the same file).
+deterministic, so a retrain after a kill gives the same file), written with the first shard: a
+prepare of inputs that hold no text writes nothing and is an error.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from tqdm import tqdm
 
 from harness.checkpoint.location import Location, fsync_dir, open_location, rename, write_stream
 from harness.data import tokenize_worker
-from harness.data.documents import TextSplit, iter_documents
+from harness.data.documents import TextSplit, input_identity, iter_documents
 from harness.data.shard_index import (INDEX_NAME, TOKENIZER_NAME, ShardEntry, ShardIndex, dtype_for,
                                       shard_name)
 from harness.data.tokenizers_spec import EOD_TOKEN, TokenizerInfo, is_trained, resolve_tokenizer
@@ -79,7 +87,7 @@ def prepare(spec: PrepareSpec, out: str, *, workers: int = 0, storage_options: d
     made with other arguments."""
     loc = open_location(out, storage_options)
     loc.fs.makedirs(loc.root, exist_ok=True)
-    progress, tokenizer = _resume_or_start(spec, loc, storage_options)
+    progress, tokenizer, header = _resume_or_start(spec, loc, storage_options)
     dtype = dtype_for(tokenizer.vocab_size)
     started = time.perf_counter()
     bar = tqdm(desc="prepare", unit="tok", unit_scale=True, disable=not sys.stderr.isatty(), dynamic_ncols=True,
@@ -101,17 +109,18 @@ def prepare(spec: PrepareSpec, out: str, *, workers: int = 0, storage_options: d
                 if filled == spec.shard_tokens:
                     # The next shard starts `used` tokens into this document, or at the next one.
                     at = (doc_number + 1, 0) if used == len(tokens) else (doc_number, used)
-                    _write_shard(loc, progress, buffer, documents_in_buffer, at, spec, tokenizer)
+                    _write_shard(loc, progress, buffer, documents_in_buffer, at, header, tokenizer)
                     bar.update(filled)
                     filled = documents_in_buffer = 0
             doc_number += 1
         if filled:
-            _write_shard(loc, progress, buffer[:filled], documents_in_buffer, (doc_number, 0), spec, tokenizer)
+            _write_shard(loc, progress, buffer[:filled], documents_in_buffer, (doc_number, 0), header, tokenizer)
             bar.update(filled)
     finally:
         bar.close()
     if not progress.shards:
-        raise UserError(f"the inputs hold no text: {', '.join(spec.inputs)}")
+        raise UserError(f"the inputs hold no text ({', '.join(spec.inputs)}): a dataset needs at least one "
+                        f"document; pass inputs with text")
     index = ShardIndex(tokenizer={"sha256": tokenizer.sha256, "vocab_size": tokenizer.vocab_size,
                                   "specials": tokenizer.specials, "eod_id": tokenizer.eod_id,
                                   "eod_token": tokenizer.eod_token},
@@ -125,27 +134,47 @@ def prepare(spec: PrepareSpec, out: str, *, workers: int = 0, storage_options: d
     return index
 
 
-def _resume_or_start(spec: PrepareSpec, loc: Location, storage_options: dict | None) -> tuple[_Progress, TokenizerInfo]:
+def _resume_or_start(spec: PrepareSpec, loc: Location, storage_options: dict | None) -> tuple[_Progress, TokenizerInfo, dict]:
+    """(progress, tokenizer, the state file's header: arguments and input identities)."""
     state_path, tokenizer_path = loc.join(STATE_NAME), loc.join(TOKENIZER_NAME)
+    header = {"spec": _spec_doc(spec), "inputs": [input_identity(url, storage_options) for url in spec.inputs]}
     if loc.fs.exists(state_path):
         state = json.loads(loc.fs.cat_file(state_path))
-        if state["spec"] != _spec_doc(spec):
+        if state["spec"] != header["spec"]:
             raise UserError(f"{loc.url} holds an unfinished prepare with other arguments ({state['spec']}); run it "
                             f"again with those, or choose another --out")
-        tokenizer = TokenizerInfo.from_json(loc.fs.cat_file(tokenizer_path).decode(), spec.eod, loc.url_of(tokenizer_path))
         progress = _Progress([ShardEntry(**s) for s in state["shards"]], *state["next"])
-        log.info("resuming prepare", out=loc.url, shards_done=len(progress.shards))
-        return progress, tokenizer
-    if loc.fs.exists(loc.join(INDEX_NAME)):
+        changed = _changed_input(state.get("inputs"), header["inputs"], spec.inputs)
+        if changed is None:
+            tokenizer = TokenizerInfo.from_json(loc.fs.cat_file(tokenizer_path).decode(), spec.eod,
+                                                loc.url_of(tokenizer_path))
+            log.info("resuming prepare", out=loc.url, shards_done=len(progress.shards))
+            return progress, tokenizer, header
+        log.warning("an input changed since this prepare started; its shards are discarded and it starts again "
+                    "from the beginning", out=loc.url, input=changed, shards_discarded=len(progress.shards))
+        _discard(loc, progress)
+    elif loc.fs.exists(loc.join(INDEX_NAME)):
         raise UserError(f"{loc.url} already holds a prepared dataset ({INDEX_NAME}); choose another --out, or "
                         f"delete it to prepare again")
     training_text = iter_documents(list(spec.inputs), field=spec.field, text_split=spec.text_split,
                                    storage_options=storage_options) if is_trained(spec.tokenizer) else None
-    tokenizer = resolve_tokenizer(spec.tokenizer, training_text, spec.eod, storage_options)
-    _publish(loc, TOKENIZER_NAME, tokenizer.json.encode())
-    progress = _Progress()
-    _save_state(loc, spec, progress)
-    return progress, tokenizer
+    return _Progress(), resolve_tokenizer(spec.tokenizer, training_text, spec.eod, storage_options), header
+
+
+def _changed_input(recorded: list[dict] | None, current: list[dict], inputs: tuple[str, ...]) -> str | None:
+    """The first input whose identity differs from the one recorded, or None when all match.
+    A state file without identities (written by an older harness) cannot be trusted: the first input."""
+    if recorded is None or len(recorded) != len(current):
+        return inputs[0]
+    return next((url for url, then, now in zip(inputs, recorded, current) if then != now), None)
+
+
+def _discard(loc: Location, progress: _Progress) -> None:
+    """Remove an unfinished prepare's files, the state file last: killed on the way, the next
+    run finds the state, sees the same change and discards again."""
+    for name in [s.name for s in progress.shards] + [TOKENIZER_NAME, STATE_NAME]:
+        if loc.fs.exists(loc.join(name)):
+            loc.fs.rm(loc.join(name))
 
 
 def _encoded(spec: PrepareSpec, tokenizer: TokenizerInfo, dtype: str, first_document: int, workers: int,
@@ -188,17 +217,16 @@ def _batched(items: Iterator[str], size: int) -> Iterator[list[str]]:
 
 
 def _write_shard(loc: Location, progress: _Progress, tokens: np.ndarray, documents: int, next_at: tuple[int, int],
-                 spec: PrepareSpec, tokenizer: TokenizerInfo) -> None:
+                 header: dict, tokenizer: TokenizerInfo) -> None:
+    """Publish the next shard (the tokenizer first, with the first shard), then record it."""
+    if not progress.shards:
+        _publish(loc, TOKENIZER_NAME, tokenizer.json.encode())
     name = shard_name(len(progress.shards))
     data = tokens.astype(tokens.dtype.newbyteorder("<"), copy=False).tobytes()
     sha256 = _publish(loc, name, data)
     progress.shards.append(ShardEntry(name, len(tokens), documents, sha256))
     progress.next_document, progress.next_token = next_at
-    _save_state(loc, spec, progress)
-
-
-def _save_state(loc: Location, spec: PrepareSpec, progress: _Progress) -> None:
-    state = {"spec": _spec_doc(spec), "shards": [asdict(s) for s in progress.shards],
+    state = {**header, "shards": [asdict(s) for s in progress.shards],
              "next": [progress.next_document, progress.next_token]}
     _publish(loc, STATE_NAME, json.dumps(state, indent=1).encode())
 

@@ -4,7 +4,8 @@ SPEC is one of:
 - `bytes`: byte-level, id = byte value (0..255), the end-of-document token (`<|endoftext|>`) = 256.
   The same ids the byte-text source trains on, plus the separator.
 - `train-bpe:VOCAB`: a byte-level BPE of at most VOCAB ids trained on the input documents
-  themselves (offline, deterministic: the same input gives the same tokenizer.json bytes).
+  themselves (offline, deterministic: the same input gives the same tokenizer.json bytes). A
+  text too small for VOCAB gives fewer, with a warning naming both; no text at all is an error.
 - a path or fsspec URL of a `tokenizer.json`.
 
 Every tokenizer is used through its JSON text: workers rebuild it from that string, and its
@@ -14,6 +15,7 @@ sha256 is the tokenizer hash written to the index.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -21,6 +23,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from harness.checkpoint.filesystem import open_filesystem
 from harness.errors import UserError
+from harness.log import get_logger
+
+log = get_logger(__name__)
 
 EOD_TOKEN = "<|endoftext|>"
 _TRAIN_BPE = "train-bpe:"
@@ -74,7 +79,12 @@ def resolve_tokenizer(spec: str, documents: Iterable[str] | None = None, eod_tok
         if not text.isdigit() or not 257 <= int(text) <= 1 << 24:
             raise UserError(f"--tokenizer {spec}: VOCAB must be an integer in [257, 16777216] "
                             f"(256 bytes + the end-of-document token at least), e.g. train-bpe:8192")
-        return TokenizerInfo.from_json(train_bpe(documents or (), int(text), eod_token).to_str(), eod_token, spec)
+        trained = TokenizerInfo.from_json(train_bpe(documents or (), int(text), eod_token).to_str(), eod_token, spec)
+        if trained.vocab_size < int(text):
+            # Training stops when no pair of tokens is left to merge: the text is too small or too plain.
+            log.warning("the trained tokenizer's vocabulary is smaller than asked: the text has no more pairs to "
+                        "merge", asked=int(text), got=trained.vocab_size)
+        return trained
     try:
         fs, path = open_filesystem(spec, storage_options)
         text = fs.cat_file(path).decode("utf-8")
@@ -105,7 +115,12 @@ def train_bpe(documents: Iterable[str], vocab_size: int, eod_token: str = EOD_TO
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eod_token], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(_nonempty(documents), trainer)
+    texts = _nonempty(documents)
+    first = next(texts, None)
+    if first is None:
+        raise UserError(f"--tokenizer train-bpe:{vocab_size}: the inputs hold no text to train it on; pass inputs "
+                        f"with text")
+    tokenizer.train_from_iterator(itertools.chain([first], texts), trainer)
     return tokenizer
 
 

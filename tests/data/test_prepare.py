@@ -103,6 +103,55 @@ def test_prepare_killed_at_random_points_continues_to_byte_identical_output(tmp_
     assert _files(out) == _files(reference)
 
 
+def test_a_killed_prepare_whose_input_changed_starts_again_from_the_beginning(tmp_path):
+    """SIGKILL mid-prepare, then the input's first line edited and a line appended: the same
+    command warns, names the input, and gives exactly what a fresh prepare of the new input
+    gives (no shard of the old text, no stale file)."""
+    from harness.data.corpus import default_corpus
+
+    text = tmp_path / "corpus.txt"
+    text.write_bytes(default_corpus())
+    args = [str(text), "--tokenizer", "bytes", "--text-split", "line", "--shard-tokens", "1000", "--workers", "0"]
+    out = tmp_path / "killed"
+    proc = _run_prepare([*args, "--out", str(out)])
+    while proc.poll() is None and 0 <= _shards_recorded(out) < 3:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL and _shards_recorded(out) >= 3, "the prepare ended before the kill"
+    first, rest = text.read_text().split("\n", 1)
+    text.write_text(f"{first.upper()}\n{rest}one more paragraph at the end\n")
+    proc = _run_prepare([*args, "--out", str(out)])
+    _, err = proc.communicate()
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert "an input changed since this prepare started" in err.decode() and str(text) in err.decode()
+    reference = tmp_path / "reference"
+    prepare(PrepareSpec((str(text),), "bytes", text_split="line", shard_tokens=1000), str(reference))
+    assert _files(out) == _files(reference)
+
+
+def test_inputs_without_text_are_refused_and_leave_nothing(tmp_path, capsys):
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "blank.jsonl").write_text(json.dumps({"text": ""}) + "\n\n")
+    inputs = [str(tmp_path / "empty.txt"), str(tmp_path / "blank.jsonl")]
+    for tokenizer, message in [("bytes", "the inputs hold no text"), ("train-bpe:512", "hold no text to train it on")]:
+        out = tmp_path / tokenizer.replace(":", "-")
+        code, err = _cli(capsys, "data", "prepare", *inputs, "--out", str(out), "--tokenizer", tokenizer,
+                         "--workers", "0")
+        assert code == 2 and message in err and len(err.splitlines()) == 1, err
+        assert list(out.iterdir()) == []
+
+
+def test_a_trained_vocabulary_smaller_than_asked_is_a_warning_naming_both(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("a little text, too little for a large vocabulary\n")
+    out = tmp_path / "ds"
+    code, err = _cli(capsys, "data", "prepare", str(tmp_path / "a.txt"), "--out", str(out), "--tokenizer",
+                     "train-bpe:100000", "--workers", "0")
+    vocabulary = read_index(str(out))[0].vocab_size
+    assert code == 0 and vocabulary < 100000
+    assert "vocabulary is smaller than asked" in err and f"asked=100000 got={vocabulary}" in err, err
+
+
 def _cli(capsys, *args: str) -> tuple[int, str]:
     code = main(list(args))
     return code, capsys.readouterr().err.strip()
