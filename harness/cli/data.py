@@ -3,7 +3,8 @@
 `prepare INPUT... --out URL --tokenizer SPEC` tokenizes text / JSON-lines inputs (local or any
 fsspec URL, `.gz`/`.zst` too; `builtin:corpus` for the built-in one) into shards plus
 `index.json` (harness/data/prepare.py); killed, it continues where it stopped when run again
-with the same arguments. `verify URL` checks every shard's size and sha256 against the index.
+with the same arguments. `verify URL` checks every shard's size, sha256 and end-of-document
+count against the index.
 Both take `-o KEY=VALUE` storage options (e.g. `-o endpoint_url=http://127.0.0.1:9000`).
 """
 
@@ -37,10 +38,12 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    """Exit 0 when every shard and the tokenizer match the index; else a UserError naming the
-    first bad shard (and how many more there are)."""
+    """Exit 0 when every shard (size, hash, number of EOD ids) and the tokenizer match the index;
+    else a UserError naming the first bad shard (and how many more there are)."""
     index, loc = read_index(args.url, storage_options_of(args))
-    problems = [p for entry in index.shards if (p := shard_problem(loc, entry, index.itemsize, check_hash=True))]
+    eod_id = int(index.tokenizer["eod_id"])
+    problems = [p for entry in index.shards
+                if (p := shard_problem(loc, entry, index.itemsize, check_hash=True, eod_id=eod_id))]
     tokenizer = loc.join(TOKENIZER_NAME)
     if loc.fs.exists(tokenizer):
         if hashlib.sha256(loc.fs.cat_file(tokenizer)).hexdigest() != index.tokenizer["sha256"]:
@@ -48,7 +51,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if problems:
         more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
         raise UserError(f"{problems[0]}{more}; prepare the dataset again or restore the file")
-    print(f"ok: {args.url}: {len(index.shards)} shards, {index.total_tokens} tokens, sha256 verified",
+    print(f"ok: {args.url}: {len(index.shards)} shards, {index.total_tokens} tokens, {index.total_documents} "
+          f"documents, sha256 and end-of-document counts verified",
           file=sys.stderr)
     return 0
 
@@ -72,6 +76,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="tokenizer worker processes (default 0: in this process, where the tokenizer runs "
                         "its own threads; processes pay off on many cores with a slow tokenizer)")
     p.set_defaults(func=cmd_prepare)
-    p = commands.add_parser("verify", parents=[storage], help="check every shard's size and sha256 against the index")
+    p = commands.add_parser("verify", parents=[storage],
+                            help="check every shard's size, sha256 and end-of-document count against the index")
     p.add_argument("url", metavar="URL")
     p.set_defaults(func=cmd_verify)

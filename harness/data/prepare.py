@@ -24,6 +24,10 @@ So a prepare killed at any point and started again produces byte-identical outpu
 tokenizer is `tokenizer.json` in the output (trained first for `train-bpe:VOCAB`; training is
 deterministic, so a retrain after a kill gives the same file), written with the first shard: a
 prepare of inputs that hold no text writes nothing and is an error.
+
+The index counts documents by their end-of-document ids, so a document whose text encodes to
+that id (the separator written out in the text, or a tokenizer that emits it for text) is an
+error, and the unfinished output is removed (it could never finish with these arguments).
 """
 
 from __future__ import annotations
@@ -97,6 +101,9 @@ def prepare(spec: PrepareSpec, out: str, *, workers: int = 0, storage_options: d
     doc_number, skip = progress.next_document, progress.next_token
     try:
         for tokens in _encoded(spec, tokenizer, dtype, progress.next_document, workers, storage_options):
+            if (tokens[:-1] == tokenizer.eod_id).any():
+                _discard(loc, progress)  # never to be finished: kept, it would refuse a run with another --eod
+                raise UserError(_separator_in_text(tokenizer, doc_number))
             # Resuming inside a document: its first `skip` tokens are in the shards already.
             used, skip = skip, 0
             while used < len(tokens):
@@ -159,6 +166,15 @@ def _resume_or_start(spec: PrepareSpec, loc: Location, storage_options: dict | N
     training_text = iter_documents(list(spec.inputs), field=spec.field, text_split=spec.text_split,
                                    storage_options=storage_options) if is_trained(spec.tokenizer) else None
     return _Progress(), resolve_tokenizer(spec.tokenizer, training_text, spec.eod, storage_options), header
+
+
+def _separator_in_text(tokenizer: TokenizerInfo, doc_number: int) -> str:
+    """The index counts documents by their EOD ids, so an EOD id inside a document's text would
+    make it count documents that are not there."""
+    return (f"the tokenizer encodes text of document {doc_number + 1} (counted over the inputs in order) as the "
+            f"end-of-document id {tokenizer.eod_id} ({tokenizer.eod_token!r}): the text holds {tokenizer.eod_token!r} "
+            f"literally, or the tokenizer emits it for text; remove it from the text, or pass --eod with a special "
+            f"token that text never gives")
 
 
 def _changed_input(recorded: list[dict] | None, current: list[dict], inputs: tuple[str, ...]) -> str | None:

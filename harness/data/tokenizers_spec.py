@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -51,16 +52,37 @@ class TokenizerInfo:
         except Exception as e:  # the Rust side raises a bare Exception for malformed JSON
             raise UserError(f"tokenizer {origin} is not a tokenizers JSON file ({e}); pass a tokenizer.json, "
                             f"`bytes` or `train-bpe:VOCAB`") from None
+        specials = {token.content: i for i, token in sorted(tokenizer.get_added_tokens_decoder().items())}
+        unknown = _unknown_token(text)
+        if eod_token == unknown:
+            raise UserError(f"tokenizer {origin}: {eod_token!r} is its unknown-word token, which it also emits for "
+                            f"text, so it cannot end documents; {_separator_advice(specials, unknown)}")
         eod = tokenizer.token_to_id(eod_token)
         if eod is None:
             raise UserError(f"tokenizer {origin} has no token {eod_token!r} to end documents with; "
-                            f"pass --eod with one of its special tokens")
-        specials = {token.content: i for i, token in sorted(tokenizer.get_added_tokens_decoder().items())}
+                            f"{_separator_advice(specials, unknown)}")
         return cls(text, hashlib.sha256(text.encode()).hexdigest(), tokenizer.get_vocab_size(), specials, eod,
                    eod_token)
 
     def build(self) -> Tokenizer:
         return Tokenizer.from_str(self.json)
+
+
+def _unknown_token(text: str) -> str | None:
+    """The token a tokenizer.json's model emits for what its vocabulary lacks, if it has one."""
+    model = json.loads(text).get("model") or {}
+    if model.get("unk_token") is not None:  # BPE, WordPiece, WordLevel
+        return str(model["unk_token"])
+    if model.get("unk_id") is not None:  # Unigram: vocab is [[piece, score], ...]
+        return str(model["vocab"][model["unk_id"]][0])
+    return None
+
+
+def _separator_advice(specials: dict[str, int], unknown: str | None) -> str:
+    candidates = [token for token in specials if token != unknown]
+    if candidates:
+        return f"pass --eod with one of its other special tokens ({', '.join(candidates)})"
+    return f"it has no other special token: add one that only ends documents (e.g. {EOD_TOKEN}) to its added_tokens"
 
 
 def is_trained(spec: str) -> bool:

@@ -225,6 +225,54 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     assert code == 2 and "already holds a prepared dataset" in err
 
 
+def _unk_only_tokenizer(path: Path) -> str:
+    """A word-level tokenizer whose one special token is its unknown-word token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["[UNK]"])
+    tokenizer.save(str(path))
+    return str(path)
+
+
+def test_a_separator_the_tokenizer_emits_for_text_is_refused(tmp_path, capsys):
+    (tmp_path / "a.txt").write_text("hello unknown world\n" * 20)
+    tokenizer = _unk_only_tokenizer(tmp_path / "tokenizer.json")
+    base = ["data", "prepare", str(tmp_path / "a.txt"), "--tokenizer", tokenizer, "--workers", "0"]
+    code, err = _cli(capsys, *base, "--out", str(tmp_path / "ds"))
+    assert code == 2 and "has no token '<|endoftext|>'" in err and "it has no other special token" in err, err
+    code, err = _cli(capsys, *base, "--out", str(tmp_path / "ds"), "--eod", "[UNK]")
+    assert code == 2 and "'[UNK]' is its unknown-word token" in err and len(err.splitlines()) == 1, err
+    assert list((tmp_path / "ds").iterdir()) == []
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_text_that_encodes_to_the_separator_is_refused_and_the_output_removed(tmp_path, capsys, workers):
+    """The separator written out in a document: its id would count a document that is not there."""
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"document {i} " * 9}) + "\n" for i in range(30))
+                                      + json.dumps({"text": "quoting <|endoftext|> in text"}) + "\n")
+    out = tmp_path / "ds"
+    code, err = _cli(capsys, "data", "prepare", str(tmp_path / "a.jsonl"), "--out", str(out), "--tokenizer", "bytes",
+                     "--shard-tokens", "100", "--workers", workers)
+    assert code == 2 and "encodes text of document 31 " in err and "holds '<|endoftext|>' literally" in err, err
+    assert len(err.splitlines()) == 1 and list(out.iterdir()) == []
+
+
+def test_verify_counts_the_end_of_document_ids_of_every_shard(tmp_path, capsys):
+    out = tmp_path / "ds"
+    prepare(PrepareSpec(tuple(_inputs(tmp_path)), "bytes", shard_tokens=16), str(out))
+    capsys.readouterr()
+    doc = json.loads((out / "index.json").read_text())
+    shard = next(s for s in doc["shards"] if s["documents"])
+    shard["documents"] -= 1  # as an index that counted documents, not the EOD ids the shard holds
+    (out / "index.json").write_text(json.dumps(doc))
+    code, err = _cli(capsys, "data", "verify", str(out))
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert (f"{shard['name']} holds {shard['documents'] + 1} end-of-document ids (256), the index says "
+            f"{shard['documents']} documents") in err, err
+
+
 def test_restart_with_other_arguments_is_refused(tmp_path, capsys):
     (tmp_path / "a.txt").write_text("hello world")
     out = tmp_path / "ds"
