@@ -6,17 +6,18 @@ Three kinds of data:
 - `data.sources = [{url, weight}, ...]`: prepared token-shard datasets (`harness data prepare`),
   mixed by weight (mixture.py). Start-up reads each `index.json` and nothing else. Every source
   must come from the same tokenizer (the ids would mean different things otherwise). Each
-  source's last `eval_fraction` of documents is held out (document_split.py); the eval set is
-  the mixture of those, read in one fixed shuffled order (so a short evaluation sees every
-  source); or, with `data.eval_sources`, evaluation reads those datasets whole and training
-  every document of the sources.
+  source's last `eval_fraction` of windows is held out, cut at a document end when one is near
+  (document_split.py); the eval set is the mixture of those, read in one fixed shuffled order
+  (so a short evaluation sees every source); or, with `data.eval_sources`, evaluation reads
+  those datasets whole and training every document of the sources.
 - `data.factory`: the user's own sources (factory.py): map-style, or a stateful iterator for
   training.
 
 `identity` is what a checkpoint records about the data beyond the config's math keys: for
 sources, each index's sha256 and weight in order (the URL may change: a dataset copied to
-another bucket is the same dataset). Resuming on data with another identity is refused, the
-difference named (`identity_changes`).
+another bucket is the same dataset) and, when eval is held out of them, how many windows train
+(so a change of the split rule is a refused resume, not other training data in silence).
+Resuming on data with another identity is refused, the difference named (`identity_changes`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,17 @@ class TrainData:
     vocab_size: int | None  # None: byte text (the model's default 256), or a user dataset that does not say
     identity: dict[str, Any] | None  # text: data_identity(); shards: index hashes + weights; None: a user factory without one
 
+    def sizes(self, seq_len: int) -> dict[str, Any]:
+        """How much data trains and how much is held out, in windows and in the tokens they
+        predict (`seq_len` each); a stateful iterator's training size is not known."""
+        train = getattr(self.train, "num_samples", None)
+        held_out = self.eval.num_samples
+        sizes: dict[str, Any] = {"eval_windows": held_out, "eval_tokens": held_out * seq_len}
+        if train is not None:
+            sizes.update(train_windows=train, train_tokens=train * seq_len,
+                         eval_share=round(held_out / (train + held_out), 4))
+        return sizes
+
 
 def open_data(data_cfg: Any, seed: int, rank: int = 0, world_size: int = 1) -> TrainData:
     """The datasets `data_cfg` (a `DataSection`) names, for `rank` of `world_size` (only a user
@@ -69,6 +81,7 @@ def open_data(data_cfg: Any, seed: int, rank: int = 0, world_size: int = 1) -> T
         raise UserError(f"data.sources / eval_sources come from {len(tokenizers)} different tokenizers "
                         f"({', '.join(urls)}); prepare every source with the same one")
     weights = [s.weight for s in data_cfg.sources]
+    identity = {"sources": [{"index_sha256": r.index.sha256, "weight": w} for r, w in zip(readers, weights)]}
     if eval_readers:  # evaluation has its own datasets: train on every document of the sources
         train = Mixture([TokenDataset(r, data_cfg.seq_len) for r in readers], weights, seed)
         held_out = Mixture([TokenDataset(r, data_cfg.seq_len) for r in eval_readers],
@@ -77,8 +90,11 @@ def open_data(data_cfg: Any, seed: int, rank: int = 0, world_size: int = 1) -> T
         splits = [split_by_document(r, data_cfg.seq_len, data_cfg.eval_fraction) for r in readers]
         train = Mixture([t for t, _ in splits], weights, seed)
         held_out = Mixture([e for _, e in splits], weights, seed)
+        # Which windows train is decided by the split rule, not by the index and config alone: recorded,
+        # a resume under another rule (an older harness held out eval_fraction of the documents) is refused.
+        for source, (part, _) in zip(identity["sources"], splits):
+            source["train_windows"] = part.num_samples
     order = epoch_permutation(derive_seed(seed, _EVAL_ORDER_SALT), 0, held_out.num_samples)
-    identity = {"sources": [{"index_sha256": r.index.sha256, "weight": w} for r, w in zip(readers, weights)]}
     return TrainData(train, Reordered(held_out, order), readers[0].index.vocab_size, identity)
 
 
@@ -105,6 +121,10 @@ def identity_changes(saved: dict[str, Any] | None, current: dict[str, Any] | Non
             changes[f"data.sources[{n}] index sha256"] = (b["index_sha256"][:12], a["index_sha256"][:12])
         if b["weight"] != a["weight"]:
             changes[f"data.sources[{n}] weight"] = (b["weight"], a["weight"])
+        if b.get("train_windows") != a.get("train_windows"):
+            changes[f"data.sources[{n}] training windows (the eval split)"] = (
+                b.get("train_windows", "unrecorded: eval_fraction of the documents held out"),
+                a.get("train_windows", "no split: data.eval_sources"))
     return changes or {"data identity": (saved, current)}
 
 

@@ -73,6 +73,8 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             log.debug("run", run_id=run_id, run_dir=cfg.run_dir, log_dir=str(log_dir), device=str(trainer.device),
                       resumed_from=ref.step if ref else None, parameters=sum(p.numel() for p in trainer.model.parameters()))
             lead = distributed.rank() == 0  # rank 0 keeps the logs: every rank logs the same all-reduced loss
+            if lead:
+                log.info("data", **trainer.data.sizes(cfg.data.seq_len))
             events = EventLog(log_dir / EVENTS_FILE, run_id, cfg.run_dir) if lead else distributed.Silent()
             metrics = MetricsLog(log_dir / METRICS_FILE, run_id, cfg.run_dir) if lead else distributed.Silent()
             if cfg.debug.sample_log:

@@ -163,7 +163,24 @@ def test_identity_and_vocab(two_sources, tmp_path):
     cfg.data.sources[0].weight = 2.0
     cfg.data.sources[1].url = other
     changes = identity_changes(data.identity, open_data(cfg.data, 0).identity)
-    assert list(changes) == ["data.sources[1] index sha256"]
+    assert list(changes) == ["data.sources[1] index sha256", "data.sources[1] training windows (the eval split)"]
+
+
+def test_the_split_is_in_the_identity_and_a_resume_under_the_old_rule_is_refused(two_sources):
+    """A checkpoint of a harness that held out eval_fraction of the documents records no training
+    window count: its resume is refused, naming the split, not run on other training windows."""
+    from harness.config import public_config
+    from harness.run.resume import check_compatible
+
+    cfg = load_config(TINY, [f'data.sources=[{{url = "{two_sources[0]}"}}]', "data.seq_len=8"])
+    data = open_data(cfg.data, 0)
+    assert data.identity["sources"][0]["train_windows"] == data.train.num_samples
+    old = {"sources": [{k: v for k, v in data.identity["sources"][0].items() if k != "train_windows"}]}
+    meta = {"config": public_config(cfg), "data": old}
+    with pytest.raises(UserError, match=r"data.sources\[0\] training windows \(the eval split\) differ"):
+        check_compatible(meta, cfg, False, data.identity)
+    assert list(check_compatible(meta, cfg, True, data.identity)) == ["data.sources[0] training windows (the eval split)"]
+    assert check_compatible({**meta, "data": data.identity}, cfg, False, data.identity) == {}
 
 
 def test_sources_of_different_tokenizers_are_refused(two_sources, tmp_path):
@@ -200,23 +217,45 @@ def test_a_missing_shard_is_one_line_even_from_a_worker(two_sources, workers):
     assert "shard-000001.bin is missing" in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_eval_is_held_out_by_document(two_sources):
+def test_eval_is_eval_fraction_of_the_windows_cut_at_a_document_end(two_sources):
     from harness.data.document_split import split_by_document
 
     reader = ShardReader.open(two_sources[0])  # 40 lines "alpha document N", one document each
-    train, held_out = split_by_document(reader, SEQ, 0.1)
     tokens = flat_tokens(two_sources[0])
-    boundary = int(np.flatnonzero(tokens == 256)[35]) + 1  # after document 36 of 40
+    windows = (len(tokens) - 1) // SEQ
+    train, held_out = split_by_document(reader, SEQ, 0.3)  # 28 windows: the cut may move 22 tokens, a document is 19
+    assert abs(held_out.num_samples - 0.3 * windows) <= 0.1 * 0.3 * windows + 1
     last_train = (train.sample_id(train.num_samples - 1) + 1) * SEQ + 1
     first_eval = held_out.sample_id(0) * SEQ
-    assert last_train <= boundary <= first_eval and first_eval - boundary < SEQ
-    assert held_out.sample_id(held_out.num_samples - 1) == (len(tokens) - 1) // SEQ - 1
+    ends = np.flatnonzero(tokens == 256) + 1
+    boundary = int(ends[(ends >= last_train) & (ends <= first_eval)][0])  # a document ends between them
+    assert first_eval - boundary < SEQ and boundary - last_train < SEQ
+    assert held_out.sample_id(held_out.num_samples - 1) == windows - 1
     inputs = held_out.windows(list(range(held_out.num_samples)))[:, :-1]  # the windows share one token
     text = bytes(t for t in inputs.flatten().tolist() if t != 256)
-    assert text.startswith(b"document 36") and b"alpha document 38" in text
-    assert b"35" not in text  # the last training document
-    with pytest.raises(UserError, match="leaves no training or no eval documents"):
+    last_training_document = int(np.searchsorted(ends, boundary))  # 0-based: "alpha document N"
+    assert f" {last_training_document + 1}\n".encode() in text[:SEQ + 4]
+    assert f" {last_training_document}\n".encode() not in text
+    assert b"alpha document 38\n" in text
+    with pytest.raises(UserError, match="leaves no training or no eval windows"):
         split_by_document(reader, SEQ, 0.999)
+
+
+def test_eval_of_a_few_long_documents_is_eval_fraction_of_the_windows(tmp_path):
+    """Two input files as two documents (`--text-split file`): the eval set was the whole second
+    file, about half the data; it is eval_fraction of the windows, the second document's tail."""
+    from harness.data.document_split import split_by_document
+
+    (tmp_path / "a.txt").write_text("".join(f"first file, line {i}\n" for i in range(300)))
+    (tmp_path / "b.txt").write_text("".join(f"second file, line {i}\n" for i in range(250)))
+    prepare(PrepareSpec((str(tmp_path / "a.txt"), str(tmp_path / "b.txt")), "bytes"), str(tmp_path / "ds"))
+    reader = ShardReader.open(str(tmp_path / "ds"))
+    windows = (len(reader) - 1) // SEQ
+    train, held_out = split_by_document(reader, SEQ, 0.05)
+    assert held_out.num_samples == -(-5 * windows // 100) and train.num_samples == windows - held_out.num_samples
+    assert held_out.sample_id(0) == train.num_samples  # cut inside the second document, no window lost
+    text = bytes(t for t in held_out.windows(list(range(held_out.num_samples)))[:, :-1].flatten().tolist() if t != 256)
+    assert b"first file" not in text and b"second file, line 248\n" in text
 
 
 @pytest.mark.parametrize("workers", [0, 2])
