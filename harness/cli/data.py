@@ -70,7 +70,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--field", default="text", help="the text field of JSON-lines inputs (default: text)")
     p.add_argument("--text-split", choices=["file", "line"], default="file",
                    help="text inputs: one document per file, or per non-empty line (default: file)")
-    p.add_argument("--eod", default=EOD_TOKEN, help=f"the token that ends each document (default {EOD_TOKEN})")
+    p.add_argument("--eod", default=EOD_TOKEN,
+                   help=f"the token that ends each document (default {EOD_TOKEN}): a special token the tokenizer never "
+                        f"gives for text (not its unknown-word token), since the index counts documents by it")
     p.add_argument("--shard-tokens", type=int, default=1 << 24, help="tokens per shard (default 16777216)")
     p.add_argument("--workers", type=int, default=0,
                    help="tokenizer worker processes (default 0: in this process, where the tokenizer runs "
