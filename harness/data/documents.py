@@ -66,8 +66,8 @@ def _open_text(url: str, storage_options: dict | None) -> Iterator[io.TextIOBase
             yield io.TextIOWrapper(stream, encoding="utf-8", errors="strict", newline="")
         except UnicodeDecodeError as e:
             line, offset = _undecodable_position(url, storage_options)
-            raise UserError(f"input {url} is not UTF-8 text (line {line}, byte offset {offset}: {e.reason}); pass text or "
-                            f"JSON lines, compressed only as .gz or .zst") from None
+            raise UserError(f"input {url} is not UTF-8 text (line {line}, byte offset {offset}: {e.reason}); pass "
+                            f"text or JSON lines, compressed only as .gz or .zst") from None
 
 
 def input_identity(url: str, storage_options: dict | None = None) -> dict[str, Any]:
@@ -87,7 +87,8 @@ def _input_errors(url: str) -> Iterator[None]:
     except FileNotFoundError:
         raise UserError(f"input {url} does not exist; check the path or URL") from None
     except (ValueError, ImportError, IsADirectoryError) as e:
-        raise UserError(f"input {url} cannot be opened ({e}); pass a text or JSON-lines file or an fsspec URL") from None
+        raise UserError(f"input {url} cannot be opened ({e}); pass a text or JSON-lines file or an fsspec "
+                        f"URL") from None
 
 
 @contextlib.contextmanager

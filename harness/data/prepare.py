@@ -141,7 +141,8 @@ def prepare(spec: PrepareSpec, out: str, *, workers: int = 0, storage_options: d
     return index
 
 
-def _resume_or_start(spec: PrepareSpec, loc: Location, storage_options: dict | None) -> tuple[_Progress, TokenizerInfo, dict]:
+def _resume_or_start(spec: PrepareSpec, loc: Location,
+                     storage_options: dict | None) -> tuple[_Progress, TokenizerInfo, dict]:
     """(progress, tokenizer, the state file's header: arguments and input identities)."""
     state_path, tokenizer_path = loc.join(STATE_NAME), loc.join(TOKENIZER_NAME)
     header = {"spec": _spec_doc(spec), "inputs": [input_identity(url, storage_options) for url in spec.inputs]}

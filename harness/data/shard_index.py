@@ -99,7 +99,8 @@ class ShardIndex:
                 int(_required(tokenizer, key, "the index's tokenizer"))
             index = cls(dict(tokenizer), dtype, shards)
         except (ValueError, TypeError) as e:
-            raise UserError(f"{where} is not a token-shard index: {e}; run `harness data prepare` to make one") from None
+            raise UserError(f"{where} is not a token-shard index: {e}; run `harness data prepare` to make "
+                            f"one") from None
         if not shards or any(s.tokens < 1 or "/" in s.name for s in shards):
             raise UserError(f"{where} lists no shards or an empty/odd shard; prepare the dataset again")
         return index

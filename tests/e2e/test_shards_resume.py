@@ -43,8 +43,9 @@ def test_resume_on_other_data_is_refused_naming_the_difference(tmp_path, sources
     a, b = sources
     first = harness("train", str(TINY), "--run-dir", str(run), "--set", "train.steps=4", *sources_args(a, b), check=True)
     # The start names the sizes of the split: eval is about eval_fraction (0.05) of the windows.
-    sizes = {k: float(v) for k, v in re.findall(r"\b(train_windows|eval_windows|eval_share)=([\d.]+)", first.stderr)}
-    assert set(sizes) == {"train_windows", "eval_windows", "eval_share"} and 0.045 <= sizes["eval_share"] <= 0.055, first.stderr
+    sizes = dict(re.findall(r"\b(train_windows|eval_windows|eval_share)=([\d.]+)", first.stderr))
+    assert set(sizes) == {"train_windows", "eval_windows", "eval_share"}, first.stderr
+    assert 0.045 <= float(sizes["eval_share"]) <= 0.055, first.stderr
     swapped = harness("train", str(TINY), "--run-dir", str(run), "--set", "train.steps=8", *sources_args(b, a))
     assert swapped.returncode == 2, swapped.stderr[-2000:]
     assert "data.sources[0] index sha256" in swapped.stderr and "data.sources[1] index sha256" in swapped.stderr
