@@ -14,7 +14,8 @@ A `UserError` anywhere becomes one line on stderr and exit code 2, an `Unavailab
 outage past its retry deadline) one line and exit code 69; anything else is a bug and keeps its
 traceback. The exit code is recorded for launchers that cannot see it (`exit_codes.record`). A
 process that joined a process group ends through `process_end.end`, without the interpreter's
-finalization (see there why). `--log-level` is accepted before the command and after it
+finalization (see there why). Under torchrun a process dies with the agent that started it
+(harness/parent_death.py). `--log-level` is accepted before the command and after it
 (`harness train C --log-level debug`).
 
 Output piped into a reader that stops early (`harness report RUN | head -2`) ends the command
@@ -29,7 +30,7 @@ import importlib
 import os
 import sys
 
-from harness import exit_codes, numerics, process_end
+from harness import exit_codes, numerics, parent_death, process_end
 from harness.errors import Unavailable, UserError
 from harness.log import configure
 
@@ -89,6 +90,7 @@ def _accept_log_level_after_commands(commands: argparse._SubParsersAction) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
+    parent_death.die_with_launcher()  # first: a worker that outlives torchrun trains on alone
     numerics.prepare_environment()  # before a command module imports torch
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
