@@ -15,8 +15,9 @@ outage past its retry deadline) one line and exit code 69; anything else is a bu
 traceback. The exit code is recorded for launchers that cannot see it (`exit_codes.record`). A
 process that joined a process group ends through `process_end.end`, without the interpreter's
 finalization (see there why). Under torchrun a process dies with the agent that started it
-(harness/parent_death.py). `--log-level` is accepted before the command and after it
-(`harness train C --log-level debug`).
+(harness/parent_death.py), and one that torchrun restarted after an attempt that stopped (exit 2
+or 3) exits with that code at once (`exit_codes.earlier_stop`). `--log-level` is accepted
+before the command and after it (`harness train C --log-level debug`).
 
 Output piped into a reader that stops early (`harness report RUN | head -2`) ends the command
 quietly with exit code 141 (128 + SIGPIPE, what a shell reports for a program killed by it),
@@ -33,6 +34,7 @@ import sys
 from harness import exit_codes, numerics, parent_death, process_end
 from harness.errors import Unavailable, UserError
 from harness.log import configure
+from harness.topology import topology_from_env
 
 # Modules that contribute commands, in the order `harness --help` lists them.
 COMMAND_MODULES = (
@@ -91,6 +93,9 @@ def _accept_log_level_after_commands(commands: argparse._SubParsersAction) -> No
 
 def main(argv: list[str] | None = None) -> int:
     parent_death.die_with_launcher()  # first: a worker that outlives torchrun trains on alone
+    stopped = exit_codes.earlier_stop()
+    if stopped is not None:
+        return not_restarted(stopped)
     numerics.prepare_environment()  # before a command module imports torch
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
@@ -103,6 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         code = process_end.unhandled(e)  # what the interpreter would print and exit with
     exit_codes.record(code)
     return process_end.end(code)  # after a process group: leaves here, skipping finalization
+
+
+def not_restarted(code: int) -> int:
+    """A torchrun restart after an attempt that stopped (`exit_codes.earlier_stop`): exit with its
+    code again, doing nothing; one line per node says why."""
+    if topology_from_env().local_rank == 0:
+        print(f"harness: not started again: an earlier attempt of this worker group exited {code} "
+              f"({exit_codes.NAMES[code]}), which a restart cannot change; torchrun restarts after "
+              f"every failure", file=sys.stderr)
+    exit_codes.record(code)
+    return code
 
 
 def run_command(args: argparse.Namespace) -> int:
