@@ -58,7 +58,7 @@ from harness.events import EventLog
 from harness.run.files import events_url
 from harness.errors import Unavailable, UserError
 from harness.exit_codes import FINISHED, GAVE_UP, NAMES, PREEMPTED, REQUEUE, RETRY_LATER, USER_ERROR
-from harness.log import get_logger
+from harness.log import get_logger, rank_prefix
 from harness.signals import DEFAULT_SIGNALS, PreemptionWatch
 
 log = get_logger(__name__)
@@ -211,7 +211,7 @@ class Supervisor:
         if self._events is not None:
             self._events.emit("gave_up", cause=cause, step=step, restarts=restarts,
                               streak=streak, stderr_tail=list(self._tail))
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        print(f"{rank_prefix()}error: {message}", file=sys.stderr, flush=True)
         return GAVE_UP
 
 

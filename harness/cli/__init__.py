@@ -17,7 +17,8 @@ process that joined a process group ends through `process_end.end`, without the 
 finalization (see there why). Under torchrun a process dies with the agent that started it
 (harness/parent_death.py), and one that torchrun restarted after an attempt that stopped (exit 2
 or 3) exits with that code at once (`exit_codes.earlier_stop`). `--log-level` is accepted
-before the command and after it (`harness train C --log-level debug`).
+before the command and after it (`harness train C --log-level debug`); on a rank other than 0
+the error line starts with its rank (`rank 1: error: ...`, harness/log.py).
 
 Output piped into a reader that stops early (`harness report RUN | head -2`) ends the command
 quietly with exit code 141 (128 + SIGPIPE, what a shell reports for a program killed by it),
@@ -33,7 +34,7 @@ import sys
 
 from harness import exit_codes, numerics, parent_death, process_end
 from harness.errors import Unavailable, UserError
-from harness.log import configure
+from harness.log import configure, rank_prefix
 from harness.topology import topology_from_env
 
 # Modules that contribute commands, in the order `harness --help` lists them.
@@ -85,7 +86,8 @@ def _accept_log_level_after_commands(commands: argparse._SubParsersAction) -> No
     that was not given the flag must not overwrite the value given before the command."""
     for sub in commands.choices.values():
         sub.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
-                         help="console log level (also accepted before the command)")
+                         help="console log level (also accepted before the command); ranks other than 0 of "
+                         "a launch print their info lines only at debug (rank 0 prints them for all)")
         for action in sub._actions:
             if isinstance(action, argparse._SubParsersAction):
                 _accept_log_level_after_commands(action)
@@ -127,10 +129,10 @@ def run_command(args: argparse.Namespace) -> int:
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
         return code
     except (UserError, Unavailable) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{rank_prefix()}error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+        print(f"{rank_prefix()}error: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader is gone: point stdout at /dev/null so the interpreter's final flush of the

@@ -8,6 +8,7 @@ of them (launch.COMMON), so its orthogonalisation sees the all-reduced gradient 
 import contextlib
 import json
 import os
+import re
 import signal
 
 import psutil
@@ -37,6 +38,13 @@ def test_checkpoint_has_every_rank_and_one_manifest(continuous):
     rank1 = json.loads((ckpt / "rank-00001.json").read_text())
     assert rank1["parts"]["data"] == state["parts"]["data"]
     assert rank1["parts"]["rng"]["python"] != state["parts"]["rng"]["python"]
+
+
+def test_only_rank_0_prints_the_step_lines(continuous):
+    """Every rank trains the same steps: the console shows each step line once (harness/log.py)."""
+    text = (continuous.parent / "continuous.log").read_text()
+    assert re.findall(r"\] step +.*\bstep=(\d+)", text) == ["4", "8", "12"], text[-3000:]
+    assert len(re.findall(r"\] finished ", text)) == 1, text[-3000:]
 
 
 def test_sigkill_one_rank_torchrun_restarts_the_group(tmp_path, continuous):
