@@ -36,9 +36,19 @@ SLURM script requeues it at most HANG_REQUEUES times (a requeue may land on othe
 `record(code)`: when `HARNESS_EXIT_CODE_DIR` is set (ops/torchrun/train.sh sets it), the process
 writes its exit code to `restart-R.rank-N` there, so a launcher can learn the trainers' codes
 through torchrun, which reports any failed worker group as its own exit 1.
+
+`earlier_stop()`: torchrun restarts the worker group after any failed worker, up to
+`--max-restarts`, and cannot be told that 2 and 3 (`STOP`) are not to be retried. A restarted
+worker therefore reads what the earlier attempts of its group recorded and, when one of them
+stopped, exits with that code at once (the CLI, before it reads the config): the error is
+printed once, and a run stopped on an anomaly is not trained on past it. The restarts torchrun
+still makes cost one Python start each. torchrun keeps its restarts because they are what
+regroups an elastic group after a lost node: an agent that gives up closes the rendezvous, and a
+torchrun started again by a script could not join it.
 """
 
 import os
+import re
 from pathlib import Path
 
 FINISHED = 0
@@ -55,7 +65,10 @@ HUNG = 79
 REQUEUE = frozenset({PREEMPTED, SAVE_DEADLINE_MISSED})
 # Exit codes of an infrastructure outage: start again after a backoff.
 RETRY_LATER = frozenset({STORAGE_UNAVAILABLE})
+# Exit codes after which the same command started again cannot do better: stop (user error first).
+STOP = (USER_ERROR, GAVE_UP)
 EXIT_CODE_DIR_ENV = "HARNESS_EXIT_CODE_DIR"
+_RECORD_NAME = re.compile(r"restart-(\d+)\.rank-\d+")
 
 NAMES = {
     FINISHED: "finished",
@@ -79,3 +92,22 @@ def record(code: int) -> None:
         (Path(folder) / name).write_text(f"{code}\n")
     except OSError:
         pass  # the launcher then sees no code for this rank and treats the exit as a crash
+
+
+def earlier_stop() -> int | None:
+    """The `STOP` code that a process of an earlier attempt of this torchrun worker group (a
+    lower `TORCHELASTIC_RESTART_COUNT`) recorded in `$HARNESS_EXIT_CODE_DIR`, or None (also when
+    the variable is not set, or in the first attempt); see the module docstring."""
+    folder = os.environ.get(EXIT_CODE_DIR_ENV)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if not folder or restart == 0:
+        return None
+    codes = set()
+    for path in Path(folder).glob("restart-*.rank-*"):
+        match = _RECORD_NAME.fullmatch(path.name)
+        if match and int(match[1]) < restart:
+            try:
+                codes.add(int(path.read_text()))
+            except (OSError, ValueError):
+                continue  # a rank killed while writing its record: no code, as for a crash
+    return next((code for code in STOP if code in codes), None)

@@ -31,8 +31,8 @@ code if that is a stop code, else PREEMPTED (committed checkpoints are atomic, s
 safe); a signal during the backoff ends it at once with PREEMPTED.
 
 The child runs in its own session, so a terminal's Ctrl-C reaches it once (forwarded) instead
-of twice, and on Linux it gets SIGKILL if the supervisor dies (PR_SET_PDEATHSIG), so a killed
-supervisor never leaves a second writer behind for its successor.
+of twice, and on Linux it gets SIGKILL if the supervisor dies (harness/parent_death.py), so a
+killed supervisor never leaves a second writer behind for its successor.
 
 Every restart is logged with its cause and step and emitted as a "restart" event; giving up is
 emitted as "gave_up" (schemas in `harness.goodput`).
@@ -41,7 +41,6 @@ emitted as "gave_up" (schemas in `harness.goodput`).
 from __future__ import annotations
 
 import collections
-import ctypes
 import os
 import signal
 import subprocess
@@ -52,18 +51,17 @@ from collections.abc import Callable, Iterable, Sequence
 
 import tenacity
 
+from harness import parent_death
 from harness.checkpoint.discovery import latest_committed
 from harness.checkpoint.location import open_location
 from harness.events import EventLog
 from harness.run.files import events_url
 from harness.errors import Unavailable, UserError
 from harness.exit_codes import FINISHED, GAVE_UP, NAMES, PREEMPTED, REQUEUE, RETRY_LATER, USER_ERROR
-from harness.log import get_logger
+from harness.log import get_logger, rank_prefix
 from harness.signals import DEFAULT_SIGNALS, PreemptionWatch
 
 log = get_logger(__name__)
-
-_PR_SET_PDEATHSIG = 1
 
 
 class Supervisor:
@@ -167,7 +165,7 @@ class Supervisor:
         try:
             self._child = subprocess.Popen(
                 self.cmd, stderr=subprocess.PIPE, env=self._env, start_new_session=True,
-                preexec_fn=_die_with_parent(),
+                preexec_fn=parent_death.preexec(),
             )
         except OSError as e:
             raise UserError(f"cannot start the training command {self.cmd!r}: {e}; check the "
@@ -213,7 +211,7 @@ class Supervisor:
         if self._events is not None:
             self._events.emit("gave_up", cause=cause, step=step, restarts=restarts,
                               streak=streak, stderr_tail=list(self._tail))
-        print(f"error: {message}", file=sys.stderr, flush=True)
+        print(f"{rank_prefix()}error: {message}", file=sys.stderr, flush=True)
         return GAVE_UP
 
 
@@ -236,21 +234,6 @@ def _sleep_unless(watch: PreemptionWatch, seconds: float) -> bool:
             return True
         time.sleep(min(left, 0.1))
     return False
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that makes the child get SIGKILL when the supervisor dies (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    libc = ctypes.CDLL(None, use_errno=True)  # loaded before fork: dlopen is not fork-safe
-    parent = os.getpid()
-
-    def preexec() -> None:
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the supervisor died before prctl took effect
-            os._exit(1)
-
-    return preexec
 
 
 def supervise_self(argv: list[str], max_restarts: int, crash_loop_limit: int, run_dir: str,

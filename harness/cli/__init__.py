@@ -14,8 +14,11 @@ A `UserError` anywhere becomes one line on stderr and exit code 2, an `Unavailab
 outage past its retry deadline) one line and exit code 69; anything else is a bug and keeps its
 traceback. The exit code is recorded for launchers that cannot see it (`exit_codes.record`). A
 process that joined a process group ends through `process_end.end`, without the interpreter's
-finalization (see there why). `--log-level` is accepted before the command and after it
-(`harness train C --log-level debug`).
+finalization (see there why). Under torchrun a process dies with the agent that started it
+(harness/parent_death.py), and one that torchrun restarted after an attempt that stopped (exit 2
+or 3) exits with that code at once (`exit_codes.earlier_stop`). `--log-level` is accepted
+before the command and after it (`harness train C --log-level debug`); on a rank other than 0
+the error line starts with its rank (`rank 1: error: ...`, harness/log.py).
 
 Output piped into a reader that stops early (`harness report RUN | head -2`) ends the command
 quietly with exit code 141 (128 + SIGPIPE, what a shell reports for a program killed by it),
@@ -29,9 +32,10 @@ import importlib
 import os
 import sys
 
-from harness import exit_codes, numerics, process_end
+from harness import exit_codes, numerics, parent_death, process_end
 from harness.errors import Unavailable, UserError
-from harness.log import configure
+from harness.log import configure, rank_prefix
+from harness.topology import topology_from_env
 
 # Modules that contribute commands, in the order `harness --help` lists them.
 COMMAND_MODULES = (
@@ -82,13 +86,18 @@ def _accept_log_level_after_commands(commands: argparse._SubParsersAction) -> No
     that was not given the flag must not overwrite the value given before the command."""
     for sub in commands.choices.values():
         sub.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
-                         help="console log level (also accepted before the command)")
+                         help="console log level (also accepted before the command); ranks other than 0 of "
+                         "a launch print their info lines only at debug (rank 0 prints them for all)")
         for action in sub._actions:
             if isinstance(action, argparse._SubParsersAction):
                 _accept_log_level_after_commands(action)
 
 
 def main(argv: list[str] | None = None) -> int:
+    parent_death.die_with_launcher()  # first: a worker that outlives torchrun trains on alone
+    stopped = exit_codes.earlier_stop()
+    if stopped is not None:
+        return not_restarted(stopped)
     numerics.prepare_environment()  # before a command module imports torch
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
@@ -103,16 +112,27 @@ def main(argv: list[str] | None = None) -> int:
     return process_end.end(code)  # after a process group: leaves here, skipping finalization
 
 
+def not_restarted(code: int) -> int:
+    """A torchrun restart after an attempt that stopped (`exit_codes.earlier_stop`): exit with its
+    code again, doing nothing; one line per node says why."""
+    if topology_from_env().local_rank == 0:
+        print(f"harness: not started again: an earlier attempt of this worker group exited {code} "
+              f"({exit_codes.NAMES[code]}), which a restart cannot change; torchrun restarts after "
+              f"every failure", file=sys.stderr)
+    exit_codes.record(code)
+    return code
+
+
 def run_command(args: argparse.Namespace) -> int:
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
         return code
     except (UserError, Unavailable) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{rank_prefix()}error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
+        print(f"{rank_prefix()}error: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader is gone: point stdout at /dev/null so the interpreter's final flush of the

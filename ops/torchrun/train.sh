@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Train with torchrun + DDP: NPROC worker processes per node; torchrun restarts the whole worker
-# group after any worker failure, up to MAX_RESTARTS times, and each restart auto-resumes.
+# group after any worker failure, up to MAX_RESTARTS times, and each restart auto-resumes; after
+# exit 2 or 3 (a user error, a supervisor that gave up) a restarted trainer exits with the same
+# code at once (harness/exit_codes.py: earlier_stop), so nothing is trained or printed again.
 # One node:  NPROC=8 MAX_RESTARTS=3 RUN_DIR=runs/a ops/torchrun/train.sh CONFIG [harness train args]
 # Several:   run on every node with NNODES=4 RDZV_ENDPOINT=head-node:PORT RDZV_ID=run-a (same on all).
 # Elastic:   NNODES=2:4 (MIN:MAX nodes), with RDZV_CONF=is_host=false and RDZV_ENDPOINT a rendezvous
@@ -11,7 +13,7 @@
 # group as its exit 1): 75/76 when every trainer of this node stopped at a checkpoint, 69 when one
 # found the storage unavailable (after UNAVAILABLE_RETRIES retries here, with backoff), 79 when
 # one hung (its watchdog dumped the stacks; torchrun's own restarts are spent), 2 on a user
-# error; otherwise torchrun's. See ops/README.md.
+# error, 3 when one gave up; otherwise torchrun's. See ops/README.md.
 set -uo pipefail
 
 CONFIG=${1:?usage: ops/torchrun/train.sh CONFIG [extra harness train arguments]}
@@ -99,6 +101,7 @@ run_group() {
   count=$(trainer_codes | wc -l)
   case " $codes" in
     *" 2 "*) rc=2 ;;    # a user error: retrying cannot help
+    *" 3 "*) rc=3 ;;    # a supervisor gave up on a crash loop: retrying cannot help either
     *" 69 "*) rc=69 ;;  # storage unavailable: retry after a backoff
     *" 79 "*) rc=79 ;;  # a trainer hung: the launcher above may requeue (elsewhere)
     " 75 " | " 76 " | " 75 76 ")

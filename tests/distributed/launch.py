@@ -35,10 +35,13 @@ def train_args(run_dir: Path, *extra: str, nproc: int = 2, max_restarts: int = 0
                     max_restarts=max_restarts)
 
 
-def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start a command with its output in `log` (a file: a pipe nobody reads would block it)."""
+def start(args: list[str], log: Path, env: dict[str, str] | None = None, new_session: bool = False) -> subprocess.Popen:
+    """Start a command with its output in `log` (a file: a pipe nobody reads would block it);
+    `new_session`: in a process group of its own, as a terminal's job or ops/torchrun/train.sh
+    starts torchrun."""
     with log.open("ab") as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**TORCHRUN_ENV, **(env or {})}, cwd=ROOT)
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**TORCHRUN_ENV, **(env or {})}, cwd=ROOT,
+                                start_new_session=new_session)
 
 
 def run(args: list[str], log: Path, timeout: float = 300, env: dict[str, str] | None = None) -> int:

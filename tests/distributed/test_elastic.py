@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -91,7 +92,7 @@ def test_a_world_size_the_global_batch_cannot_split_is_refused_and_nothing_writt
     code = run([str(ROOT / "ops/torchrun/train.sh"), str(ELASTIC)], log,
                env={"NPROC": "3", "MAX_RESTARTS": "0", "RUN_DIR": str(run_dir)})
     assert code == 2, tail(log)
-    errors = [line for line in tail(log).splitlines() if line.startswith("error: ")]
+    errors = [line for line in tail(log).splitlines() if re.match(r"(rank \d+: )?error: ", line)]
     assert errors and "the valid world sizes for this config are 1, 2, 4" in errors[0], tail(log)
     assert "harness/" not in tail(log), "a traceback from the harness"
     assert _snapshot(run_dir) == before

@@ -21,7 +21,7 @@ import pytest
 
 from harness import exit_codes
 from harness.checkpoint import CheckpointStore
-from launch import COMMON, TORCHRUN_ENV, kill_tree, tail, wait_step
+from launch import COMMON, TORCHRUN_ENV, kill_tree, rank_process, tail, wait_step
 from procs import ROOT, TINY, assert_same_run, final_checkpoint
 
 TRAIN_SH = ROOT / "ops/torchrun/train.sh"
@@ -99,6 +99,64 @@ def test_train_sh_passes_term_to_every_trainer_exits_75_and_resumes_bitwise(tmp_
     assert CheckpointStore(str(run_dir)).latest_good().step == step >= 5
     assert (final_checkpoint(run_dir, step) / "rank-00001.json").exists()  # rank 1 saved its part too
     assert finish(launch([str(TRAIN_SH), str(TINY), *COMMON], log, env), log) == 0, tail(log)
+    assert_same_run(continuous, run_dir, 12)
+
+
+def run_events(run_dir: Path, kind: str) -> list[dict]:
+    return [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["event"] == kind]
+
+
+def test_train_sh_prints_a_refused_config_once_and_exits_2(tmp_path):
+    """torchrun restarts every failed worker group; a restart after exit 2 exits 2 at once
+    (exit_codes.earlier_stop) instead of refusing the config again."""
+    log = tmp_path / "train.log"
+    env = {"NPROC": "1", "MAX_RESTARTS": "3", "RUN_DIR": str(tmp_path / "run")}
+    code = finish(launch([str(TRAIN_SH), str(TINY), "--set", "train.stepz=3"], log, env), log)
+    assert code == exit_codes.USER_ERROR, tail(log)
+    errors = [line for line in log.read_text().splitlines() if "train.stepz: unknown key" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: "), tail(log)
+
+
+def test_train_sh_does_not_restart_a_run_stopped_on_an_anomaly(tmp_path):
+    """A model whose gradients turn NaN at its 13th forward in a process (step 7; after a restart
+    step 11 from checkpoint 4, then never from checkpoint 8): with train.on_anomaly = "stop" the
+    run stops at step 7 with exit 2 and is not restarted past the anomaly."""
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    env = {"NPROC": "2", "MAX_RESTARTS": "2", "RUN_DIR": str(run_dir)}
+    nan = ["--set", 'model.factory="tests.user_models:nan_grad_gpt"', "--set", "model.args.nan_grad_at_forward=13",
+           "--set", 'train.on_anomaly="stop"']
+    code = finish(launch([str(TRAIN_SH), str(TINY), *nan], log, env), log)
+    assert code == exit_codes.USER_ERROR, tail(log)
+    assert [e["resumed_from"] for e in run_events(run_dir, "start")] == [None], tail(log)
+    [stop] = run_events(run_dir, "exit")
+    assert stop["reason"] == "user_error" and "gradient norm is nan" in stop["error"] and stop["step"] == 6
+
+
+def test_train_sh_exits_3_once_a_supervisor_gave_up(tmp_path):
+    """At NPROC=1, `harness train --max-restarts` runs its supervisor under torchrun: a crash at
+    the same step each time is a crash loop (exit 3), which torchrun's restart does not repeat."""
+    log = tmp_path / "train.log"
+    env = {"NPROC": "1", "MAX_RESTARTS": "1", "RUN_DIR": str(tmp_path / "run")}
+    loop = ["--max-restarts", "3", "--crash-loop-limit", "1", "--set", "debug.crash_at_step=6",
+            "--set", "debug.crash_once=false"]
+    assert finish(launch([str(TRAIN_SH), str(TINY), *loop], log, env), log) == exit_codes.GAVE_UP, tail(log)
+    assert log.read_text().count("error: gave up") == 1, tail(log)
+
+
+@pytest.mark.parametrize("fault", ["crash", "preempted-rank"])
+def test_train_sh_still_restarts_a_crash_or_a_preempted_rank(tmp_path, continuous, fault):
+    """The codes to retry are retried by torchrun's restarts: a crash of every rank after step 6
+    (exit 13), or a stop signal that reached one rank only (the group saves and exits 75)."""
+    run_dir, log = tmp_path / "run", tmp_path / "train.log"
+    env = {"NPROC": "2", "MAX_RESTARTS": "1", "RUN_DIR": str(run_dir)}
+    extra = ["--set", "debug.crash_at_step=6"] if fault == "crash" else SLOW_STEPS
+    proc = launch([str(TRAIN_SH), str(TINY), *COMMON, *extra], log, env)
+    if fault == "preempted-rank":
+        wait_step(proc, run_dir, 5, log)
+        rank_process(proc, 1).send_signal(signal.SIGTERM)
+    assert finish(proc, log) == exit_codes.FINISHED, tail(log)
+    resumed = [e["resumed_from"] for e in run_events(run_dir, "start")]
+    assert resumed[0] is None and len(resumed) == 2 and resumed[1] >= 4, resumed
     assert_same_run(continuous, run_dir, 12)
 
 

@@ -5,9 +5,13 @@ checkpoints bitwise equal (`harness ckpt diff`) and the same loss at every step.
 of them (launch.COMMON), so its orthogonalisation sees the all-reduced gradient throughout.
 """
 
+import contextlib
 import json
+import os
+import re
 import signal
 
+import psutil
 
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.manifest import MANIFEST_FILE
@@ -36,6 +40,13 @@ def test_checkpoint_has_every_rank_and_one_manifest(continuous):
     assert rank1["parts"]["rng"]["python"] != state["parts"]["rng"]["python"]
 
 
+def test_only_rank_0_prints_the_step_lines(continuous):
+    """Every rank trains the same steps: the console shows each step line once (harness/log.py)."""
+    text = (continuous.parent / "continuous.log").read_text()
+    assert re.findall(r"\] step +.*\bstep=(\d+)", text) == ["4", "8", "12"], text[-3000:]
+    assert len(re.findall(r"\] finished ", text)) == 1, text[-3000:]
+
+
 def test_sigkill_one_rank_torchrun_restarts_the_group(tmp_path, continuous):
     run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
     proc = start(train_args(run_dir, max_restarts=1), log)
@@ -57,6 +68,42 @@ def test_lost_node_then_the_same_command_again(tmp_path, continuous):
     assert run(args, log) == 0, tail(log)
     assert [e["resumed_from"] for e in events(run_dir) if e["event"] == "start"][-1] in (4, 8)
     assert_same_run(continuous, run_dir, STEPS)
+
+
+def test_sigkill_of_the_agent_alone_ends_its_ranks_and_the_same_command_resumes(tmp_path, continuous):
+    """torchrun starts its workers in sessions of their own, so a SIGKILL of torchrun's process
+    group reaches the agent alone: the ranks must die with it (harness/parent_death.py) instead of
+    training on without it, and the same command started again at once takes the run dir's lease
+    over from them and finishes as the continuous run did."""
+    run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
+    args = train_args(run_dir)
+    agent = start(args, log, new_session=True)
+    ranks = [rank_process(agent, rank) for rank in (0, 1)]
+    wait_step(agent, run_dir, 6, log, committed=4)
+    os.killpg(agent.pid, signal.SIGKILL)
+    agent.wait(60)
+    relaunch = start(args, log)  # at once, as a person or a scheduler would
+    try:
+        _, alive = psutil.wait_procs(ranks, timeout=60)
+        assert not [p for p in alive if _running(p)], "ranks outlived their agent"
+        assert relaunch.wait(300) == 0, tail(log)
+    finally:  # nothing left running after a failed assertion
+        if relaunch.poll() is None:
+            kill_tree(relaunch.pid)
+        for rank in ranks:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                rank.kill()  # psutil checks that the pid is still this process
+    run_events = events(run_dir)
+    assert [e["resumed_from"] for e in run_events if e["event"] == "start"] in ([None, 4], [None, 8]), run_events
+    assert [e["reason"] for e in run_events if e["event"] == "exit"] == ["finished"], "the old ranks trained on"
+    assert_same_run(continuous, run_dir, STEPS)
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_sigterm_to_one_rank_every_rank_saves_the_same_step(tmp_path, continuous):
