@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import UserError
-from harness.events import EventLog
+from harness.events import read_events
 from harness.goodput import account
 from harness.metrics import read_metrics
 from harness.run.files import events_url, metrics_url, read_run_json
@@ -86,7 +86,7 @@ def summarize(run_dir: str) -> ArmSummary:
                         "this machine? (metrics stay in the local log dir)")
     records = read_metrics(metrics_path)
     events_path = Path(events_url(run_dir, config.get("log_dir")))
-    events = EventLog(events_path).read() if events_path.is_file() else []
+    events = read_events(events_path) if events_path.is_file() else []
     goodput = account(events)
 
     train = [r for r in records if "loss" in r]
