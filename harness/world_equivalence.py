@@ -12,8 +12,8 @@ change of world size:
    tolerance; the verdict says over how many steps, how many of them had different batches
    (their losses differ for that reason as well) and which steps one run did not log;
 3. the final checkpoints: every model and optimizer tensor within the tolerance (max |A - B|),
-   compared whole (assembled from its shards under FSDP, checkpoint/diff.py `whole`), so the
-   two may have been written by different world sizes or strategies; everything else equal
+   compared whole where either run stored it sharded (FSDP: assembled from its shards,
+   checkpoint/diff.py), so the two may have been written by different world sizes or strategies; everything else equal
    (data cursor, schedulers, step and token counters), except what a change of world size
    changes on purpose: the random streams (restarted for the new world size), the loss digest
    and fingerprint history (they hash the losses bit for bit; fingerprints hash a rank's own
@@ -220,7 +220,7 @@ def compare_worlds(a: Path, b: Path, steps: int, sizes: list[int], points: list[
         if math.isnan(dev) or dev > verdict.loss_dev:
             verdict.loss_dev, verdict.loss_step = (math.inf if math.isnan(dev) else dev), step
     store_a, store_b = CheckpointStore(str(a)), CheckpointStore(str(b))
-    final = compare_checkpoints((store_a, store_a.ref(steps)), (store_b, store_b.ref(steps)), whole=NUMERIC_PARTS)
+    final = compare_checkpoints((store_a, store_a.ref(steps)), (store_b, store_b.ref(steps)))
     verdict.state_dev = {part: 0.0 for part in NUMERIC_PARTS}
     for d in final.differences:
         if d.part in NUMERIC_PARTS and d.max_abs is not None:
