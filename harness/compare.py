@@ -3,7 +3,9 @@
 A RUN_DIR without run.json whose subfolders have one (a grid's sweep dir, `harness sweep
 --grid`) stands for those runs. When some runs differ only by seed or only by lr, the runs are
 grouped (harness/seed_groups.py) and reported by harness/sweep_report.py instead: mean and
-spread over seeds, each arm's best lr; the per-run table below is for one run per arm.
+spread over seeds, each arm's best lr; the per-run table below is for one run per arm. Only
+the seed and where and how a run logs and saves may differ within a group: runs on other data,
+model, device or evaluation are other rows, and two runs of one seed are never averaged.
 
 Everything is computed from each run's files alone: `run.json` in the run dir (its config: the
 arm's optimizer, its log dir, the tokens of one step) and, in the log dir, `metrics.jsonl` and
