@@ -3,7 +3,9 @@
 A RUN_DIR without run.json whose subfolders have one (a grid's sweep dir, `harness sweep
 --grid`) stands for those runs. When some runs differ only by seed or only by lr, the runs are
 grouped (harness/seed_groups.py) and reported by harness/sweep_report.py instead: mean and
-spread over seeds, each arm's best lr; the per-run table below is for one run per arm.
+spread over seeds, each arm's best lr; the per-run table below is for one run per arm. Only
+the seed and where and how a run logs and saves may differ within a group: runs on other data,
+model, device or evaluation are other rows, and two runs of one seed are never averaged.
 
 Everything is computed from each run's files alone: `run.json` in the run dir (its config: the
 arm's optimizer, its log dir, the tokens of one step) and, in the log dir, `metrics.jsonl` and
@@ -36,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import UserError
-from harness.events import EventLog
+from harness.events import read_events
 from harness.goodput import account
 from harness.metrics import read_metrics
 from harness.run.files import events_url, metrics_url, read_run_json
@@ -86,7 +88,7 @@ def summarize(run_dir: str) -> ArmSummary:
                         "this machine? (metrics stay in the local log dir)")
     records = read_metrics(metrics_path)
     events_path = Path(events_url(run_dir, config.get("log_dir")))
-    events = EventLog(events_path).read() if events_path.is_file() else []
+    events = read_events(events_path) if events_path.is_file() else []
     goodput = account(events)
 
     train = [r for r in records if "loss" in r]

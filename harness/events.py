@@ -49,6 +49,12 @@ class EventLog:
             f.write(line)
 
     def read(self) -> list[dict]:
-        """Every event so far, in file order; a line that is not a JSON object is skipped (a log
-        must stay readable whatever happened to one writer: `harness.jsonlines`)."""
-        return list(records(self.url))
+        return read_events(self.url)
+
+
+def read_events(url: str | os.PathLike) -> list[dict]:
+    """Every event of the log at `url` so far, in file order; a line that is not a JSON object
+    is skipped (a log must stay readable whatever happened to one writer: `harness.jsonlines`).
+    Creates nothing (an EventLog makes its folder, to write): FileNotFoundError when there is
+    no log, NotADirectoryError when a file stands where its folder should be."""
+    return list(records(url))

@@ -1,8 +1,11 @@
 """Runs grouped for `harness compare`: seeds of one setting, settings of one arm, the best lr.
 
 Contract (everything from each run's run.json config, never from its name):
-- A seed group is the runs whose configs are equal but for `train.seed` and the keys that do
-  not change the numbers (`harness.config.FREE_FIELDS`: run_dir, log_dir, checkpointing, ...).
+- A seed group is the runs whose configs are equal but for `train.seed` and PLACE_KEYS (where
+  a run's files go, how it is logged, checkpointed and watched), and whose seeds are distinct:
+  a second run of one setting with a seed already in its group is a repeat, not another seed,
+  and starts a group (and arm) of its own. Runs on other data, another model, device or eval
+  are different rows, never a mean over "seeds".
 - An arm is the seed groups equal but for their learning rates (LR_KEYS); its lr axis is the
   first of LR_KEYS that differs between them (the matrix optimizer's lr, else `optim.lr`), or,
   when none does, the first one the config sets.
@@ -11,7 +14,9 @@ Contract (everything from each run's run.json config, never from its name):
   arm's best. The best lr is the counted group with the lowest mean final eval loss.
 - Spread of a metric over a group's runs: mean, sample standard deviation (0 for one run),
   min and max.
-- An arm's name is the folder its runs share (a sweep's run dir), else its first run's name.
+- An arm's name is the folder its runs share when no other arm's run is in it (a sweep's run
+  dir), else its first run's name.
+- Arms come in the order their first run was given.
 """
 
 from __future__ import annotations
@@ -23,11 +28,20 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 
 from harness.compare import ArmSummary
-from harness.config import flatten, is_free
+from harness.config import flatten
 from harness.grid import SEED_KEY
 
 # The lr of the matrix optimizer first: a hybrid arm's `optim.lr` is its AdamW part's.
 LR_KEYS = ("optim.lr_muon", "optim.lr_matrix", "optim.lr")
+
+# The config keys (or tables) that may differ between the seeds of one group: where the files
+# go and how the run is logged, checkpointed and watched, none of which changes a compared
+# number. Narrower than harness.config.FREE_FIELDS, which is what a *resume* may change: a
+# resume checks the data by its identity rather than by `data.sources`, and tolerates another
+# eval cadence or device, but runs that differ in those are different experiments.
+PLACE_KEYS = ("run_dir", "log_dir", "log", "checkpoint", "health", "data.num_workers", "data.storage_options",
+              "data.hash_check", "train.log_every", "train.fingerprint_every", "train.on_divergence",
+              "train.unregistered_state")
 
 
 @dataclass(frozen=True)
@@ -67,7 +81,7 @@ class SeedGroup:
 
     @property
     def seeds(self) -> list[int]:
-        return sorted(r.config.get("train", {}).get("seed", 0) for r in self.runs)
+        return sorted(seed_of(r) for r in self.runs)
 
 
 @dataclass
@@ -114,6 +128,10 @@ def steps_to(target: float) -> Callable[[ArmSummary], float | None]:
     return metric
 
 
+def seed_of(r: ArmSummary) -> int:
+    return r.config.get("train", {}).get("seed", 0)
+
+
 def counts(r: ArmSummary) -> bool:
     steps = r.config.get("train", {}).get("steps")
     return (r.final_eval is not None and math.isfinite(r.final_eval)
@@ -122,16 +140,28 @@ def counts(r: ArmSummary) -> bool:
 
 def _setting(config: dict, leave_out: tuple[str, ...]) -> tuple:
     flat = flatten(config)
-    return tuple(sorted((k, repr(v)) for k, v in flat.items() if k not in leave_out and not is_free(k)))
+    return tuple(sorted((k, repr(v)) for k, v in flat.items()
+                        if k not in leave_out and not any(k == p or k.startswith(p + ".") for p in PLACE_KEYS)))
 
 
 def group_runs(runs: list[ArmSummary]) -> list[Arm]:
     """Arms in the order their first run was given, each with its seed groups by lr."""
-    by_arm: dict[tuple, dict[tuple, list[ArmSummary]]] = {}
+    made: list[dict[tuple, list[ArmSummary]]] = []  # per arm: seed group setting -> its runs
+    # An arm setting's arms: the first holds the first run of each (setting, seed), the next the
+    # repeats, and so on.
+    by_arm: dict[tuple, list[dict[tuple, list[ArmSummary]]]] = {}
     for r in runs:
-        arm = by_arm.setdefault(_setting(r.config, (SEED_KEY, *LR_KEYS)), {})
-        arm.setdefault(_setting(r.config, (SEED_KEY,)), []).append(r)
-    arms = [_arm(list(groups.values())) for groups in by_arm.values()]
+        repeats = by_arm.setdefault(_setting(r.config, (SEED_KEY, *LR_KEYS)), [])
+        setting = _setting(r.config, (SEED_KEY,))
+        groups = next((g for g in repeats if seed_of(r) not in map(seed_of, g.get(setting, []))), None)
+        if groups is None:
+            groups = {}
+            repeats.append(groups)
+            made.append(groups)
+        groups.setdefault(setting, []).append(r)
+    folders = [{_folder(r) for runs in groups.values() for r in runs} for groups in made]
+    shared = {f for f in set().union(*folders) if sum(f in of_arm for of_arm in folders) > 1}
+    arms = [_arm(list(groups.values()), shared) for groups in made]
     seen: dict[str, int] = {}
     for a in arms:  # two arms from folders of one name stay apart
         seen[a.name] = seen.get(a.name, 0) + 1
@@ -140,13 +170,20 @@ def group_runs(runs: list[ArmSummary]) -> list[Arm]:
     return arms
 
 
-def _arm(groups: list[list[ArmSummary]]) -> Arm:
+def _folder(r: ArmSummary) -> str:
+    return str(PurePosixPath(r.run_dir.rstrip("/")).parent)
+
+
+def _arm(groups: list[list[ArmSummary]], shared: set[str]) -> Arm:
+    """The arm of these seed groups; `shared`: folders that hold runs of other arms too, so
+    their name does not name this one."""
     flats = [flatten(g[0].config) for g in groups]
     varying = [k for k in LR_KEYS if len({repr(f.get(k)) for f in flats}) > 1]
     lr_key = varying[0] if varying else next((k for k in LR_KEYS if flats[0].get(k) is not None), None)
     seed_groups = sorted((SeedGroup(g, flat.get(lr_key)) for g, flat in zip(groups, flats)),
                          key=lambda g: (g.lr is None, g.lr or 0.0))
     every = [r for g in groups for r in g]
-    parents = {str(PurePosixPath(r.run_dir.rstrip("/")).parent) for r in every}
-    name = PurePosixPath(parents.pop()).name if len(every) > 1 and len(parents) == 1 else every[0].name
+    folders = {_folder(r) for r in every}
+    own = len(every) > 1 and len(folders) == 1 and not folders & shared
+    name = PurePosixPath(folders.pop()).name if own else every[0].name
     return Arm(name, every[0].optimizer, lr_key, seed_groups)

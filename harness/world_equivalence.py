@@ -8,10 +8,12 @@ to the end at the last one. Then it compares, against what docs/distributed.md p
 change of world size:
 1. the global batch of every step (the hash of its sample ids in cursor order, the same for any
    world size): must be identical at every step;
-2. the loss of every step: max |A - B| / max(1, |A|) must be within the tolerance;
+2. the loss of every step both runs logged: max |A - B| / max(1, |A|) must be within the
+   tolerance; the verdict says over how many steps, how many of them had different batches
+   (their losses differ for that reason as well) and which steps one run did not log;
 3. the final checkpoints: every model and optimizer tensor within the tolerance (max |A - B|),
-   compared whole (assembled from its shards under FSDP, checkpoint/diff.py `whole`), so the
-   two may have been written by different world sizes or strategies; everything else equal
+   compared whole where either run stored it sharded (FSDP: assembled from its shards,
+   checkpoint/diff.py), so the two may have been written by different world sizes or strategies; everything else equal
    (data cursor, schedulers, step and token counters), except what a change of world size
    changes on purpose: the random streams (restarted for the new world size), the loss digest
    and fingerprint history (they hash the losses bit for bit; fingerprints hash a rank's own
@@ -23,6 +25,9 @@ The tolerance is float rounding of the changed reduction order (default 1e-4; me
 tiny test model: 5e-7). Random numbers drawn in training are not within it: dropout masks are
 drawn per rank over its micro-batch, so they depend on the world size; check such a model with
 its dropout off (`--set model.args.dropout=0` for the built-in GPT), or pass a wider --tolerance.
+A config that cannot pass is refused before anything runs (`refuse_what_cannot_pass`): without
+`train.global_batch` a step's batch grows with the world size, and `model.args.dropout` > 0
+under the default tolerance (with a --tolerance given, a warning says what it then measures).
 Exit code 0 within the tolerance, 1 beyond it, 2 on a user error.
 """
 
@@ -36,7 +41,9 @@ from pathlib import Path
 
 import psutil
 
+from harness.config import RunConfig
 from harness.errors import UserError
+from harness.log import get_logger
 from harness.resume_equivalence import events_of, last_step, log_tail, start_train, step_records, wait_for_step
 
 DEFAULT_TOLERANCE = 1e-4
@@ -44,13 +51,44 @@ NUMERIC_PARTS = ("model", "optim")  # float tensors whose values depend on the r
 # What a change of world size changes on purpose: the random streams, and hashes of exact losses.
 _EXPECTED_TO_DIFFER = ("rng", "fingerprints")
 
+log = get_logger(__name__)
+
+
+def refuse_what_cannot_pass(cfg: RunConfig, sizes: list[int], tolerance: float | None) -> None:
+    """UserError, before anything runs, for a config whose check across `sizes` cannot pass: one
+    without `train.global_batch` (a step's batch is data.batch_size x grad_accum x world size,
+    so no batch of B's matches A's after a change), or with `model.args.dropout` > 0 under the
+    default tolerance (`tolerance` None: the masks change with the world size, far beyond float
+    rounding); with a tolerance given, dropout only warns. Nothing to refuse without a change."""
+    if len(set(sizes)) == 1:
+        return
+    given = f"--world-sizes {','.join(map(str, sizes))}"
+    if cfg.train.global_batch is None:
+        raise UserError(f"{given}: the config sets no train.global_batch, so a step's batch (data.batch_size x "
+                        "train.grad_accum x world size) changes with the world size and B's batches cannot match A's; "
+                        f"set it (--set train.global_batch={cfg.data.batch_size * cfg.train.grad_accum * sizes[0]}, "
+                        f"the batch at world size {sizes[0]}) to keep the batch at every world size")
+    dropout = cfg.model.args.get("dropout")
+    if not (isinstance(dropout, (int, float)) and dropout > 0):
+        return
+    why = (f"model.args.dropout = {dropout}: dropout masks are drawn per rank over its micro-batch, so they change "
+           "with the world size")
+    if tolerance is None:
+        raise UserError(f"{given}: {why}, and the losses and weights cannot agree within float rounding (the default "
+                        f"--tolerance {DEFAULT_TOLERANCE:g}); check with --set model.args.dropout=0, or give a "
+                        "--tolerance wide enough for the dropout noise")
+    log.warning(f"{why}: the check measures that noise against --tolerance {tolerance:g}")
+
 
 @dataclass
 class WorldVerdict:
     """The outcome of a resume check across world sizes; `bool()` is True when every check passed
-    (module docstring). `loss_dev`: max relative loss deviation and its step; `state_dev`: max
-    |diff| per numeric part of the final checkpoints; `unequal`: differences that must not exist;
-    `missing_changes`: world-size changes asked for that no `world_size_changed` event shows."""
+    (module docstring). `loss_dev`: max relative loss deviation and its step, over the
+    `loss_steps` steps both runs logged, `loss_other_batches` of them on different batches;
+    `not_logged`: per run ("A", "B"), the steps of 1..steps it did not log (not comparable);
+    `state_dev`: max |diff| per numeric part of the final checkpoints; `unequal`: differences
+    that must not exist; `missing_changes`: world-size changes asked for that no
+    `world_size_changed` event shows."""
 
     sizes: list[int]
     steps: int
@@ -59,6 +97,9 @@ class WorldVerdict:
     batch_step: int | None = None  # the first step whose global batch differs (or is missing in one run)
     loss_dev: float = 0.0
     loss_step: int | None = None
+    loss_steps: int = 0
+    loss_other_batches: int = 0
+    not_logged: dict[str, list[int]] = field(default_factory=dict)
     state_dev: dict[str, float] = field(default_factory=dict)
     unequal: list[str] = field(default_factory=list)
     missing_changes: list[str] = field(default_factory=list)
@@ -76,12 +117,26 @@ class WorldVerdict:
                  f"tensors max |A - B|",
                  "  batches: " + ("identical sample ids at every step" if self.batch_step is None
                                   else f"differ from step {self.batch_step}"),
-                 f"  loss: max deviation {self.loss_dev:.3g}" + (f" (step {self.loss_step})" if self.loss_step else "")]
+                 self._loss_line()]
         lines += [f"  state: {part} max |diff| {dev:.3g}" for part, dev in sorted(self.state_dev.items())]
         lines += [f"  must be equal but differs: {line}" for line in self.unequal[:8]]
         lines += [f"  not exercised: {what}" for what in self.missing_changes]
         lines += [f"  B: {line}" for line in self.story]
         return "\n".join(lines)
+
+    def _loss_line(self) -> str:
+        line = (f"  loss: max deviation {self.loss_dev:.3g}" + (f" (step {self.loss_step})" if self.loss_step else "")
+                + f" over {self.loss_steps} of {self.steps} steps")
+        if self.loss_other_batches:
+            line += f", {self.loss_other_batches} of them on different batches (which alone changes their loss)"
+        unlogged = [f"{len(steps)} not logged by {run} ({_step_list(steps)})"
+                    for run, steps in sorted(self.not_logged.items()) if steps]
+        return line + ("; not comparable: " + ", ".join(unlogged) if unlogged else "")
+
+
+def _step_list(steps: list[int], shown: int = 6) -> str:
+    text = ", ".join(map(str, steps[:shown]))
+    return f"step{'s' if len(steps) > 1 else ''} {text}" + (", ..." if len(steps) > shown else "")
 
 
 def even_points(steps: int, sizes: list[int]) -> list[int]:
@@ -152,16 +207,20 @@ def compare_worlds(a: Path, b: Path, steps: int, sizes: list[int], points: list[
     verdict = WorldVerdict(sizes, steps, tolerance, points)
     by_a = {int(r["step"]): r for r in step_records(a)}
     by_b = {int(r["step"]): r for r in step_records(b)}
+    verdict.not_logged = {run: [s for s in range(1, steps + 1) if s not in by] for run, by in (("A", by_a), ("B", by_b))}
     for step in range(1, steps + 1):
         ra, rb = by_a.get(step), by_b.get(step)
         if ra is None or rb is None or ra["batch_hash"] != rb["batch_hash"]:
             verdict.batch_step = verdict.batch_step or step
+        if ra is None or rb is None:
             continue
+        verdict.loss_steps += 1
+        verdict.loss_other_batches += ra["batch_hash"] != rb["batch_hash"]
         dev = abs(ra["loss"] - rb["loss"]) / max(1.0, abs(ra["loss"]))
         if math.isnan(dev) or dev > verdict.loss_dev:
             verdict.loss_dev, verdict.loss_step = (math.inf if math.isnan(dev) else dev), step
     store_a, store_b = CheckpointStore(str(a)), CheckpointStore(str(b))
-    final = compare_checkpoints((store_a, store_a.ref(steps)), (store_b, store_b.ref(steps)), whole=NUMERIC_PARTS)
+    final = compare_checkpoints((store_a, store_a.ref(steps)), (store_b, store_b.ref(steps)))
     verdict.state_dev = {part: 0.0 for part in NUMERIC_PARTS}
     for d in final.differences:
         if d.part in NUMERIC_PARTS and d.max_abs is not None:

@@ -5,18 +5,26 @@ payloads and -0.0 count), and every non-tensor value in state.json is the same. 
 the saved meta are reported when they differ but do not make checkpoints unequal: two runs that
 reach the same state are equal even if one was resumed. Tensors are read one pair at a time, so
 comparing needs memory for the two largest tensors only.
+
+The same comparison serves `harness ckpt diff` and verify-resume (at one world size or across
+several): a part either checkpoint stores sharded (FSDP, through DCP) is compared tensor by
+tensor whole, assembled from however each side stores it (consolidate.whole_tensors), so an
+FSDP checkpoint and a one-process one of the same state are equal whatever world sizes wrote
+them; every other tensor is compared file by file, as stored (their layout is the same at any
+world size, but for the per-rank files of ranks only one side has).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from harness.checkpoint.consolidate import Whole, whole_tensors
+from harness.checkpoint.format import sharded_parts
 from harness.checkpoint.store import CheckpointRef, CheckpointStore
 from harness.checkpoint.tensorfile import TensorEntry, read_tensor
 
@@ -51,15 +59,12 @@ def diff_checkpoints(a: tuple[CheckpointStore, CheckpointRef], b: tuple[Checkpoi
     return result.lines, result.equal
 
 
-def compare_checkpoints(a: tuple[CheckpointStore, CheckpointRef], b: tuple[CheckpointStore, CheckpointRef],
-                        whole: Collection[str] = ()) -> CheckpointDiff:
-    """Every difference between checkpoints `a` and `b`, with report lines (JSON ones capped).
-    The tensors of the parts named in `whole` are compared as whole tensors by name, assembled
-    from however each checkpoint stores them (consolidate.whole_tensors): a sharded checkpoint
-    and an unsharded one of the same state are equal there, whatever world sizes wrote them.
-    Every other tensor is compared file by file, as stored."""
+def compare_checkpoints(a: tuple[CheckpointStore, CheckpointRef], b: tuple[CheckpointStore, CheckpointRef]) -> CheckpointDiff:
+    """Every difference between checkpoints `a` and `b`, with report lines (JSON ones capped);
+    the parts either stores sharded compared whole (module docstring)."""
     (store_a, ref_a), (store_b, ref_b) = a, b
     state_a, state_b = store_a.read_state(ref_a), store_b.read_state(ref_b)
+    whole = sorted(sharded_parts(state_a["parts"]) | sharded_parts(state_b["parts"]))
     result = CheckpointDiff()
     lines = result.lines
     if state_a["step"] != state_b["step"]:

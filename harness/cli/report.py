@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from harness.errors import UserError
-from harness.events import EventLog
-from harness.run.files import events_url
+from harness.events import read_events
+from harness.run.files import events_url, refuse_a_file
 from harness.goodput import Goodput, account
 
 
@@ -18,9 +18,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_a_file(args.run_dir)
     url = events_url(args.run_dir)
     try:
-        events = EventLog(url).read()
+        events = read_events(url)
     except FileNotFoundError:
         raise UserError(f"no events file at {url}: is {args.run_dir} the run dir of a "
                         "`harness train` run started on this machine?") from None

@@ -1,5 +1,10 @@
 """`harness status RUN_DIR [--watch [SECONDS]]`: one screen on a running or stopped run
-(harness/health/status.py renders it from the run's logs)."""
+(harness/health/status.py renders it from the run's logs).
+
+`--watch` started before the run has written its first event waits for it (saying so once on
+stderr). On a terminal each refresh redraws the screen in place; into a pipe or file each is
+printed after the last, without escape codes.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,11 @@ import time
 from pathlib import Path
 
 from harness.errors import UserError
-from harness.run.files import log_dir_for
+from harness.events import EVENTS_FILE
+from harness.run.files import log_dir_for, refuse_a_file
 from harness.health.status import render
+
+CLEAR = "\033[H\033[2J"  # cursor home, clear the screen
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,16 +32,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    refuse_a_file(args.run_dir)
     log_dir = Path(log_dir_for(args.run_dir, args.log_dir))
     if args.watch is None:
         print(render(args.run_dir, log_dir))
         return 0
     if args.watch <= 0:
         raise UserError(f"--watch {args.watch}: give a positive number of seconds between redraws")
+    in_place = sys.stdout.isatty()
     try:
+        if not (log_dir / EVENTS_FILE).exists():
+            print(f"waiting for the run to start: no {log_dir / EVENTS_FILE} yet (Ctrl-C to stop)",
+                  file=sys.stderr, flush=True)
+            while not (log_dir / EVENTS_FILE).exists():
+                time.sleep(args.watch)
         while True:
             screen = render(args.run_dir, log_dir)
-            sys.stdout.write("\033[H\033[2J" + screen + "\n")  # home, clear: redraw in place
+            sys.stdout.write(CLEAR + screen + "\n" if in_place else screen + "\n\n")
             sys.stdout.flush()
             time.sleep(args.watch)
     except KeyboardInterrupt:

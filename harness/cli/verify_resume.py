@@ -16,7 +16,7 @@ from harness.config import RunConfig, batch_shape, load_config
 from harness.errors import UserError
 from harness.resume_equivalence import __doc__ as equivalence_doc
 from harness.resume_equivalence import run_pair
-from harness.world_equivalence import DEFAULT_TOLERANCE, even_points, run_worlds
+from harness.world_equivalence import DEFAULT_TOLERANCE, even_points, refuse_what_cannot_pass, run_worlds
 
 
 def parse_world_sizes(text: str) -> list[int]:
@@ -141,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
 
 def worlds_points(args: argparse.Namespace, cfg: RunConfig) -> list[int]:
     """The interruption steps of a --world-sizes check (one per size after the first), after
-    refusing a world size the config's global batch cannot split (before anything runs)."""
+    refusing (before anything runs) a world size the config's global batch cannot split and a
+    config whose check cannot pass (world_equivalence.refuse_what_cannot_pass)."""
     for world in args.world_sizes:
         batch_shape(cfg, world)
     if args.random is not None:
@@ -151,4 +152,5 @@ def worlds_points(args: argparse.Namespace, cfg: RunConfig) -> list[int]:
     if len(points) != len(args.world_sizes) - 1:
         raise UserError(f"--interrupt-at {','.join(map(str, points))}: give {len(args.world_sizes) - 1} step(s), one "
                         f"per world size after the first of --world-sizes {','.join(map(str, args.world_sizes))}")
+    refuse_what_cannot_pass(cfg, args.world_sizes, args.tolerance)
     return points

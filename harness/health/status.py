@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from harness.errors import UserError
-from harness.events import EVENTS_FILE, EventLog
+from harness.events import EVENTS_FILE, read_events
 from harness.goodput import account
 from harness.jsonlines import parse_line
 
@@ -33,7 +33,7 @@ def render(run_dir: str, log_dir: Path, now: float | None = None) -> str:
     if not events_path.exists():
         raise UserError(f"no events file at {events_path}: is {run_dir} the run dir of a `harness train` run "
                         f"started on this machine? (pass --log-dir when its config sets log_dir)")
-    events = EventLog(events_path).read()
+    events = read_events(events_path)
     steps = [r for r in tail_records(log_dir / "metrics.jsonl") if "loss" in r]
     g = account(events)
     starts = [e for e in events if e.get("event") == "start"]

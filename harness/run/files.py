@@ -81,8 +81,16 @@ def write_run_json(cfg: RunConfig, data_identity: Any, environment: dict[str, An
     return run_id
 
 
+def refuse_a_file(run_dir: str) -> None:
+    """UserError when `run_dir` is a local file: the commands that read a run take its folder."""
+    if get_protocol(run_dir) in ("file", "local") and os.path.isfile(fsspec.core.strip_protocol(run_dir)):
+        raise UserError(f"{run_dir} is a file, not a run dir: pass the folder given to `harness train` "
+                        "as its run dir")
+
+
 def read_run_json(run_dir: str) -> dict[str, Any]:
     """The resolved config recorded in the run dir's run.json; UserError when there is none."""
+    refuse_a_file(run_dir)
     url = f"{run_dir.rstrip('/')}/{RUN_JSON}"
     try:
         with fsspec.open(url, "r") as f:

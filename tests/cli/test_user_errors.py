@@ -220,3 +220,19 @@ def test_config_errors_name_where_the_bad_key_came_from(tmp_path):
 def test_target_loss_without_grouped_runs_is_refused_not_dropped(trained, capsys):
     assert_one_line_error(Finished(capsys, ["compare", str(trained), "--target-loss", "4.0"]),
                           "--target-loss applies to grouped runs")
+
+
+@pytest.mark.parametrize("command", [["compare"], ["report"], ["status"], ["status", "--watch", "1"]])
+def test_a_file_given_as_a_run_dir_is_named(tmp_path, capsys, command):
+    a_file = tmp_path / "afile"
+    a_file.write_text("mine")
+    done = Finished(capsys, [command[0], str(a_file), *command[1:]])
+    assert_one_line_error(done, f"{a_file} is a file, not a run dir: pass the folder given to `harness train`")
+    assert a_file.read_text() == "mine"
+
+
+@pytest.mark.parametrize("command", ["report", "compare", "status"])
+def test_a_run_dir_that_does_not_exist_is_named_and_not_made(tmp_path, capsys, command):
+    missing = tmp_path / "no-such-run"
+    assert_one_line_error(Finished(capsys, [command, str(missing)]), str(missing))
+    assert not missing.exists()

@@ -20,12 +20,15 @@ TOKENS = 8 * 16  # batch_size x seq_len
 
 
 def _run(folder: Path, optim: dict, seed: int, evals: list[float], *, steps: int = STEPS,
-         tokens_per_s: float = 256.0, optim_s: float = 0.125) -> Path:
-    """A run dir trained for `steps` steps, evaluated at 2 and 4 (`evals`), 0.5 s per step."""
+         tokens_per_s: float = 256.0, optim_s: float = 0.125, data: dict | None = None,
+         train: dict | None = None, checkpoint: dict | None = None) -> Path:
+    """A run dir trained for `steps` steps, evaluated at 2 and 4 (`evals`), 0.5 s per step;
+    `data`, `train` and `checkpoint` add keys to those config tables."""
     folder.mkdir(parents=True)
     config = {"run_dir": str(folder), "log_dir": None, "optim": optim,
-              "data": {"batch_size": 8, "seq_len": 16}, "train": {"steps": STEPS, "seed": seed, "grad_accum": 1},
-              "checkpoint": {"every_steps": 2}}
+              "data": {"batch_size": 8, "seq_len": 16, **(data or {})},
+              "train": {"steps": STEPS, "seed": seed, "grad_accum": 1, **(train or {})},
+              "checkpoint": {"every_steps": 2, **(checkpoint or {})}}
     (folder / "run.json").write_text(json.dumps({"run_id": f"r{seed}", "config": config}))
     lines = []
     for step in range(1, steps + 1):
@@ -110,3 +113,58 @@ def test_compare_prints_both_tables_and_writes_the_plot(sweep, capsys):
     assert "| adamw | optim.lr      | 0.001   | 0,1   | 2.1000 ± 0.1414 [2.0000, 2.2000] |" in by_lr
     assert by_lr.splitlines()[3].endswith("| not reached  |"), by_lr
     assert png_size(png.read_bytes()) == (1200, 450)
+
+
+ADAMW = {"type": "adamw", "lr": 1e-3}
+BPE = [{"url": "data/bpe", "weight": 1.0}]
+MIXTURE = [{"url": "data/a", "weight": 0.7}, {"url": "data/b", "weight": 0.3}]
+
+
+def test_runs_on_other_data_with_one_seed_are_two_rows_not_a_mean_over_seeds(tmp_path, capsys):
+    """A BPE dataset and a two-source mixture, seed 0 each: two experiments. `data.sources` may
+    change across a resume (its identity is checked instead), but not within a seed group."""
+    runs = [_run(tmp_path / "runs" / "bpe", ADAMW, 0, [2.5, 2.0], data={"sources": BPE}),
+            _run(tmp_path / "runs" / "mix", ADAMW, 0, [2.6, 2.2], data={"sources": MIXTURE})]
+    assert cli.main(["compare", *map(str, runs)]) == 0
+    out = capsys.readouterr().out
+    assert "seeds" not in out and "±" not in out, out  # the per-run table, not the grouped one
+    rows = [line.split("|")[1].strip() for line in out.splitlines()[2:]]
+    assert rows == ["bpe", "mix"], out
+
+
+@pytest.mark.parametrize("other", [{"data": {"sources": MIXTURE}}, {"data": {"seq_len": 32}},
+                                   {"train": {"eval_batches": 8}}, {"train": {"device": "cuda"}},
+                                   {"train": {"eval_every": 1}}, {"train": {"cpu_threads": 2}}])
+def test_seeds_that_differ_in_anything_else_are_other_groups(tmp_path, other):
+    runs = [summarize(str(_run(tmp_path / "a" / f"seed={s}", ADAMW, s, [2.5, 2.0], data={"sources": BPE})))
+            for s in (0, 1)]
+    runs.append(summarize(str(_run(tmp_path / "b" / "seed=2", ADAMW, 2, [2.5, 2.0],
+                                   data={"sources": BPE, **other.get("data", {})}, train=other.get("train")))))
+    assert [[g.seeds for g in a.groups] for a in group_runs(runs)] == [[[0, 1]], [[2]]]
+
+
+def test_seeds_that_differ_only_in_where_and_how_they_log_and_save_are_one_group(tmp_path):
+    runs = [summarize(str(_run(tmp_path / "a" / "seed=0", ADAMW, 0, [2.5, 2.0]))),
+            summarize(str(_run(tmp_path / "elsewhere" / "seed=1", ADAMW, 1, [2.5, 2.1],
+                               data={"num_workers": 2}, train={"log_every": 1}, checkpoint={"every_steps": 1})))]
+    assert [[g.seeds for g in a.groups] for a in group_runs(runs)] == [[[0, 1]]]
+
+
+def test_a_repeat_of_a_seed_is_never_averaged_with_it(tmp_path):
+    """The same setting and seed twice (a rerun elsewhere) are two arms; with seeds 0 and 1 in
+    both sweeps, each sweep is one arm over its own two seeds."""
+    first = [summarize(str(_run(tmp_path / "first" / f"seed={s}", ADAMW, s, [2.5, 2.0]))) for s in (0, 1)]
+    again = [summarize(str(_run(tmp_path / "again" / f"seed={s}", ADAMW, s, [2.5, 2.1]))) for s in (0, 1)]
+    arms = group_runs([first[0], again[0], first[1], again[1]])
+    assert [(a.name, [[r.run_dir for r in g.runs] for g in a.groups]) for a in arms] == [
+        ("first", [[first[0].run_dir, first[1].run_dir]]), ("again", [[again[0].run_dir, again[1].run_dir]])]
+    alone = group_runs(first[:1] + again[:1])
+    assert [[g.seeds for g in a.groups] for a in alone] == [[[0]], [[0]]]
+
+
+def test_an_arm_is_named_after_its_folder_only_when_the_folder_is_its_own(tmp_path):
+    bpe = [summarize(str(_run(tmp_path / "runs" / f"bpe-s{s}", ADAMW, s, [2.5, 2.0], data={"sources": BPE})))
+           for s in (0, 1)]
+    mix = summarize(str(_run(tmp_path / "runs" / "mix-s0", ADAMW, 0, [2.6, 2.2], data={"sources": MIXTURE})))
+    assert [a.name for a in group_runs([*bpe, mix])] == ["bpe-s0", "mix-s0"]  # not "runs" for both
+    assert [a.name for a in group_runs(bpe)] == ["runs"]

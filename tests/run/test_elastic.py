@@ -4,16 +4,17 @@ tests/distributed/test_elastic.py)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
 
-from harness.config import RunConfig, batch_shape, valid_world_sizes
+from harness.config import RunConfig, batch_shape, load_config, valid_world_sizes
 from harness.errors import UserError
 from harness.run.elastic import after_load, fingerprint_checks, reseed, world_change
-from harness.world_equivalence import WorldVerdict, even_points
-from procs import ROOT, assert_one_line_error, harness
+from harness.world_equivalence import WorldVerdict, compare_worlds, even_points, refuse_what_cannot_pass
+from procs import ROOT, TINY, assert_one_line_error, harness
 
 ELASTIC = ROOT / "tests" / "data" / "elastic.toml"
 
@@ -101,4 +102,44 @@ def test_verify_resume_refuses_a_world_size_and_a_tolerance_it_cannot_use_before
     assert_one_line_error(proc, "give 2 step(s), one per world size after the first")
     proc = harness("verify-resume", str(ELASTIC), "--tolerance", "1e-3", "--work-dir", str(work))
     assert_one_line_error(proc, "--tolerance applies to --world-sizes only")
+    # Configs whose check cannot pass: found out before the runs, not after them.
+    proc = harness("verify-resume", str(TINY), "--world-sizes", "2,1", "--set", "model.args.dropout=0",
+                   "--work-dir", str(work))
+    assert_one_line_error(proc, "--world-sizes 2,1: the config sets no train.global_batch, so a step's batch")
+    assert "--set train.global_batch=16, the batch at world size 2" in proc.stderr
+    proc = harness("verify-resume", str(ELASTIC), "--world-sizes", "2,1", "--work-dir", str(work))
+    assert_one_line_error(proc, "--world-sizes 2,1: model.args.dropout = 0.1: dropout masks are drawn per rank")
     assert not work.exists()
+
+
+def test_what_cannot_pass_is_only_refused_across_a_change_and_dropout_only_under_the_default_tolerance():
+    no_global_batch = load_config(TINY, ["model.args.dropout=0"])
+    refuse_what_cannot_pass(no_global_batch, [2, 2], None)  # no change of world size: nothing to refuse
+    with_dropout = load_config(ELASTIC)
+    refuse_what_cannot_pass(with_dropout, [2, 1], 0.05)  # a tolerance given for the noise: a warning
+    with pytest.raises(UserError, match="model.args.dropout = 0.1"):
+        refuse_what_cannot_pass(with_dropout, [2, 1], None)
+
+
+def test_the_loss_deviation_is_over_every_step_both_runs_logged(tmp_path):
+    """Runs on other batches (another seed) and a step B's log lost: the verdict reports the
+    deviation of every step both logged, how many were on different batches, and the step that
+    was not comparable; not "max deviation 0" from comparing only the steps of equal batches."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    fast = ["--set", "train.steps=4", "--set", "checkpoint.every_steps=2", "--set", "model.args.dropout=0"]
+    harness("train", str(ELASTIC), "--run-dir", str(a), *fast, check=True)
+    harness("train", str(ELASTIC), "--run-dir", str(b), *fast, "--set", "train.seed=2", check=True)
+    metrics = b / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
+                               if json.loads(line).get("step") != 3))
+    losses = [{r["step"]: r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+               if "batch_hash" in r} for run in (a, b)]
+    expected = max(abs(losses[0][s] - losses[1][s]) / max(1.0, abs(losses[0][s])) for s in (1, 2, 4))
+    assert expected > 0
+
+    verdict = compare_worlds(a, b, 4, [1, 1], [2], 1e-4)
+    assert verdict.loss_dev == pytest.approx(expected, rel=1e-12) and verdict.batch_step == 1
+    assert (verdict.loss_steps, verdict.loss_other_batches, verdict.not_logged) == (3, 3, {"A": [], "B": [3]})
+    assert (f"  loss: max deviation {expected:.3g} (step {verdict.loss_step}) over 3 of 4 steps, 3 of them on "
+            "different batches (which alone changes their loss); not comparable: 1 not logged by B (step 3)"
+            ) in str(verdict).splitlines()
