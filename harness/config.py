@@ -1,11 +1,10 @@
 """The run config: typed pydantic models loaded from TOML, overridden with `--set key=value`.
 
 Contract:
-- Every section forbids unknown keys; a mistake is a `UserError` naming the key and the file.
-- A config may extend another with a top-level `extends = "base.toml"` (a path relative to the
-  file); tables merge recursively, the extending file wins.
-- `--set section.key=value` values are parsed as TOML values (`3`, `1e-3`, `true`, `"s3://b/x"`,
-  `[1, 2]`); anything that does not parse as TOML is taken as a bare string.
+- Every section forbids unknown keys; a mistake is a `UserError` naming the key and where it was
+  set: the file (for an inherited key, the file it came from) or "command line".
+- Files, `extends`, `unset` and `--set` (`null` unsets a key) are layered by
+  harness/config_layers.py; this module validates the result.
 - `math_fields()` lists the keys that decide the numbers a run produces. Resuming with any of them
   changed is refused unless explicitly allowed; everything else (logging, checkpoint cadence,
   retention, eval cadence, worker count) may change between restarts.
@@ -16,13 +15,12 @@ from __future__ import annotations
 import copy
 import math
 import re
-import tomllib
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from harness.config_layers import Layers, flatten, read_layers
 from harness.errors import UserError
 from optim.config import ARMS, OptimConfig, arms_taking, parse_optim_config
 
@@ -85,8 +83,8 @@ class TrainSection(Section):
     steps: int = Field(200, gt=0, description="Optimizer steps of the whole run.")
     seed: int = Field(0, description="Seed of model init, dropout and the data order.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
-    global_batch: int | None = Field(None, gt=0, description="Samples per optimizer step over all ranks: data.batch_size x grad_accum x world size must equal it. The one of batch_size / grad_accum not set in the config is derived from it (grad_accum when neither is), so the batch stays the same for any number of ranks; unset = batch_size x grad_accum x world size.")
-    grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value; unset = no clipping.")
+    global_batch: int | None = Field(None, gt=0, description="Samples per optimizer step over all ranks: data.batch_size x grad_accum x world size must equal it. The one of batch_size / grad_accum not set in the config is derived from it (grad_accum when neither is), so the batch stays the same for any number of ranks (one a base config sets: `unset` it); unset = batch_size x grad_accum x world size.")
+    grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value; inf = no clipping.")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Autocast dtype for forward/backward; fp16 uses a saved grad scaler.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train; auto = cuda when available.")
     compile: bool = Field(False, description="torch.compile the training forward and backward (inductor; evaluation stays eager; on a CPU dropout keeps ATen's random-number kernels, inductor's fallback_random, which are faster there). Checkpoints keep the plain parameter names, so compiled and eager runs read each other's checkpoints; compiled kernels round differently from eager ones, so the setting is part of the run's math: resuming under the other one needs --allow-config-change.")
@@ -338,106 +336,27 @@ def config_changes(saved: dict[str, Any], current: RunConfig) -> dict[str, tuple
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
-    """Read a TOML file (following `extends`), apply `--set` overrides, validate."""
-    path = Path(path)
-    raw = _read_toml(path, seen=())
-    apply_assignments(raw, overrides)
+    """Read a TOML file (following `extends` and `unset`), apply `--set` overrides, validate
+    (harness/config_layers.py)."""
+    layers = read_layers(Path(path), overrides)
     try:
-        return RunConfig.model_validate(raw)
+        return RunConfig.model_validate(layers.raw)
     except ValidationError as e:
-        given = {item.partition("=")[0].strip() for item in overrides}
-        raise UserError(_describe(e, path, given)) from None
+        raise UserError(_describe(e, layers)) from None
 
 
-def _read_toml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
-    if path.is_dir():
-        raise UserError(f"config file {path} is a folder; pass the path of a TOML config in it (see configs/)")
-    if not path.is_file():
-        raise UserError(f"config file {path} does not exist; pass the path of a TOML config (see configs/)")
-    if path.resolve() in seen:
-        raise UserError(f"{path}: `extends` forms a cycle through {', '.join(map(str, seen))}")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise UserError(f"{path}: not valid TOML: {e}") from None
-    base = raw.pop("extends", None)
-    if base is None:
-        return raw
-    if not isinstance(base, str):
-        raise UserError(f"{path}: extends = {base!r}: expected the path of another TOML file as a string, "
-                        'e.g. extends = "base.toml"')
-    merged = _read_toml((path.parent / base), seen + (path.resolve(),))
-    _merge(merged, raw)
-    return merged
-
-
-def _merge(into: dict[str, Any], top: dict[str, Any]) -> None:
-    for k, v in top.items():
-        if isinstance(v, dict) and isinstance(into.get(k), dict):
-            _merge(into[k], v)
-        else:
-            into[k] = v
-
-
-def apply_assignments(raw: dict[str, Any], items: Iterable[str], flag: str = "--set",
-                      example: str = "train.steps=100") -> dict[str, Any]:
-    """Apply `dotted.key=value` items to `raw` (values are TOML values, else plain strings);
-    returns `raw`. `flag` and `example` name the option in error messages."""
-    for item in items:
-        key, value = _parse_assignment(item, flag, example)
-        _assign(raw, key, value, flag)
-    return raw
-
-
-def toml_string(text: str) -> str:
-    """`text` as a TOML basic string, for a `--set KEY=VALUE` item built in code."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _parse_assignment(item: str, flag: str, example: str) -> tuple[str, Any]:
-    key, sep, text = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise UserError(f"{flag} {item!r}: expected key=value, e.g. {flag} {example}")
-    try:
-        value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text
-    return key, value
-
-
-def _assign(raw: dict[str, Any], dotted: str, value: Any, flag: str) -> None:
-    *parents, leaf = dotted.split(".")
-    node = raw
-    for p in parents:
-        child = node.setdefault(p, {})
-        if not isinstance(child, dict):
-            raise UserError(f"{flag} {dotted}: {p} is not a section")
-        node = child
-    node[leaf] = value
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested config dict as {dotted key: value} (an empty table is a value)."""
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def _describe(e: ValidationError, path: Path, given: set[str]) -> str:
-    """`SOURCE: key: message` per key, joined with '; ': SOURCE is the config file, or "command
-    line" for a key an override (`--set`, a sweep's `--grid`) gave. The members of a union field
-    (`every_steps`: an integer or "auto") fail as one key, their messages joined with "or"."""
+def _describe(e: ValidationError, layers: Layers) -> str:
+    """`SOURCE: key: message` per key, joined with '; ': SOURCE is the file that set the key (an
+    inherited key: the base file), or "command line" for a key an override (`--set`, a sweep's
+    `--grid`) gave. The members of a union field (`every_steps`: an integer or "auto") fail as
+    one key, their messages joined with "or"; an unknown optimizer type is `optim.type`'s."""
     problems: dict[str, list[str]] = {}
     for err in e.errors():
         loc = [x for x in err["loc"] if not (isinstance(x, str) and x in _UNION_TAGS)]
         if len(loc) > 1 and isinstance(loc[-1], str) and not loc[-1].isidentifier():
             loc = loc[:-1]  # pydantic names the union member it tried: constrained-int, literal['auto']
+        if err["type"] == "union_tag_invalid":
+            loc.append("type")  # the discriminator (optim/config.py: _arm), where the bad value was given
         key = ".".join(str(x) for x in loc)
         template = _MESSAGES.get(err["type"])
         msg = template.format(**err.get("ctx", {}), input=err.get("input")) if template else err["msg"]
@@ -446,7 +365,7 @@ def _describe(e: ValidationError, path: Path, given: set[str]) -> str:
         problems.setdefault(key, []).append(msg)
     parts = []
     for key, messages in problems.items():
-        source = "command line" if any(key == g or key.startswith(g + ".") for g in given) else str(path)
+        source = layers.source(key)
         parts.append(f"{source}: {key}: {' or '.join(messages)}" if key else f"{source}: {' or '.join(messages)}")
     return "; ".join(parts)
 

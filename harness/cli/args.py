@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from harness.config import RunConfig, apply_assignments, load_config, toml_string
+from harness.config import RunConfig, load_config
+from harness.config_layers import apply_assignments, toml_string
 
 
 def add_config_args(p: argparse.ArgumentParser, *, run_dir: bool = True) -> None:
