@@ -249,26 +249,35 @@ FREE_FIELDS = ("run_dir", "log_dir", "checkpoint", "health", "log", "debug", "da
 def batch_shape(cfg: RunConfig, world_size: int) -> tuple[int, int]:
     """(data.batch_size, train.grad_accum) for `world_size` ranks. With `train.global_batch` set,
     the one of the two the config leaves unset is derived (grad_accum when both are unset);
-    raises UserError when global_batch != batch_size x grad_accum x world_size."""
+    raises UserError when global_batch != batch_size x grad_accum x world_size, saying which
+    factors the config gave and what to change."""
     batch_size, accum, target = cfg.data.batch_size, cfg.train.grad_accum, cfg.train.global_batch
     if target is None:
         return batch_size, accum
     accum_set = "grad_accum" in cfg.train.model_fields_set
     batch_set = "batch_size" in cfg.data.model_fields_set
-    if not accum_set:
-        accum, left = divmod(target, batch_size * world_size)
-    elif not batch_set:
-        batch_size, left = divmod(target, accum * world_size)
+    if not (accum_set and batch_set):  # derive the unset factor (grad_accum when both are unset)
+        fixed, value, derived = (("data.batch_size", batch_size, "train.grad_accum") if not accum_set
+                                 else ("train.grad_accum", accum, "data.batch_size"))
+        per_step = value * world_size
+        if target % per_step == 0:
+            return (batch_size, target // per_step) if not accum_set else (target // per_step, accum)
+        given = f"{fixed} = {value}{'' if accum_set or batch_set else ' (its default)'}"
+        problem = f"{derived} (not set, so derived) would be {target} / ({value} x {world_size}), not a whole number"
+        fix = f"make global_batch a multiple of {fixed} x world size ({per_step}), or change {fixed}"
+    elif batch_size * accum * world_size == target:
+        return batch_size, accum
     else:
-        left = target - batch_size * accum * world_size
-    if left or accum < 1 or batch_size < 1 or batch_size * accum * world_size != target:
-        valid = valid_world_sizes(cfg)
-        raise UserError(
-            f"train.global_batch = {target} is not data.batch_size ({batch_size}) x train.grad_accum ({accum}) x "
-            f"world size ({world_size}); the valid world sizes for this config are {_listed(valid)}: run at one of "
-            f"those, or choose a global_batch divisible by batch_size x world size, or leave one of batch_size / "
-            f"grad_accum unset so it is derived")
-    return batch_size, accum
+        given = f"data.batch_size = {batch_size} and train.grad_accum = {accum}"
+        problem = f"{batch_size} x {accum} x world size {world_size} is {batch_size * accum * world_size}"
+        fix = (f"make global_batch {batch_size * accum} x the world size, or unset one of data.batch_size / "
+               "train.grad_accum so it is derived (remove it from the config, or "
+               '--set train.grad_accum=null; an inherited one: unset = ["train.grad_accum"] in the extending file)')
+    valid = valid_world_sizes(cfg)
+    where = (f"the valid world sizes for this config are {_listed(valid)}: run at one of those, or" if valid
+             else "no world size splits it:")
+    raise UserError(f"train.global_batch = {target} does not split over {world_size} rank(s) with {given}: "
+                    f"{problem}; {where} {fix}")
 
 
 def valid_world_sizes(cfg: RunConfig) -> list[int]:
@@ -295,8 +304,6 @@ def _split_exists(cfg: RunConfig, target: int, world: int) -> bool:
 
 
 def _listed(sizes: list[int], most: int = 12) -> str:
-    if not sizes:
-        return "none (global_batch is not a multiple of the set batch_size / grad_accum)"
     shown = ", ".join(map(str, sizes[:most]))
     return shown if len(sizes) <= most else f"{shown}, ... ({len(sizes)} sizes)"
 
