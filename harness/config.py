@@ -89,7 +89,7 @@ class TrainSection(Section):
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train; auto = cuda when available.")
     compile: bool = Field(False, description="torch.compile the training forward and backward (inductor; evaluation stays eager; on a CPU dropout keeps ATen's random-number kernels, inductor's fallback_random, which are faster there). Checkpoints keep the plain parameter names, so compiled and eager runs read each other's checkpoints; compiled kernels round differently from eager ones, so the setting is part of the run's math: resuming under the other one needs --allow-config-change.")
     cpu_threads: int | None = Field(None, gt=0, description="torch's intra-op CPU threads, fixed for the run and recorded in run.json and every checkpoint (harness/numerics.py); unset = torch's default for this machine. A resume with another count warns: some kernels split their sums by it.")
-    eval_every: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0 = only at the end).")
+    eval_every: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0 = only at the end); the last step is evaluated once, at the end.")
     eval_batches: int = Field(4, gt=0, description="Batches per evaluation.")
     log_every: int = Field(10, gt=0, description="Console log line every N steps (metrics.jsonl gets every step).")
     fingerprint_every: int = Field(100, ge=0, description="Every N steps, hash every parameter, buffer and optimizer tensor into the step's fingerprint (metrics.jsonl `state_hash`; 0 = only at checkpoints). Costs a copy of the state to the CPU and a sha256 over it. The loss and batch hash are recorded every step regardless.")
