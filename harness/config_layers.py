@@ -43,13 +43,12 @@ class Layers:
     def merge(self, top: dict[str, Any], origin: str) -> None:
         """Merge a file's tables over the layers so far; `origin` set every key it gives."""
         _merge(self.raw, top)
-        for key, value in flatten(top).items():
-            self._claim(key, origin, replaces_below=not isinstance(value, dict))
+        self._claim(flatten(top), origin)
 
     def assign(self, dotted: str, value: Any, flag: str = "--set") -> None:
         """`dotted` = `value` (a table value replaces the table), set on the command line."""
         _assign(self.raw, dotted, value, flag)
-        self._claim(dotted, COMMAND_LINE, replaces_below=True)
+        self._claim(flatten({dotted: value}), COMMAND_LINE)
 
     def unset(self, dotted: str, asked: str, before: str) -> None:
         """Remove `dotted` as if no layer had set it. When none did, the UserError names the
@@ -62,8 +61,7 @@ class Layers:
             raise UserError(f"{asked}: {dotted} is not set by {before}, so there is nothing to unset (check the "
                             f"spelling; a key nothing sets has its default already)")
         del node[leaf]
-        for key in [k for k in self.origins if k == dotted or k.startswith(dotted + ".")]:
-            del self.origins[key]
+        self._forget_replaced()
 
     def source(self, key: str) -> str:
         """Who set dotted `key` (or the table holding it); for a table set piecewise, every layer
@@ -76,14 +74,15 @@ class Layers:
         below = dict.fromkeys(o for k, o in self.origins.items() if key and k.startswith(key + "."))
         return " and ".join(below) if below else str(self.path)
 
-    def _claim(self, key: str, origin: str, replaces_below: bool) -> None:
-        parts = key.split(".")
-        for n in range(1, len(parts)):  # a leaf that held a value is a table now
-            self.origins.pop(".".join(parts[:n]), None)
-        if replaces_below:
-            for k in [k for k in self.origins if k.startswith(key + ".")]:
-                del self.origins[k]
-        self.origins[key] = origin
+    def _claim(self, keys: Iterable[str], origin: str) -> None:
+        self.origins.update(dict.fromkeys(keys, origin))
+        self._forget_replaced()
+
+    def _forget_replaced(self) -> None:
+        """Keep origins of the keys the merged config still holds (flattened): a value a later
+        layer replaced or removed is no longer attributed to the layer that set it."""
+        held = flatten(self.raw)
+        self.origins = {k: o for k, o in self.origins.items() if k in held}
 
 
 def read_layers(path: Path, overrides: Iterable[str] = ()) -> Layers:

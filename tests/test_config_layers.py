@@ -94,3 +94,13 @@ def test_an_unknown_optimizer_type_from_the_command_line_is_the_command_lines(tm
     child = write(tmp_path / "child.toml", f'extends = "{CONFIGS / "quickstart.toml"}"\n[optim]\ntype = "adam"\n')
     with pytest.raises(UserError, match=f"^{child}: optim.type: unknown type 'adam'"):
         load_config(child)
+
+
+def test_a_table_replaced_on_the_command_line_is_the_command_lines_and_a_key_set_into_it_its_own(tmp_path):
+    with pytest.raises(UserError) as e:
+        load_config(TINY, ["train={steps = 0}", "train.seed=2"])
+    assert str(e.value) == "command line: train.steps: Input should be greater than 0"
+    child = write(tmp_path / "child.toml", f'extends = "{TINY}"\n[data]\nbatch_size = 0\n')
+    with pytest.raises(UserError) as e:
+        load_config(child, ['data={seq_len = 0, batch_size = 2}'])  # the file's batch_size is gone
+    assert str(e.value) == "command line: data.seq_len: Input should be greater than 0"
