@@ -32,7 +32,8 @@ import shlex
 import sys
 from dataclasses import dataclass
 
-from harness.config import RunConfig, load_config, toml_string
+from harness.config import RunConfig, load_config
+from harness.config_layers import toml_string
 from harness.errors import UserError
 from harness.grid import Axis, expand
 from harness.events import EventLog

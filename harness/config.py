@@ -1,11 +1,10 @@
 """The run config: typed pydantic models loaded from TOML, overridden with `--set key=value`.
 
 Contract:
-- Every section forbids unknown keys; a mistake is a `UserError` naming the key and the file.
-- A config may extend another with a top-level `extends = "base.toml"` (a path relative to the
-  file); tables merge recursively, the extending file wins.
-- `--set section.key=value` values are parsed as TOML values (`3`, `1e-3`, `true`, `"s3://b/x"`,
-  `[1, 2]`); anything that does not parse as TOML is taken as a bare string.
+- Every section forbids unknown keys; a mistake is a `UserError` naming the key and where it was
+  set: the file (for an inherited key, the file it came from) or "command line".
+- Files, `extends`, `unset` and `--set` (`null` unsets a key) are layered by
+  harness/config_layers.py; this module validates the result.
 - `math_fields()` lists the keys that decide the numbers a run produces. Resuming with any of them
   changed is refused unless explicitly allowed; everything else (logging, checkpoint cadence,
   retention, eval cadence, worker count) may change between restarts.
@@ -16,13 +15,12 @@ from __future__ import annotations
 import copy
 import math
 import re
-import tomllib
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from harness.config_layers import Layers, flatten, read_layers
 from harness.errors import UserError
 from optim.config import ARMS, OptimConfig, arms_taking, parse_optim_config
 
@@ -85,13 +83,13 @@ class TrainSection(Section):
     steps: int = Field(200, gt=0, description="Optimizer steps of the whole run.")
     seed: int = Field(0, description="Seed of model init, dropout and the data order.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
-    global_batch: int | None = Field(None, gt=0, description="Samples per optimizer step over all ranks: data.batch_size x grad_accum x world size must equal it. The one of batch_size / grad_accum not set in the config is derived from it (grad_accum when neither is), so the batch stays the same for any number of ranks; unset = batch_size x grad_accum x world size.")
-    grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value; unset = no clipping.")
+    global_batch: int | None = Field(None, gt=0, description="Samples per optimizer step over all ranks: data.batch_size x grad_accum x world size must equal it. The one of batch_size / grad_accum not set in the config is derived from it (grad_accum when neither is), so the batch stays the same for any number of ranks (one a base config sets: `unset` it); unset = batch_size x grad_accum x world size.")
+    grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value; inf = no clipping.")
     precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Autocast dtype for forward/backward; fp16 uses a saved grad scaler.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train; auto = cuda when available.")
     compile: bool = Field(False, description="torch.compile the training forward and backward (inductor; evaluation stays eager; on a CPU dropout keeps ATen's random-number kernels, inductor's fallback_random, which are faster there). Checkpoints keep the plain parameter names, so compiled and eager runs read each other's checkpoints; compiled kernels round differently from eager ones, so the setting is part of the run's math: resuming under the other one needs --allow-config-change.")
     cpu_threads: int | None = Field(None, gt=0, description="torch's intra-op CPU threads, fixed for the run and recorded in run.json and every checkpoint (harness/numerics.py); unset = torch's default for this machine. A resume with another count warns: some kernels split their sums by it.")
-    eval_every: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0 = only at the end).")
+    eval_every: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0 = only at the end); the last step is evaluated once, at the end.")
     eval_batches: int = Field(4, gt=0, description="Batches per evaluation.")
     log_every: int = Field(10, gt=0, description="Console log line every N steps (metrics.jsonl gets every step).")
     fingerprint_every: int = Field(100, ge=0, description="Every N steps, hash every parameter, buffer and optimizer tensor into the step's fingerprint (metrics.jsonl `state_hash`; 0 = only at checkpoints). Costs a copy of the state to the CPU and a sha256 over it. The loss and batch hash are recorded every step regardless.")
@@ -251,26 +249,35 @@ FREE_FIELDS = ("run_dir", "log_dir", "checkpoint", "health", "log", "debug", "da
 def batch_shape(cfg: RunConfig, world_size: int) -> tuple[int, int]:
     """(data.batch_size, train.grad_accum) for `world_size` ranks. With `train.global_batch` set,
     the one of the two the config leaves unset is derived (grad_accum when both are unset);
-    raises UserError when global_batch != batch_size x grad_accum x world_size."""
+    raises UserError when global_batch != batch_size x grad_accum x world_size, saying which
+    factors the config gave and what to change."""
     batch_size, accum, target = cfg.data.batch_size, cfg.train.grad_accum, cfg.train.global_batch
     if target is None:
         return batch_size, accum
     accum_set = "grad_accum" in cfg.train.model_fields_set
     batch_set = "batch_size" in cfg.data.model_fields_set
-    if not accum_set:
-        accum, left = divmod(target, batch_size * world_size)
-    elif not batch_set:
-        batch_size, left = divmod(target, accum * world_size)
+    if not (accum_set and batch_set):  # derive the unset factor (grad_accum when both are unset)
+        fixed, value, derived = (("data.batch_size", batch_size, "train.grad_accum") if not accum_set
+                                 else ("train.grad_accum", accum, "data.batch_size"))
+        per_step = value * world_size
+        if target % per_step == 0:
+            return (batch_size, target // per_step) if not accum_set else (target // per_step, accum)
+        given = f"{fixed} = {value}{'' if accum_set or batch_set else ' (its default)'}"
+        problem = f"{derived} (not set, so derived) would be {target} / ({value} x {world_size}), not a whole number"
+        fix = f"make global_batch a multiple of {fixed} x world size ({per_step}), or change {fixed}"
+    elif batch_size * accum * world_size == target:
+        return batch_size, accum
     else:
-        left = target - batch_size * accum * world_size
-    if left or accum < 1 or batch_size < 1 or batch_size * accum * world_size != target:
-        valid = valid_world_sizes(cfg)
-        raise UserError(
-            f"train.global_batch = {target} is not data.batch_size ({batch_size}) x train.grad_accum ({accum}) x "
-            f"world size ({world_size}); the valid world sizes for this config are {_listed(valid)}: run at one of "
-            f"those, or choose a global_batch divisible by batch_size x world size, or leave one of batch_size / "
-            f"grad_accum unset so it is derived")
-    return batch_size, accum
+        given = f"data.batch_size = {batch_size} and train.grad_accum = {accum}"
+        problem = f"{batch_size} x {accum} x world size {world_size} is {batch_size * accum * world_size}"
+        fix = (f"make global_batch {batch_size * accum} x the world size, or unset one of data.batch_size / "
+               "train.grad_accum so it is derived (remove it from the config, or "
+               '--set train.grad_accum=null; an inherited one: unset = ["train.grad_accum"] in the extending file)')
+    valid = valid_world_sizes(cfg)
+    where = (f"the valid world sizes for this config are {_listed(valid)}: run at one of those, or" if valid
+             else "no world size splits it:")
+    raise UserError(f"train.global_batch = {target} does not split over {world_size} rank(s) with {given}: "
+                    f"{problem}; {where} {fix}")
 
 
 def valid_world_sizes(cfg: RunConfig) -> list[int]:
@@ -297,8 +304,6 @@ def _split_exists(cfg: RunConfig, target: int, world: int) -> bool:
 
 
 def _listed(sizes: list[int], most: int = 12) -> str:
-    if not sizes:
-        return "none (global_batch is not a multiple of the set batch_size / grad_accum)"
     shown = ", ".join(map(str, sizes[:most]))
     return shown if len(sizes) <= most else f"{shown}, ... ({len(sizes)} sizes)"
 
@@ -338,106 +343,27 @@ def config_changes(saved: dict[str, Any], current: RunConfig) -> dict[str, tuple
 
 
 def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
-    """Read a TOML file (following `extends`), apply `--set` overrides, validate."""
-    path = Path(path)
-    raw = _read_toml(path, seen=())
-    apply_assignments(raw, overrides)
+    """Read a TOML file (following `extends` and `unset`), apply `--set` overrides, validate
+    (harness/config_layers.py)."""
+    layers = read_layers(Path(path), overrides)
     try:
-        return RunConfig.model_validate(raw)
+        return RunConfig.model_validate(layers.raw)
     except ValidationError as e:
-        given = {item.partition("=")[0].strip() for item in overrides}
-        raise UserError(_describe(e, path, given)) from None
+        raise UserError(_describe(e, layers)) from None
 
 
-def _read_toml(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
-    if path.is_dir():
-        raise UserError(f"config file {path} is a folder; pass the path of a TOML config in it (see configs/)")
-    if not path.is_file():
-        raise UserError(f"config file {path} does not exist; pass the path of a TOML config (see configs/)")
-    if path.resolve() in seen:
-        raise UserError(f"{path}: `extends` forms a cycle through {', '.join(map(str, seen))}")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise UserError(f"{path}: not valid TOML: {e}") from None
-    base = raw.pop("extends", None)
-    if base is None:
-        return raw
-    if not isinstance(base, str):
-        raise UserError(f"{path}: extends = {base!r}: expected the path of another TOML file as a string, "
-                        'e.g. extends = "base.toml"')
-    merged = _read_toml((path.parent / base), seen + (path.resolve(),))
-    _merge(merged, raw)
-    return merged
-
-
-def _merge(into: dict[str, Any], top: dict[str, Any]) -> None:
-    for k, v in top.items():
-        if isinstance(v, dict) and isinstance(into.get(k), dict):
-            _merge(into[k], v)
-        else:
-            into[k] = v
-
-
-def apply_assignments(raw: dict[str, Any], items: Iterable[str], flag: str = "--set",
-                      example: str = "train.steps=100") -> dict[str, Any]:
-    """Apply `dotted.key=value` items to `raw` (values are TOML values, else plain strings);
-    returns `raw`. `flag` and `example` name the option in error messages."""
-    for item in items:
-        key, value = _parse_assignment(item, flag, example)
-        _assign(raw, key, value, flag)
-    return raw
-
-
-def toml_string(text: str) -> str:
-    """`text` as a TOML basic string, for a `--set KEY=VALUE` item built in code."""
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _parse_assignment(item: str, flag: str, example: str) -> tuple[str, Any]:
-    key, sep, text = item.partition("=")
-    key = key.strip()
-    if not sep or not key:
-        raise UserError(f"{flag} {item!r}: expected key=value, e.g. {flag} {example}")
-    try:
-        value = tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text
-    return key, value
-
-
-def _assign(raw: dict[str, Any], dotted: str, value: Any, flag: str) -> None:
-    *parents, leaf = dotted.split(".")
-    node = raw
-    for p in parents:
-        child = node.setdefault(p, {})
-        if not isinstance(child, dict):
-            raise UserError(f"{flag} {dotted}: {p} is not a section")
-        node = child
-    node[leaf] = value
-
-
-def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """A nested config dict as {dotted key: value} (an empty table is a value)."""
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-def _describe(e: ValidationError, path: Path, given: set[str]) -> str:
-    """`SOURCE: key: message` per key, joined with '; ': SOURCE is the config file, or "command
-    line" for a key an override (`--set`, a sweep's `--grid`) gave. The members of a union field
-    (`every_steps`: an integer or "auto") fail as one key, their messages joined with "or"."""
+def _describe(e: ValidationError, layers: Layers) -> str:
+    """`SOURCE: key: message` per key, joined with '; ': SOURCE is the file that set the key (an
+    inherited key: the base file), or "command line" for a key an override (`--set`, a sweep's
+    `--grid`) gave. The members of a union field (`every_steps`: an integer or "auto") fail as
+    one key, their messages joined with "or"; an unknown optimizer type is `optim.type`'s."""
     problems: dict[str, list[str]] = {}
     for err in e.errors():
         loc = [x for x in err["loc"] if not (isinstance(x, str) and x in _UNION_TAGS)]
         if len(loc) > 1 and isinstance(loc[-1], str) and not loc[-1].isidentifier():
             loc = loc[:-1]  # pydantic names the union member it tried: constrained-int, literal['auto']
+        if err["type"] == "union_tag_invalid":
+            loc.append("type")  # the discriminator (optim/config.py: _arm), where the bad value was given
         key = ".".join(str(x) for x in loc)
         template = _MESSAGES.get(err["type"])
         msg = template.format(**err.get("ctx", {}), input=err.get("input")) if template else err["msg"]
@@ -446,7 +372,7 @@ def _describe(e: ValidationError, path: Path, given: set[str]) -> str:
         problems.setdefault(key, []).append(msg)
     parts = []
     for key, messages in problems.items():
-        source = "command line" if any(key == g or key.startswith(g + ".") for g in given) else str(path)
+        source = layers.source(key)
         parts.append(f"{source}: {key}: {' or '.join(messages)}" if key else f"{source}: {' or '.join(messages)}")
     return "; ".join(parts)
 

@@ -18,6 +18,7 @@ import json
 import os
 import posixpath
 import time
+from typing import Any
 
 import fsspec
 from fsspec.utils import get_protocol
@@ -29,14 +30,15 @@ EVENTS_FILE = "events.jsonl"
 
 
 class EventLog:
-    """Append-only JSON-lines log at a path or an fsspec URL that supports append (local, memory).
-    With `run_id` (and `run_dir`, named in the refusal) the log must not belong to another run."""
+    """Append-only JSON-lines log at a path or an fsspec URL that supports append (local, memory);
+    its folder is made with the first event. With `run_id` (and `run_dir`, named in the refusal)
+    the log must not belong to another run."""
 
     def __init__(self, url: str | os.PathLike, run_id: str | None = None, run_dir: str = "") -> None:
         self.url = os.fspath(url)
         self.run_id = run_id
         fs, path = fsspec.core.url_to_fs(self.url)
-        fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        self._folder: tuple[Any, str] | None = (fs, posixpath.dirname(path))
         if run_id is not None and get_protocol(self.url) in ("file", "local"):
             claim_log(path, run_id, run_dir)
 
@@ -45,6 +47,12 @@ class EventLog:
         if self.run_id is not None:
             record[RUN_ID_KEY] = self.run_id
         line = (json.dumps(record) + "\n").encode()
+        if self._folder is not None:
+            # Made at the first event, not when opened: a reader, or a supervisor whose child stops
+            # at once on a user error, leaves no empty folder behind.
+            fs, folder = self._folder
+            fs.makedirs(folder, exist_ok=True)
+            self._folder = None
         with fsspec.open(self.url, "ab") as f:
             f.write(line)
 

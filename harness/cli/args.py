@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from harness.config import RunConfig, apply_assignments, load_config, toml_string
+from harness.config import RunConfig, load_config
+from harness.config_layers import apply_assignments, toml_string
 
 
 def add_config_args(p: argparse.ArgumentParser, *, run_dir: bool = True) -> None:
@@ -22,7 +23,8 @@ def add_config_args(p: argparse.ArgumentParser, *, run_dir: bool = True) -> None
 def add_overrides(p: argparse.ArgumentParser, scope: str = "a config key") -> None:
     """--set KEY=VALUE (repeatable), read back as `args.overrides`; `scope` says what it overrides."""
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help=f"override {scope}, e.g. --set train.steps=100 (repeatable)")
+                   help=f"override {scope}, e.g. --set train.steps=100 (a TOML value; repeatable); "
+                        "KEY=null unsets a key the config sets, as if it never had")
 
 
 def add_allow_config_change(p: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from harness.checkpoint.location import open_location
 from harness.data.identity import data_identity
 from harness.data.dataset import SampleSource, TokenDataset
 from harness.data.document_split import split_by_document
@@ -34,6 +35,7 @@ from harness.data.factory import build_user_data
 from harness.data.mixture import Mixture
 from harness.data.order import epoch_permutation
 from harness.data.prng import derive_seed
+from harness.data.shard_index import read_index
 from harness.data.shard_reader import ShardReader
 from harness.errors import UserError
 
@@ -98,9 +100,27 @@ def open_data(data_cfg: Any, seed: int, rank: int = 0, world_size: int = 1) -> T
     return TrainData(train, Reordered(held_out, order), readers[0].index.vocab_size, identity)
 
 
+def check_sources(data_cfg: Any) -> None:
+    """Refuse, before a run writes anything, a `data.sources` / `data.eval_sources` url that names
+    no prepared dataset: a file, or a folder without a valid index.json (a UserError naming it).
+    Reads each index once more than `open_data` does: a few KiB per source."""
+    for key, specs in (("data.sources", data_cfg.sources), ("data.eval_sources", data_cfg.eval_sources)):
+        for n, spec in enumerate(specs):
+            options = _storage_options(spec, data_cfg)
+            loc = open_location(spec.url, options)
+            if loc.fs.isfile(loc.root):
+                text = "; to train on a text file's bytes set data.url instead" if key == "data.sources" else ""
+                raise UserError(f"{key}[{n}].url = {spec.url!r} is a file; a source url must be the folder of a "
+                                f"dataset made by `harness data prepare` (the folder holding index.json){text}")
+            read_index(spec.url, options)
+
+
 def _readers(specs: list[Any], data_cfg: Any) -> list[ShardReader]:
-    return [ShardReader.open(s.url, s.storage_options or data_cfg.storage_options or None, data_cfg.hash_check)
-            for s in specs]
+    return [ShardReader.open(s.url, _storage_options(s, data_cfg), data_cfg.hash_check) for s in specs]
+
+
+def _storage_options(spec: Any, data_cfg: Any) -> dict | None:
+    return spec.storage_options or data_cfg.storage_options or None
 
 
 def identity_changes(saved: dict[str, Any] | None, current: dict[str, Any] | None) -> dict[str, tuple[Any, Any]]:

@@ -34,6 +34,7 @@ import psutil
 from harness import distributed, exit_codes, numerics
 from harness.checkpoint import CheckpointStore
 from harness.config import RunConfig, batch_shape
+from harness.data.sources import check_sources
 from harness.errors import Unavailable, UserError
 from harness.events import EVENTS_FILE, EventLog
 from harness.health.trackers import open_trackers
@@ -56,6 +57,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
         log.warning("run_dir is memory://: checkpoints and run.json live in this process only and are gone when it "
                     "exits; nothing can resume from them. Use a local path or s3:// for a real run", run_dir=cfg.run_dir)
     batch_shape(cfg, distributed.world())  # a world size the global batch cannot split is refused before any write
+    check_sources(cfg.data)  # so is a dataset url that names no prepared dataset
     store = open_store(cfg)
     try:
         distributed.on_rank0(store.acquire_lease, takeover=takeover)  # rank 0 is the run dir's one writer

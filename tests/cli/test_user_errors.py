@@ -60,6 +60,27 @@ def test_a_user_error_under_max_restarts_is_not_retried(tmp_path):
     assert not [e for e in events if e["event"] in ("restart", "gave_up")]
 
 
+def test_a_file_named_as_a_token_dataset_is_refused_before_the_run_dir_is_made(tmp_path, capsys):
+    text = tmp_path / "a.txt"
+    text.write_text("some text")
+    run = tmp_path / "run"
+    done = Finished(capsys, ["train", str(TINY), "--run-dir", str(run), "--set", f'data.sources=[{{url="{text}"}}]'])
+    assert_one_line_error(done, f"data.sources[0].url = '{text}' is a file; a source url must be the folder of a "
+                                "dataset made by `harness data prepare` (the folder holding index.json)")
+    assert not run.exists()
+
+
+def test_a_file_named_as_a_token_dataset_under_max_restarts_stops_the_supervisor_and_leaves_nothing(tmp_path):
+    text = tmp_path / "a.txt"
+    text.write_text("some text")
+    run = tmp_path / "run"
+    proc = harness("train", str(TINY), "--run-dir", str(run), "--max-restarts", "3",
+                   "--set", f'data.sources=[{{url="{text}"}}]')
+    assert_one_line_error(proc, f"data.sources[0].url = '{text}' is a file")
+    assert proc.stderr.count("error: ") == 1  # the child's line only: no restart, no give-up
+    assert not run.exists()
+
+
 def test_extends_must_be_a_path(tmp_path, capsys):
     config = tmp_path / "run.toml"
     config.write_text("extends = 5\n")

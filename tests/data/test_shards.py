@@ -133,12 +133,12 @@ def test_global_batches_do_not_depend_on_world_size_or_workers(two_sources):
 
 def test_batch_shape_derives_the_unset_one(tmp_path):
     cfg = load_config(TINY, ["train.global_batch=16"])  # tiny sets batch_size 4 and grad_accum 2
-    with pytest.raises(UserError, match="train.global_batch = 16 is not data.batch_size"):
+    with pytest.raises(UserError, match="train.global_batch = 16 does not split over 1 rank"):
         batch_shape(cfg, 1)
     assert batch_shape(cfg, 2) == (4, 2)
     cfg = RunConfig.model_validate({"data": {"batch_size": 4}, "train": {"global_batch": 16}})
     assert batch_shape(cfg, 1) == (4, 4) and batch_shape(cfg, 2) == (4, 2) and batch_shape(cfg, 4) == (4, 1)
-    with pytest.raises(UserError, match="leave one of batch_size / grad_accum unset"):
+    with pytest.raises(UserError, match="make global_batch a multiple of data.batch_size x world size"):
         batch_shape(cfg, 3)
     cfg = RunConfig.model_validate({"train": {"global_batch": 24, "grad_accum": 3}})
     assert batch_shape(cfg, 2) == (4, 3)

@@ -36,6 +36,22 @@ def test_a_world_size_without_a_split_names_the_valid_ones():
         batch_shape(_cfg({"batch_size": 2}, {"global_batch": 8}), 3)
 
 
+def test_a_batch_split_error_says_what_was_given_and_what_is_derived():
+    with pytest.raises(UserError) as e:
+        batch_shape(_cfg({}, {"global_batch": 16}), 2)  # batch_size at its default, grad_accum derived
+    assert str(e.value) == (
+        "train.global_batch = 16 does not split over 2 rank(s) with data.batch_size = 16 (its default): "
+        "train.grad_accum (not set, so derived) would be 16 / (16 x 2), not a whole number; the valid world sizes "
+        "for this config are 1: run at one of those, or make global_batch a multiple of data.batch_size x world "
+        "size (32), or change data.batch_size")
+    with pytest.raises(UserError, match=r"with train.grad_accum = 3: data.batch_size \(not set, so derived\) would be "
+                                        r"16 / \(3 x 1\), not a whole number; no world size splits it"):
+        batch_shape(_cfg({}, {"global_batch": 16, "grad_accum": 3}), 1)
+    with pytest.raises(UserError, match=r"with data.batch_size = 4 and train.grad_accum = 2: 4 x 2 x world size 1 is 8; "
+                                        r".* or --set train.grad_accum=null"):
+        batch_shape(_cfg({"batch_size": 4}, {"global_batch": 16, "grad_accum": 2}), 1)
+
+
 def test_world_change_records_the_derived_accumulation():
     cfg = _cfg({"batch_size": 2}, {"global_batch": 8})
     assert world_change({"world_size": 2}, cfg, 2, step=4) is None
