@@ -1,10 +1,11 @@
 """`harness verify-resume CONFIG`: check that interrupting and resuming a run changes nothing.
 
-The runner trains the config twice in a scratch folder, each in real `harness train` processes:
-A continuously, B with interruptions (SIGKILL or SIGTERM sent once B's metrics show the chosen
-step, then the same command again, which resumes). Both record a fingerprint every step (loss,
-batch hash, and with `--fingerprint-every 1` the hash of every state part; see
-`harness.fingerprint`), with `train.on_divergence = "warn"` so B runs to the end either way.
+The runner trains the config twice in a scratch folder, each in real `harness train` processes,
+one run after the other: A continuously, B with interruptions (SIGKILL or SIGTERM sent once B's
+metrics show the chosen step, then the same command again, which resumes). Both record a
+fingerprint every step (loss, batch hash, and with `--fingerprint-every 1` the hash of every
+state part; see `harness.fingerprint`), with `train.on_divergence = "warn"` so B runs to the end
+either way.
 Then it compares:
 1. the per-step fingerprints of A and B (B's metrics.jsonl reads like an uninterrupted run's);
 2. the `resume_mismatch` events B's resumed processes raised (a restored part that hashes
@@ -143,15 +144,19 @@ def run_pair(config: str, steps: int, work: Path, sets: list[str], points: list[
         if path.exists():
             shutil.rmtree(path)
     print(f"A: continuous in {runs['A']}; B: interrupted ({sig.name.removeprefix('SIG')}) in {runs['B']}", flush=True)
+    # One run after the other, never side by side: each trains on torch's default thread count
+    # (as the user's run does), and two such runs on the same cores spend most of their CPU time
+    # in OpenMP threads spinning at barriers while their partner is off the core.
     proc_a = start_train(config, runs["A"], sets, work / "continuous.log")
     try:
-        story, landed = _interrupted(config, runs["B"], sets, work / "interrupted.log", points, sig)
+        code_a = proc_a.wait()
     except BaseException:
         proc_a.kill()
         raise
-    if proc_a.wait() != 0:
-        raise UserError(f"the continuous run failed (exit {proc_a.returncode}); see {work / 'continuous.log'}:\n"
+    if code_a != 0:
+        raise UserError(f"the continuous run failed (exit {code_a}); see {work / 'continuous.log'}:\n"
                         + log_tail(work / "continuous.log"))
+    story, landed = _interrupted(config, runs["B"], sets, work / "interrupted.log", points, sig)
     print("B: " + "; ".join(story), flush=True)
     verdict = compare_runs(runs["A"], runs["B"], steps, landed)
     if landed != points:

@@ -28,6 +28,9 @@ def test_kill_and_resume_is_identical(capsys, tmp_path):
     assert landed >= 6 and f"SIGKILL landed at step {landed} (planned 6" in out
     planned = "" if landed == 6 else " (planned 6)"
     assert out.strip().splitlines()[-1].startswith(f"identical: 12 steps, interrupted at {landed}{planned};")
+    # One run after the other: two default-threaded runs side by side spend their CPU spinning.
+    a_exit = [e for e in events(tmp_path / "continuous") if e["event"] == "exit"][-1]
+    assert starts[0]["time"] > a_exit["time"], (a_exit, starts[0])
 
 
 def test_unsaved_generator_in_the_model_is_found(capsys, tmp_path, monkeypatch):
