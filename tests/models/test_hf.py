@@ -1,7 +1,8 @@
 """transformers causal LMs through `model.factory = "harness.models.hf:causal_lm"` (docs/models.md,
 "Hugging Face models"): bitwise resume after real kills, the matrix optimizers' default split,
-`model.init_from` at step 0 only, and the bad inputs (one line, exit 2). Tiny configs, random
-init, nothing downloaded."""
+`model.init_from` at step 0 only, `harness ckpt export --format hf` opened by `from_pretrained`
+with the harness model's logits, and the bad inputs (one line, exit 2). Tiny configs, random
+init, nothing downloaded. The FSDP arm: tests/distributed/test_fsdp_hf.py."""
 
 from __future__ import annotations
 
@@ -14,16 +15,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from harness.cli import main
 from harness.config import load_config, model_args
 from harness.data import BatchStream
 from harness.data.sources import open_data
+from harness.models.contract import build_model
 from harness.models.hf import causal_lm
 from optim.build import build_bundle
 from optim.config import parse_optim_config
-from procs import ENV, ROOT, assert_one_line_error, assert_same_run, final_checkpoint, harness, kill_at_step, losses
+from procs import ENV, ROOT, TINY, assert_one_line_error, assert_same_run, final_checkpoint, harness, kill_at_step, losses
+from shard_data import make_sources
 
 DATA = Path(__file__).parent / "data"
 HF_LLAMA, HF_GPT2 = DATA / "hf-llama.toml", DATA / "hf-gpt2.toml"
@@ -58,6 +61,62 @@ def test_kill_and_resume_is_identical(verified):
     stored = set(load_file(str(final_checkpoint(work / "continuous", STEPS) / "model.safetensors")))
     first = {"llama": "model.embed_tokens.weight", "gpt2": "transformer.wte.weight"}[name]
     assert first in stored and all(n.startswith(("model.", "transformer.", "lm_head.")) for n in stored), stored
+
+
+def harness_model(config: Path, ckpt: Path, tmp_path: Path, capsys) -> torch.nn.Module:
+    """The model the harness trains, built by its factory, holding the checkpoint's weights as
+    `ckpt consolidate` writes them (every state-dict name, tied ones too: load_state_dict's)."""
+    assert main(["ckpt", "consolidate", str(ckpt), "--out", str(tmp_path / "whole")]) == 0
+    capsys.readouterr()
+    cfg = load_config(config)
+    model = build_model(cfg.model.factory, model_args(cfg))
+    model.load_state_dict(load_file(str(tmp_path / "whole" / "model.safetensors")))
+    return model.eval()
+
+
+def test_export_opens_with_from_pretrained_and_gives_the_harness_logits(verified, tmp_path, capsys, tmpfs):
+    name, config, work, _ = verified
+    ckpt = final_checkpoint(work / "continuous", STEPS)
+    model = harness_model(config, ckpt, tmp_path, capsys)
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        expected = model(x, x.roll(-1, 1))[0]
+
+    def exported(out: Path, *flags: str) -> torch.nn.Module:
+        assert main(["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(out), *flags]) == 0
+        said = capsys.readouterr().out
+        assert "no tokenizer written: the run trained on byte-level text" in said, said
+        return AutoModelForCausalLM.from_pretrained(str(out)).eval()
+
+    whole = exported(tmp_path / "hf")
+    again = Finished(capsys, ["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(tmp_path / "hf")])
+    assert_one_line_error(again, "is not empty; give a new or empty folder")
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "generation_config.json",
+                                                                  "model.safetensors"]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [type(whole).__name__]
+    with torch.no_grad():
+        assert torch.equal(whole(x).logits, expected), name  # bitwise in fp32
+    stored = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    if name == "gpt2":  # the tied head is stored once, under the embedding's name (as save_pretrained does)
+        assert "lm_head.weight" not in stored and whole.lm_head.weight is whole.transformer.wte.weight
+
+    sharded = exported(tmp_path / "sharded", "--max-shard-size", "40KB")
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and not (tmp_path / "sharded" / "model.safetensors").exists()
+    assert sorted(index["weight_map"]) == sorted(stored)
+    with torch.no_grad():
+        assert torch.equal(sharded(x).logits, expected)
+
+    exported(tmp_path / "bf16", "--dtype", "bfloat16")
+    halved = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert all(torch.equal(halved[k], t.to(torch.bfloat16)) for k, t in stored.items())
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+
+    full = tmpfs(64)  # a real full disk part-way through the weights
+    done = Finished(capsys, ["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(full / "hf")])
+    assert_one_line_error(done, "cannot write the export to --out")
+    assert not any((full / "hf").iterdir())
 
 
 def test_matrix_optimizers_take_the_decoder_layers_unless_the_config_says_otherwise():
@@ -121,6 +180,20 @@ def test_init_from_loads_at_step_0_only_and_resumes_bitwise(tmp_path):
     assert_one_line_error(refused, "model.init_from differ from the checkpoint")
 
 
+def test_exported_tokenizer_is_the_datasets(tmp_path, capsys):
+    source, _ = make_sources(tmp_path)
+    run = tmp_path / "run"
+    sources = f'data.sources=[{{url = "{source}"}}]'
+    assert main(["train", str(HF_GPT2), "--run-dir", str(run), "--set", sources, "--set", "model.args.vocab_size=257",
+                 "--set", "train.steps=2", "--set", "debug.step_sleep_s=0"]) == 0
+    assert main(["ckpt", "export", str(final_checkpoint(run, 2)), "--format", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert "no tokenizer" not in capsys.readouterr().out
+    assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (Path(source) / "tokenizer.json").read_bytes()
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    assert tokenizer("hi there")["input_ids"] == list(b"hi there")
+    assert tokenizer.eos_token_id == 256  # the dataset's end-of-document token
+
+
 def bad_config(tmp_path: Path, text: str) -> str:
     path = tmp_path / "config.json"
     path.write_text(text)
@@ -141,6 +214,19 @@ def test_bad_model_input_is_one_line(tmp_path, capsys, setting, needle):
     done = Finished(capsys, ["train", str(HF_LLAMA), "--run-dir", str(run), "--set", setting(tmp_path)])
     assert_one_line_error(done, needle)
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+
+
+def test_bad_export_input_is_one_line(tmp_path, capsys):
+    gpt = tmp_path / "gpt"
+    assert main(["train", str(TINY), "--run-dir", str(gpt), "--set", "train.steps=1", "--set", "debug.step_sleep_s=0"]) == 0
+    capsys.readouterr()
+    ckpt = str(final_checkpoint(gpt, 1))
+    out = tmp_path / "out"
+    done = Finished(capsys, ["ckpt", "export", ckpt, "--format", "hf", "--out", str(out)])
+    assert_one_line_error(done, "is not a transformers model, so there is no config.json to export")
+    assert not out.exists() or not any(out.iterdir())
+    done = Finished(capsys, ["ckpt", "export", str(gpt), "--format", "hf", "--out", str(out)])
+    assert_one_line_error(done, "is a run dir, not a checkpoint")
 
 
 def test_without_transformers_the_error_says_to_install_the_extra(tmp_path):
