@@ -14,8 +14,8 @@ fields: `seq_len` (data.seq_len) must fit the config's `max_position_embeddings`
 one; `vocab_size` is a field inline, and with a config file or a pretrained folder it is the
 vocabulary the data needs, which the file's must cover (the model keeps the file's). Paths are
 local files only: nothing is downloaded from the Hugging Face hub. `attn_implementation` is
-"sdpa" (the default) or "eager"; both are deterministic on a CPU and resume bitwise, and the
-exported folder's `from_pretrained` picks "sdpa" too, so it computes the same logits.
+"sdpa" (the default) or "eager"; both are deterministic on a CPU and resume bitwise, and sdpa
+is what `from_pretrained` picks for an exported folder too, so that computes the same logits.
 
 The module is the `transformers` class itself (a subclass of e.g. `LlamaForCausalLM` with the
 same name), so its parameter names, state dict and checkpoints are transformers' own

@@ -156,7 +156,7 @@ def first_batch_loss(folder: Path, overrides: list[str]) -> float:
     return float(F.cross_entropy(logits.flatten(0, 1).float(), batch.y.flatten()))
 
 
-def test_init_from_loads_at_step_0_only_and_resumes_bitwise(tmp_path):
+def test_init_from_loads_at_step_0_only_and_resumes_bitwise_and_pretrained_loads_the_same(tmp_path):
     folder = saved_llama(tmp_path / "pretrained", seed=123)
     weights = (folder / "model.safetensors").read_bytes()
     sets = ["model.args.attention_dropout=0.0", "train.grad_accum=1", f"model.init_from='{folder}'"]
@@ -167,6 +167,12 @@ def test_init_from_loads_at_step_0_only_and_resumes_bitwise(tmp_path):
     record = json.loads((continuous / "run.json").read_text())["init_from"]
     assert record == {"url": str(folder), "files": [{"name": "model.safetensors", "bytes": len(weights),
                                                      "sha256": hashlib.sha256(weights).hexdigest()}]}
+
+    # `pretrained` loads the same weights through from_pretrained itself (a field overridden beside it).
+    pretrained = tmp_path / "pretrained-run"
+    harness("train", str(HF_LLAMA), "--run-dir", str(pretrained), "--set", "train.steps=1", "--set", sets[1],
+            "--set", f"model.args={{ pretrained = '{folder}', attention_dropout = 0.0 }}", check=True)
+    assert losses(pretrained)[1] == losses(continuous)[1]
 
     args = ["train", str(HF_LLAMA), "--run-dir", str(interrupted), *flags]
     assert kill_at_step(args, interrupted, 6, signal.SIGKILL) == -signal.SIGKILL
