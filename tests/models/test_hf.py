@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from harness.cli import main
@@ -23,6 +23,7 @@ from harness.data import BatchStream
 from harness.data.sources import open_data
 from harness.models.contract import build_model
 from harness.models.hf import causal_lm
+from harness.models.init_from import load_initial_weights
 from optim.build import build_bundle
 from optim.config import parse_optim_config
 from procs import ENV, ROOT, TINY, assert_one_line_error, assert_same_run, final_checkpoint, harness, kill_at_step, losses
@@ -112,6 +113,13 @@ def test_export_opens_with_from_pretrained_and_gives_the_harness_logits(verified
     halved = load_file(str(tmp_path / "bf16" / "model.safetensors"))
     assert all(torch.equal(halved[k], t.to(torch.bfloat16)) for k, t in stored.items())
     assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    # model.init_from reads the sharded folder (its index) and the bf16 one (converted), tied heads once.
+    for folder, dtype in ((tmp_path / "sharded", torch.float32), (tmp_path / "bf16", torch.bfloat16)):
+        fresh = causal_lm(model_args(load_config(config)))
+        record = load_initial_weights(fresh, str(folder))
+        assert sorted(f["name"] for f in record["files"]) == (files if dtype == torch.float32 else ["model.safetensors"])
+        for name, t in model.state_dict().items():
+            assert torch.equal(fresh.state_dict()[name], t.to(dtype).float()), name
 
     full = tmpfs(64)  # a real full disk part-way through the weights
     done = Finished(capsys, ["ckpt", "export", str(ckpt), "--format", "hf", "--out", str(full / "hf")])
@@ -200,6 +208,11 @@ def test_exported_tokenizer_is_the_datasets(tmp_path, capsys):
     assert tokenizer.eos_token_id == 256  # the dataset's end-of-document token
 
 
+def stray_tensor(tmp_path: Path) -> Path:
+    save_file({"stray.weight": torch.zeros(2)}, str(tmp_path / "stray.safetensors"))
+    return tmp_path / "stray.safetensors"
+
+
 def bad_config(tmp_path: Path, text: str) -> str:
     path = tmp_path / "config.json"
     path.write_text(text)
@@ -214,6 +227,7 @@ def bad_config(tmp_path: Path, text: str) -> str:
     (lambda tmp: f"model.args={{ pretrained = '{tmp / 'missing'}' }}", "model.args.pretrained = "),
     (lambda tmp: "model.args={ pretrained = 'meta-llama/Llama-3.2-1B' }", "the harness reads local files only and downloads nothing"),
     (lambda tmp: f"model.init_from='{tmp / 'missing.safetensors'}'", "no such file or folder"),
+    (lambda tmp: f"model.init_from='{stray_tensor(tmp)}'", "holds 1 tensor(s) the model does not have: stray.weight"),
 ])
 def test_bad_model_input_is_one_line(tmp_path, capsys, setting, needle):
     run = tmp_path / "run"
