@@ -284,7 +284,7 @@ def trainer_task(cfg: Any) -> Task:
     """The built-in trainer for a `RunConfig` as a Task (its own parts, its own step)."""
     from harness.trainer import Trainer
 
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, fresh=True)  # a restore into it replaces what model.init_from loaded
 
     def step() -> tuple[float, Any]:
         result = trainer.train_step()

@@ -33,6 +33,7 @@ from harness.fingerprint import FingerprintLog
 from harness.health.anomaly import Anomaly, detect
 from harness.log import get_logger
 from harness.models.contract import build_model, split_output
+from harness.models.init_from import load_initial_weights
 from harness.rng import RNGState, seed_everything
 from harness.sharding import full_value, materialize_optimizer_state, shard_model
 from harness.state import TrainerCounters, TrainState
@@ -91,8 +92,11 @@ def compile_options(device: torch.device) -> dict[str, Any] | None:
 class Trainer:
     """Builds model, optimizer bundle, data stream, RNG and scaler from a config; runs steps."""
 
-    def __init__(self, cfg: RunConfig, *, rank: int = 0, world_size: int = 1, data: TrainData | None = None) -> None:
-        """`data`: the datasets, when the caller opened them already (`open_data`)."""
+    def __init__(self, cfg: RunConfig, *, rank: int = 0, world_size: int = 1, data: TrainData | None = None,
+                 fresh: bool = False) -> None:
+        """`data`: the datasets, when the caller opened them already (`open_data`). `fresh`: a
+        start at step 0, whose model then loads `model.init_from` (when set; `initialised_from`
+        records what was read); a trainer a checkpoint is restored into never reads it."""
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
@@ -113,6 +117,13 @@ class Trainer:
                     f"model.args.vocab_size = {factory_args['vocab_size']} does not cover the data's vocabulary "
                     f"({self.data.vocab_size} ids): raise it to at least {self.data.vocab_size}, or leave it unset")
         self.model = build_model(cfg.model.factory, factory_args).to(self.device)
+        # A transformers model's config.json (harness.models.hf), kept in every checkpoint's meta:
+        # `harness ckpt export --format hf` writes it.
+        hf_config = getattr(self.model, "hf_config", None)
+        self.hf_config = hf_config() if callable(hf_config) else None
+        self.initialised_from = None
+        if fresh and cfg.model.init_from is not None:  # whole tensors by name, so before any sharding
+            self.initialised_from = load_initial_weights(self.model, cfg.model.init_from)
         # FSDP2 swaps the parameters for DTensors, so it shards before the optimizers see them.
         self.sharded = world_size > 1 and cfg.parallel.strategy == "fsdp"
         if self.sharded:

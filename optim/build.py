@@ -7,8 +7,9 @@ team's reference `build_hybrid` / `build_alt`), and `sgdm` (Nesterov SGD on ever
 fully-local baseline; no split).
 
 Block matrices are the 2D parameters whose `model.named_parameters()` name matches one of
-`matrix_patterns` (fnmatch; the default `blocks.*` is the reference's
-`blocks.parameters()` with ndim == 2). Every optimizer gets the same schedule
+`matrix_patterns` (fnmatch). A config that leaves it unset takes the model's own
+`matrix_patterns` attribute when it has one (harness.models.hf: the decoder layers of a
+transformers model), else `blocks.*` (the reference's `blocks.parameters()` with ndim == 2). Every optimizer gets the same schedule
 (`optim.schedule`: warmup, then cosine, linear or warmup-stable-decay); `head_lr_mult` scales
 the peak lr of the parameters matching `head_pattern`, in whichever optimizer holds them.
 Bundle names: the arm's name for the matrix optimizer, `adamw` for the rest (omitted when
@@ -77,6 +78,14 @@ def _matrix_optimizer(cfg: ArmConfig, matrices: list) -> torch.optim.Optimizer:
     return {"lion": Lion, "adafactor": Adafactor2D}[cfg.type](groups, lr=lr, wd=cfg.wd)
 
 
+def matrix_patterns(cfg: ArmConfig, model: torch.nn.Module) -> list[str]:
+    """The config's `matrix_patterns` when it sets them, else the model's own (a
+    `matrix_patterns` attribute), else the default `blocks.*`: a setting given wins."""
+    if "matrix_patterns" in cfg.model_fields_set:
+        return cfg.matrix_patterns
+    return list(getattr(model, "matrix_patterns", cfg.matrix_patterns))
+
+
 def build_bundle(
     cfg: OptimConfig, model: torch.nn.Module, total_steps: int
 ) -> tuple[MultiOpt, MultiSched]:
@@ -97,12 +106,12 @@ def build_bundle(
         optimizers = {"sgdm": torch.optim.SGD(_groups(named, cfg.lr, cfg), lr=cfg.lr,
                                               momentum=cfg.momentum, nesterov=cfg.nesterov)}
     else:
-        is_matrix = [p.ndim == 2 and any(fnmatchcase(n, pat) for pat in cfg.matrix_patterns)
-                     for n, p in named]
+        patterns = matrix_patterns(cfg, model)
+        is_matrix = [p.ndim == 2 and any(fnmatchcase(n, pat) for pat in patterns) for n, p in named]
         matrices = [pair for pair, m in zip(named, is_matrix) if m]
         rest = [pair for pair, m in zip(named, is_matrix) if not m]
         if not matrices:
-            raise OptimError(f"optim.matrix_patterns {cfg.matrix_patterns} match no 2D parameter "
+            raise OptimError(f"optim.matrix_patterns {patterns} match no 2D parameter "
                             f"for the {cfg.type} arm; names look like {[n for n, _ in named[:5]]}")
         optimizers = {cfg.type: _matrix_optimizer(cfg, matrices)}
         if rest:

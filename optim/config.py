@@ -46,7 +46,10 @@ class ArmConfig(BaseModel):
                                      "names (e.g. 'head.*'); required when head_lr_mult != 1.")
     matrix_patterns: list[str] = Field(["blocks.*"], description="fnmatch patterns on parameter "
                                        "names; the 2D params matching one are the block matrices "
-                                       "(unused by adamw and sgdm).")
+                                       "(unused by adamw and sgdm). Unset: the model's own "
+                                       "`matrix_patterns` when it has them (the transformers "
+                                       "factory: its decoder layers, e.g. model.layers.*), else "
+                                       "blocks.*.")
 
     @model_validator(mode="after")
     def _head_needs_pattern(self):

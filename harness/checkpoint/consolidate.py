@@ -9,7 +9,8 @@ Streaming: the header is written from the shapes alone, then one full tensor at 
 assembled from its stored chunks (a sharded checkpoint: the DCP metadata says which chunk lies
 where, checkpoint/sharded.py) and written; peak memory is the largest tensor, never the model.
 An unsharded checkpoint's tensors are read one at a time from its `model.safetensors` likewise.
-`whole_tensors` is that reading for any part (verify-resume compares the optimizer state whole too).
+`whole_tensors` is that reading for any part (verify-resume compares the optimizer state whole too);
+`harness ckpt export --format hf` (export_hf.py) writes the model's tensors through it as well.
 """
 
 from __future__ import annotations
@@ -36,14 +37,20 @@ def consolidate(store: CheckpointStore, ref: CheckpointRef, out: str, storage_op
     """Write `ref`'s model part to `out/model.safetensors` (a local folder or URL); returns (its
     URL, bytes). Raises `CheckpointCorrupt` for a damaged checkpoint, `CheckpointError` for one
     without a model part or an `out` that is a file or cannot be written to."""
-    problems = store.verify(ref)
-    if problems:
-        raise CheckpointCorrupt(f"{ref.url} fails verification, nothing written: {problems[0]}")
-    with whole_tensors(store, store.open(ref), MODEL_PART) as (specs, produce):
+    with whole_tensors(store, open_verified(store, ref), MODEL_PART) as (specs, produce):
         dest = output_folder(out, storage_options, "--out")
         path = f"{dest.root}/{MODEL_FILE}"
         size, _ = write_stream(dest, path, stream(specs, produce))
     return dest.url_of(path), size
+
+
+def open_verified(store: CheckpointStore, ref: CheckpointRef) -> Checkpoint:
+    """`ref` opened (`store.open`) after every file was checked against its manifest; a damaged
+    checkpoint is a `CheckpointCorrupt` before anything is written from it."""
+    problems = store.verify(ref)
+    if problems:
+        raise CheckpointCorrupt(f"{ref.url} fails verification, nothing written: {problems[0]}")
+    return store.open(ref)
 
 
 class Whole(NamedTuple):

@@ -1,11 +1,13 @@
-"""`harness ckpt ls|verify|show|diff|consolidate|gc`: look at, check, export and prune checkpoints from the shell.
+"""`harness ckpt ls|verify|show|diff|consolidate|export|gc`: look at, check, export and prune checkpoints from the shell.
 
 Every command takes local paths or fsspec URLs, and `-o KEY=VALUE` (repeatable) for the
 storage options a run's `checkpoint.storage_options` holds, e.g. `-o endpoint_url=http://minio:9000`
 or `-o retry.deadline_s=30`. A checkpoint is named by its folder
 (`RUN_DIR/checkpoints/step-00001200`); `verify` also takes a run dir and checks every
 checkpoint in it. `consolidate` writes a checkpoint's model, whole, as `DIR/model.safetensors`
-(checkpoint/consolidate.py; sharded or not). `gc` applies the run's own retention policy (`checkpoint.keep_last` /
+(checkpoint/consolidate.py; sharded or not); `export --format hf` writes a transformers model's
+checkpoint as a Hugging Face model folder (config, weights, generation config, tokenizer;
+checkpoint/export_hf.py). `gc` applies the run's own retention policy (`checkpoint.keep_last` /
 `keep_every` from its run.json; `--keep-last` / `--keep-every` override), never removes the
 newest checkpoint that verifies, removes no committed checkpoint while none verifies, and with
 `--dry-run` only lists what it would remove. Exit codes: 0 good/equal, 1 a verification failure
@@ -151,6 +153,28 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from harness.checkpoint.export_hf import export_hf  # transformers, for this command only
+
+    store, ref = _checkpoint(args.checkpoint, storage_options_of(args))
+    done = export_hf(store, ref, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
+                     storage_options=storage_options_of(args))
+    for note in done.notes:
+        print(note)
+    print(f"wrote {done.url} ({_size(done.nbytes)}: {', '.join(done.files)}): the model of step {ref.step}, "
+          "a Hugging Face model folder")
+    return 0
+
+
+def _shard_size(text: str) -> int:
+    from harness.checkpoint.export_hf import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_gc(args: argparse.Namespace) -> int:
     """Retention by the run's own policy (run.json), never removing the newest good checkpoint,
     nor any committed one while none verifies (they are the evidence of what went wrong)."""
@@ -227,6 +251,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder, RUN_DIR/checkpoints/step-NNNNNNNN")
     p.add_argument("--out", required=True, metavar="DIR", help="the folder (path or URL) model.safetensors goes into")
     p.set_defaults(func=cmd_consolidate)
+    p = commands.add_parser("export", parents=[storage], help="write a checkpoint of a transformers model as a "
+                            "Hugging Face model folder that from_pretrained, vLLM and llama.cpp's converters open")
+    p.add_argument("checkpoint", metavar="CKPT", help="a checkpoint folder, RUN_DIR/checkpoints/step-NNNNNNNN (any "
+                   "world size or sharding)")
+    p.add_argument("--format", required=True, choices=["hf"], help="hf: config.json, model.safetensors (sharded "
+                   "past --max-shard-size), generation_config.json and the run's tokenizer files")
+    p.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder (path or URL)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="convert the floating tensors "
+                   "(default: as trained)")
+    p.add_argument("--max-shard-size", type=_shard_size, default="5GB", metavar="SIZE", help="split the weights "
+                   "into files of at most SIZE (5GB, 500MB, 2GiB; default 5GB) with model.safetensors.index.json")
+    p.set_defaults(func=cmd_export)
     p = commands.add_parser("gc", parents=[storage], help="apply the run's retention policy and remove leftovers of dead writers; "
                             "never removes the newest good checkpoint")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run dir (path or URL) given to `harness train`")

@@ -1,4 +1,5 @@
-"""Models: the built-in GPT and the resolver for users' own model factories.
+"""Models: the built-in GPT and the resolver for users' own model factories (and the built-in
+factory for transformers causal LMs, `harness.models.hf:causal_lm`, imported only when named).
 
 A model factory is a callable `factory(args: dict) -> nn.Module`, named in the config by an
 import path "package.module:attribute" (the attribute may be dotted, e.g. "mod:Class.build").

@@ -10,8 +10,11 @@ the whole URL, so two run dirs never share a log folder (s3://a/quickstart and a
 runs/quickstart did, when the folder was named after the last path component alone).
 
 `run.json` (`harness.run_id.RUN_JSON`) holds the run id, the resolved config, the data's
-identity and the environment; it is written by rank 0 of every process that trains the run dir
-and read by `harness compare` (the config) and `harness ckpt gc` (the retention policy).
+identity, the environment and, for a run whose model started from `model.init_from`, what step 0
+loaded (`init_from`: the URL and each file's name, size and sha256; written by the fresh start,
+kept by every resume, which never reads those files); it is written by rank 0 of every process
+that trains the run dir and read by `harness compare` (the config) and `harness ckpt gc` (the
+retention policy).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
     from harness.config import RunConfig
 
 METRICS_FILE = "metrics.jsonl"
+INIT_KEY = "init_from"  # run.json: what the model's weights started from (model.init_from)
 LOGS_ROOT = "runs"
 
 
@@ -58,9 +62,11 @@ def metrics_url(run_dir: str, log_dir: str | None = None) -> str:
     return os.path.join(log_dir_for(run_dir, log_dir), METRICS_FILE)
 
 
-def write_run_json(cfg: RunConfig, data_identity: Any, environment: dict[str, Any]) -> str:
-    """Write the run dir's run.json (resolved config, data identity, environment, run id) and
-    return the run id: the one already in run.json, else a new one (`harness.run_id`)."""
+def write_run_json(cfg: RunConfig, data_identity: Any, environment: dict[str, Any], *, fresh: bool,
+                   initialised_from: dict[str, Any] | None = None) -> str:
+    """Write the run dir's run.json (resolved config, data identity, environment, run id, and
+    `init_from`: `initialised_from` on a `fresh` start, else the one run.json holds) and return
+    the run id: the one already in run.json, else a new one (`harness.run_id`)."""
     # Imported here: the log-dir rule above serves the supervisor and `harness report`, which
     # need no torch (harness.config and harness.checkpoint import it).
     from harness.checkpoint.filesystem import open_filesystem
@@ -74,6 +80,9 @@ def write_run_json(cfg: RunConfig, data_identity: Any, environment: dict[str, An
         run_id = (previous or {}).get(RUN_ID_KEY) or new_run_id()
         doc = {RUN_ID_KEY: run_id, "config": public_config(cfg), "data": data_identity,
                "environment": environment}
+        init = initialised_from if fresh else (previous or {}).get(INIT_KEY)
+        if init is not None:
+            doc[INIT_KEY] = init
         fs.makedirs(path, exist_ok=True)
         fs.pipe_file(url, json.dumps(doc, indent=2).encode())
     except OSError as e:

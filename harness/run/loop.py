@@ -26,6 +26,7 @@ from harness.health.rollback import roll_back
 from harness.health.watchdog import HangReport, HangWatchdog
 from harness.log import get_logger
 from harness.metrics import MetricsLog
+from harness.models.hf import HF_CONFIG_META
 from harness.run.cadence import CheckpointClock
 from harness.run.environment import environment_fingerprint
 from harness.signals import PreemptionWatch, SaveDeadline
@@ -199,6 +200,8 @@ class Loop:
         step = self.trainer.step
         meta = {"config": public_config(self.cfg), "data": self.trainer.data.identity,
                 "environment": environment_fingerprint(self.trainer.device)}
+        if self.trainer.hf_config is not None:
+            meta[HF_CONFIG_META] = self.trainer.hf_config
         submitted = self.saver.submit(step, self.trainer.state.parts(), meta=meta,
                                       must=must or step >= self.cfg.train.steps)
         if submitted is None:

@@ -71,7 +71,8 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
         trainer, ref, restore_s, changes, resized = started
         try:
             run_id = distributed.on_rank0(write_run_json, cfg, trainer.data.identity,
-                                          environment_fingerprint(trainer.device))
+                                          environment_fingerprint(trainer.device), fresh=ref is None,
+                                          initialised_from=trainer.initialised_from)
             log.debug("run", run_id=run_id, run_dir=cfg.run_dir, log_dir=str(log_dir), device=str(trainer.device),
                       resumed_from=ref.step if ref else None, parameters=sum(p.numel() for p in trainer.model.parameters()))
             lead = distributed.rank() == 0  # rank 0 keeps the logs: every rank logs the same all-reduced loss

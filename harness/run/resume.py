@@ -84,7 +84,8 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             restore_s += time.perf_counter() - t0
     if candidates:
         raise all_damaged(cfg, candidates)
-    return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data), None, restore_s, {}, None
+    return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data, fresh=True), None, \
+        restore_s, {}, None
 
 
 def all_damaged(cfg: RunConfig, damaged: list[CheckpointRef]) -> UserError:
