@@ -56,7 +56,7 @@ class DataSection(Section):
 
     url: str | None = Field(None, description="fsspec URL or path of a text file (byte tokens); unset = the built-in corpus (no download). Not together with `sources`.")
     sources: list[DataSource] = Field(default_factory=list, description="Token-shard datasets mixed by weight, e.g. [{url = \"data/a\", weight = 0.7}, {url = \"s3://b/c\", weight = 0.3}]; empty = the byte-text `url`. Their index hashes and weights are recorded in every checkpoint, and resuming on other data is refused.")
-    eval_sources: list[DataSource] = Field(default_factory=list, description="Token-shard datasets to evaluate on, read whole (same tokenizer as sources); then training uses every document of the sources. Empty = hold out the last eval_fraction of each source's documents.")
+    eval_sources: list[DataSource] = Field(default_factory=list, description="Token-shard datasets to evaluate on, read whole (same tokenizer as sources); then training uses all of the sources. Empty = hold out the last eval_fraction of each source's windows, cut at a document end nearby.")
     factory: str | None = Field(None, description="`package.module:function` of your own dataset: called with `args` plus seq_len, seed, rank and world_size, it returns (train, eval) map-style sample sources, or a stateful iterator (state_dict / load_state_dict) to train on (contract: harness/data/factory.py). Not together with url or sources.")
     args: dict[str, Any] = Field(default_factory=dict, description="Arguments for data.factory.")
     hash_check: Literal["off", "first-open", "always"] = Field("first-open", description="sha256 of a shard against its index: never, the first time it is opened, or every time a process opens it (sizes are always checked).")
