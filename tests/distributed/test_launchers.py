@@ -122,7 +122,9 @@ def test_train_sh_does_not_restart_a_run_stopped_on_an_anomaly(tmp_path):
     step 11 from checkpoint 4, then never from checkpoint 8): with train.on_anomaly = "stop" the
     run stops at step 7 with exit 2 and is not restarted past the anomaly."""
     run_dir, log = tmp_path / "run", tmp_path / "train.log"
-    env = {"NPROC": "2", "MAX_RESTARTS": "2", "RUN_DIR": str(run_dir)}
+    # torchrun starts the `harness` script, whose sys.path lacks the working folder: `tests` imports
+    # from the repository root on PYTHONPATH.
+    env = {"NPROC": "2", "MAX_RESTARTS": "2", "RUN_DIR": str(run_dir), "PYTHONPATH": str(ROOT)}
     nan = ["--set", 'model.factory="tests.user_models:nan_grad_gpt"', "--set", "model.args.nan_grad_at_forward=13",
            "--set", 'train.on_anomaly="stop"']
     code = finish(launch([str(TRAIN_SH), str(TINY), *nan], log, env), log)
