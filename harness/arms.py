@@ -35,10 +35,10 @@ from dataclasses import dataclass
 from harness.config import RunConfig, load_config
 from harness.config_layers import toml_string
 from harness.errors import UserError
-from harness.grid import Axis, expand
 from harness.events import EventLog
-from harness.run.files import events_url
 from harness.exit_codes import FINISHED, NAMES, REQUEUE
+from harness.grid import Axis, expand
+from harness.run.files import events_url
 from harness.supervisor import Supervisor, checkpoint_progress, describe_exit
 
 

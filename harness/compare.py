@@ -16,11 +16,14 @@ arm's optimizer, its log dir, the tokens of one step) and, in the log dir, `metr
 | steps         | largest `step` of a training line (a line with `loss`) |
 | final eval    | `eval_loss` of the last evaluation line in the file (the end-of-run one when finished) |
 | best eval     | smallest `eval_loss` in the file |
-| tokens/s      | median of the training lines' `tokens_per_s` (the median, because a shared machine stalls a few steps for seconds) |
+| tokens/s      | median of the training lines' `tokens_per_s` (the median, because a shared machine stalls a few      |
+|               | steps for seconds)                                                                                   |
 | steps/s       | (grouped report) tokens/s / tokens per step |
-| optim %       | 100 * sum(`optim_s`) / sum(step seconds), over training lines; step seconds = tokens per step / `tokens_per_s`, tokens per step = batch_size * seq_len * grad_accum |
+| optim %       | 100 * sum(`optim_s`) / sum(step seconds), over training lines; step seconds = tokens per step /      |
+|               | `tokens_per_s`, tokens per step = batch_size * seq_len * grad_accum                                  |
 | ckpt s        | seconds the step loop was blocked by checkpoints (`harness.goodput`: sum of `blocking_s`) |
-| restart s     | restarting + recomputing seconds of `harness.goodput` (backoff, startup of resumed processes, steps run twice) |
+| restart s     | restarting + recomputing seconds of `harness.goodput` (backoff, startup of resumed processes, steps  |
+|               | run twice)                                                                                           |
 | wall s        | wall clock of the run (`harness.goodput`) |
 
 The plot (matplotlib, Agg backend; `pip install 'harness[plot]'`) has two panels: training loss

@@ -24,7 +24,6 @@ from harness.config_layers import Layers, flatten, read_layers
 from harness.errors import UserError
 from optim.config import ARMS, OptimConfig, arms_taking, parse_optim_config
 
-
 # The built-in GPT (harness/models/gpt.py), named by its path so that reading a config imports no
 # model code (and no torch).
 DEFAULT_FACTORY = "harness.models.gpt:build_gpt"
@@ -37,34 +36,100 @@ class Section(BaseModel):
 class ModelSection(Section):
     """The model: a factory import path and the keyword arguments it is called with."""
 
-    factory: str = Field(DEFAULT_FACTORY, description="`package.module:function` called with one dict (`args`, plus `seq_len` from data.seq_len unless `args` sets it) that returns the nn.Module; its forward(x, y) returns (logits, loss). The full contract: docs/models.md.")
-    args: dict[str, Any] = Field(default_factory=dict, description="Arguments for the factory (for the built-in GPT: n_layer, n_head, d_model, dropout, vocab_size; seq_len follows data.seq_len, set it here only to make the model longer than the samples).")
-    init_from: str | None = Field(None, description="Start from these weights: a safetensors file, or a folder holding model.safetensors (or model.safetensors.index.json and its shards), e.g. a Hugging Face model folder or `harness ckpt export`'s; every tensor of the model's state dict is loaded by name (converted to its dtype) at step 0 only, and the files' sha256 digests go into run.json. A resume never reads them again; resuming with another value is a config change.")
+    factory: str = Field(
+        DEFAULT_FACTORY,
+        description=(
+            "`package.module:function` called with one dict (`args`, plus `seq_len` from data.seq_len unless `args` "
+            "sets it) that returns the nn.Module; its forward(x, y) returns (logits, loss). The full contract: "
+            "docs/models.md."
+        ),
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description=(
+            "Arguments for the factory (for the built-in GPT: n_layer, n_head, d_model, dropout, vocab_size; seq_len "
+            "follows data.seq_len, set it here only to make the model longer than the samples)."
+        ),
+    )
+    init_from: str | None = Field(
+        None,
+        description=(
+            "Start from these weights: a safetensors file, or a folder holding model.safetensors (or "
+            "model.safetensors.index.json and its shards), e.g. a Hugging Face model folder or `harness ckpt "
+            "export`'s; every tensor of the model's state dict is loaded by name (converted to its dtype) at step 0 "
+            "only, and the files' sha256 digests go into run.json. A resume never reads them again; resuming with "
+            "another value is a config change."
+        ),
+    )
 
 
 class DataSource(Section):
     """One prepared token-shard dataset (`harness data prepare`) and its share of the mixture."""
 
     url: str = Field(description="Local path or fsspec URL of the dataset folder (the one holding index.json).")
-    weight: float = Field(1.0, gt=0, description="Relative share of this source in every epoch (harness/data/mixture.py).")
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options for this source; unset = data.storage_options.")
+    weight: float = Field(
+        1.0, gt=0, description="Relative share of this source in every epoch (harness/data/mixture.py)."
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec storage options for this source; unset = data.storage_options."
+    )
 
 
 class DataSection(Section):
     """The token stream: byte-level tokens from a text file at any fsspec URL, or prepared
     token shards (`sources`)."""
 
-    url: str | None = Field(None, description="fsspec URL or path of a text file (byte tokens); unset = the built-in corpus (no download). Not together with `sources`.")
-    sources: list[DataSource] = Field(default_factory=list, description="Token-shard datasets mixed by weight, e.g. [{url = \"data/a\", weight = 0.7}, {url = \"s3://b/c\", weight = 0.3}]; empty = the byte-text `url`. Their index hashes and weights are recorded in every checkpoint, and resuming on other data is refused.")
-    eval_sources: list[DataSource] = Field(default_factory=list, description="Token-shard datasets to evaluate on, read whole (same tokenizer as sources); then training uses all of the sources. Empty = hold out the last eval_fraction of each source's windows, cut at a document end nearby.")
-    factory: str | None = Field(None, description="`package.module:function` of your own dataset: called with `args` plus seq_len, seed, rank and world_size, it returns (train, eval) map-style sample sources, or a stateful iterator (state_dict / load_state_dict) to train on (contract: harness/data/factory.py). Not together with url or sources.")
+    url: str | None = Field(
+        None,
+        description=(
+            "fsspec URL or path of a text file (byte tokens); unset = the built-in corpus (no download). Not together "
+            "with `sources`."
+        ),
+    )
+    sources: list[DataSource] = Field(
+        default_factory=list,
+        description=(
+            "Token-shard datasets mixed by weight, e.g. [{url = \"data/a\", weight = 0.7}, "
+            "{url = \"s3://b/c\", weight = 0.3}]; empty = the byte-text `url`. Their index hashes and weights are "
+            "recorded in every checkpoint, and resuming on other data is refused."
+        ),
+    )
+    eval_sources: list[DataSource] = Field(
+        default_factory=list,
+        description=(
+            "Token-shard datasets to evaluate on, read whole (same tokenizer as sources); then training uses all of "
+            "the sources. Empty = hold out the last eval_fraction of each source's windows, cut at a document end "
+            "nearby."
+        ),
+    )
+    factory: str | None = Field(
+        None,
+        description=(
+            "`package.module:function` of your own dataset: called with `args` plus seq_len, seed, rank and "
+            "world_size, it returns (train, eval) map-style sample sources, or a stateful iterator (state_dict / "
+            "load_state_dict) to train on (contract: harness/data/factory.py). Not together with url or sources."
+        ),
+    )
     args: dict[str, Any] = Field(default_factory=dict, description="Arguments for data.factory.")
-    hash_check: Literal["off", "first-open", "always"] = Field("first-open", description="sha256 of a shard against its index: never, the first time it is opened, or every time a process opens it (sizes are always checked).")
-    seq_len: int = Field(64, gt=0, description="Tokens per sample (the model sees seq_len tokens and predicts the next of each).")
+    hash_check: Literal["off", "first-open", "always"] = Field(
+        "first-open",
+        description=(
+            "sha256 of a shard against its index: never, the first time it is opened, or every time a process opens it "
+            "(sizes are always checked)."
+        ),
+    )
+    seq_len: int = Field(
+        64, gt=0, description="Tokens per sample (the model sees seq_len tokens and predicts the next of each)."
+    )
     batch_size: int = Field(16, gt=0, description="Samples per micro-batch (per rank).")
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes; the data order does not depend on it.")
-    eval_fraction: float = Field(0.05, gt=0.0, lt=1.0, description="Fraction of the windows held out for evaluation (> 0: every run ends with an evaluation).")
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options for `url` (and every source without its own).")
+    eval_fraction: float = Field(
+        0.05, gt=0.0, lt=1.0,
+        description="Fraction of the windows held out for evaluation (> 0: every run ends with an evaluation).",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec storage options for `url` (and every source without its own)."
+    )
 
     @model_validator(mode="after")
     def _one_kind(self) -> DataSection:
@@ -84,107 +149,372 @@ class TrainSection(Section):
     steps: int = Field(200, gt=0, description="Optimizer steps of the whole run.")
     seed: int = Field(0, description="Seed of model init, dropout and the data order.")
     grad_accum: int = Field(1, gt=0, description="Micro-batches accumulated per optimizer step.")
-    global_batch: int | None = Field(None, gt=0, description="Samples per optimizer step over all ranks: data.batch_size x grad_accum x world size must equal it. The one of batch_size / grad_accum not set in the config is derived from it (grad_accum when neither is), so the batch stays the same for any number of ranks (one a base config sets: `unset` it); unset = batch_size x grad_accum x world size.")
-    grad_clip: float | None = Field(1.0, gt=0, description="Clip the global gradient norm to this value; inf = no clipping.")
-    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Autocast dtype for forward/backward; fp16 uses a saved grad scaler.")
+    global_batch: int | None = Field(
+        None, gt=0,
+        description=(
+            "Samples per optimizer step over all ranks: data.batch_size x grad_accum x world size must equal it. The "
+            "one of batch_size / grad_accum not set in the config is derived from it (grad_accum when neither is), so "
+            "the batch stays the same for any number of ranks (one a base config sets: `unset` it); unset = batch_size "
+            "x grad_accum x world size."
+        ),
+    )
+    grad_clip: float | None = Field(
+        1.0, gt=0, description="Clip the global gradient norm to this value; inf = no clipping."
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Autocast dtype for forward/backward; fp16 uses a saved grad scaler."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where to train; auto = cuda when available.")
-    compile: bool = Field(False, description="torch.compile the training forward and backward (inductor; evaluation stays eager; on a CPU dropout keeps ATen's random-number kernels, inductor's fallback_random, which are faster there). Checkpoints keep the plain parameter names, so compiled and eager runs read each other's checkpoints; compiled kernels round differently from eager ones, so the setting is part of the run's math: resuming under the other one needs --allow-config-change.")
-    cpu_threads: int | None = Field(None, gt=0, description="torch's intra-op CPU threads, fixed for the run and recorded in run.json and every checkpoint (harness/numerics.py); unset = torch's default for this machine. A resume with another count warns: some kernels split their sums by it.")
-    eval_every: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0 = only at the end); the last step is evaluated once, at the end.")
+    compile: bool = Field(
+        False,
+        description=(
+            "torch.compile the training forward and backward (inductor; evaluation stays eager; on a CPU dropout keeps "
+            "ATen's random-number kernels, inductor's fallback_random, which are faster there). Checkpoints keep the "
+            "plain parameter names, so compiled and eager runs read each other's checkpoints; compiled kernels round "
+            "differently from eager ones, so the setting is part of the run's math: resuming under the other one needs "
+            "--allow-config-change."
+        ),
+    )
+    cpu_threads: int | None = Field(
+        None, gt=0,
+        description=(
+            "torch's intra-op CPU threads, fixed for the run and recorded in run.json and every checkpoint "
+            "(harness/numerics.py); unset = torch's default for this machine. A resume with another count warns: some "
+            "kernels split their sums by it."
+        ),
+    )
+    eval_every: int = Field(
+        0, ge=0,
+        description=(
+            "Evaluate every N optimizer steps (0 = only at the end); the last step is evaluated once, at the end."
+        ),
+    )
     eval_batches: int = Field(4, gt=0, description="Batches per evaluation.")
     log_every: int = Field(10, gt=0, description="Console log line every N steps (metrics.jsonl gets every step).")
-    fingerprint_every: int = Field(100, ge=0, description="Every N steps, hash every parameter, buffer and optimizer tensor into the step's fingerprint (metrics.jsonl `state_hash`; 0 = only at checkpoints). Costs a copy of the state to the CPU and a sha256 over it. The loss and batch hash are recorded every step regardless.")
-    on_divergence: Literal["error", "warn"] = Field("warn", description="After a resume, when a re-run step's fingerprint differs from the one the interrupted process recorded (or the restored state from the saved one): stop with an error, or log a resume_mismatch event and go on.")
-    unregistered_state: Literal["error", "warn"] = Field("error", description="Before training: an optimizer, scheduler, grad scaler, generator or other stateful object reachable from the trainer that is not a registered state part (so a checkpoint would not hold it) is an error, or only a warning; likewise a non-persistent buffer that the first forward reads before writing and then updates (an EMA).")
-    on_anomaly: Literal["stop", "rollback"] = Field("stop", description="What a NaN/inf loss or gradient norm (always checked) or a loss spike (`spike_threshold`) does, on every rank at the same step (the loss is all-reduced): stop with exit 2 before the optimizer step, or roll back to the newest good checkpoint before it, skip the batches that caused it and go on (harness/health/anomaly.py; docs/health.md). The skipped batches are checkpointed, so a resumed run repeats the same rollbacks.")
-    spike_threshold: float | None = Field(None, gt=0, description="A loss above median + spike_threshold x MAD (scaled to a standard deviation) of the last `spike_window` losses is a spike (an anomaly); unset = spikes are not checked, only NaN/inf.")
-    spike_window: int = Field(100, ge=8, description="Recent losses the spike threshold is computed from; no spike is called before half of them are seen.")
-    rollback_skip: int = Field(1, ge=1, description="On a rollback, skip this many optimizer steps' worth of batches, ending with the one that caused the anomaly.")
-    max_rollbacks: int = Field(3, ge=1, description="At most this many rollbacks within `rollback_window` steps; one more anomaly there stops the run (exit 2), naming the steps.")
+    fingerprint_every: int = Field(
+        100, ge=0,
+        description=(
+            "Every N steps, hash every parameter, buffer and optimizer tensor into the step's fingerprint "
+            "(metrics.jsonl `state_hash`; 0 = only at checkpoints). Costs a copy of the state to the CPU and a sha256 "
+            "over it. The loss and batch hash are recorded every step regardless."
+        ),
+    )
+    on_divergence: Literal["error", "warn"] = Field(
+        "warn",
+        description=(
+            "After a resume, when a re-run step's fingerprint differs from the one the interrupted process recorded "
+            "(or the restored state from the saved one): stop with an error, or log a resume_mismatch event and go on."
+        ),
+    )
+    unregistered_state: Literal["error", "warn"] = Field(
+        "error",
+        description=(
+            "Before training: an optimizer, scheduler, grad scaler, generator or other stateful object reachable from "
+            "the trainer that is not a registered state part (so a checkpoint would not hold it) is an error, or only "
+            "a warning; likewise a non-persistent buffer that the first forward reads before writing and then updates "
+            "(an EMA)."
+        ),
+    )
+    on_anomaly: Literal["stop", "rollback"] = Field(
+        "stop",
+        description=(
+            "What a NaN/inf loss or gradient norm (always checked) or a loss spike (`spike_threshold`) does, on every "
+            "rank at the same step (the loss is all-reduced): stop with exit 2 before the optimizer step, or roll back "
+            "to the newest good checkpoint before it, skip the batches that caused it and go on "
+            "(harness/health/anomaly.py; docs/health.md). The skipped batches are checkpointed, so a resumed run "
+            "repeats the same rollbacks."
+        ),
+    )
+    spike_threshold: float | None = Field(
+        None, gt=0,
+        description=(
+            "A loss above median + spike_threshold x MAD (scaled to a standard deviation) of the last `spike_window` "
+            "losses is a spike (an anomaly); unset = spikes are not checked, only NaN/inf."
+        ),
+    )
+    spike_window: int = Field(
+        100, ge=8,
+        description=(
+            "Recent losses the spike threshold is computed from; no spike is called before half of them are seen."
+        ),
+    )
+    rollback_skip: int = Field(
+        1, ge=1,
+        description=(
+            "On a rollback, skip this many optimizer steps' worth of batches, ending with the one that caused the "
+            "anomaly."
+        ),
+    )
+    max_rollbacks: int = Field(
+        3, ge=1,
+        description=(
+            "At most this many rollbacks within `rollback_window` steps; one more anomaly there stops the run (exit "
+            "2), naming the steps."
+        ),
+    )
     rollback_window: int = Field(1000, ge=1, description="The span of steps `max_rollbacks` counts in.")
 
 
 class CheckpointSection(Section):
     """When and how checkpoints are written; none of these change the math."""
 
-    every_steps: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(50, description="Checkpoint every N optimizer steps (0 = off; the final step is always saved), or \"auto\": save once after the first step, measure the blocking save time and the mean step time, then save every sqrt(2 * blocking_s * mtbf) seconds' worth of steps (Young/Daly), logged with its inputs.")
-    mtbf_hours: float = Field(24.0, gt=0.0, description="Expected mean time between failures (crash, node loss, preemption) of this job, in hours; used by every_steps = \"auto\".")
-    async_save: bool = Field(True, description="Snapshot the state into reusable CPU buffers at the step boundary and persist it in a background thread, so the step loop blocks only for the copy; false = write the checkpoint inside the step loop. The files are byte-identical either way.")
-    when_busy: Literal["wait", "skip"] = Field("wait", description="With async_save, when a save is due while the previous one is still being persisted: wait for it, or skip this save (logged). The final and the preemption save always wait.")
-    every_minutes: float = Field(0.0, ge=0.0, description="Also checkpoint when this many minutes passed since the last one (0 = off).")
-    keep_last: int = Field(3, ge=2, description="Keep the newest K checkpoints (>= 2: the newest may be the one a crash interrupted).")
+    every_steps: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        50,
+        description=(
+            "Checkpoint every N optimizer steps (0 = off; the final step is always saved), or \"auto\": save once "
+            "after the first step, measure the blocking save time and the mean step time, then save every sqrt(2 * "
+            "blocking_s * mtbf) seconds' worth of steps (Young/Daly), logged with its inputs."
+        ),
+    )
+    mtbf_hours: float = Field(
+        24.0, gt=0.0,
+        description=(
+            "Expected mean time between failures (crash, node loss, preemption) of this job, in hours; used by "
+            "every_steps = \"auto\"."
+        ),
+    )
+    async_save: bool = Field(
+        True,
+        description=(
+            "Snapshot the state into reusable CPU buffers at the step boundary and persist it in a background thread, "
+            "so the step loop blocks only for the copy; false = write the checkpoint inside the step loop. The files "
+            "are byte-identical either way."
+        ),
+    )
+    when_busy: Literal["wait", "skip"] = Field(
+        "wait",
+        description=(
+            "With async_save, when a save is due while the previous one is still being persisted: wait for it, or skip "
+            "this save (logged). The final and the preemption save always wait."
+        ),
+    )
+    every_minutes: float = Field(
+        0.0, ge=0.0, description="Also checkpoint when this many minutes passed since the last one (0 = off)."
+    )
+    keep_last: int = Field(
+        3, ge=2, description="Keep the newest K checkpoints (>= 2: the newest may be the one a crash interrupted)."
+    )
     keep_every: int = Field(0, ge=0, description="Also keep every checkpoint whose step is a multiple of M (0 = none).")
-    preempt_signals: list[str] = Field(["SIGTERM", "SIGINT", "SIGUSR1"], description="Signals that request a save-and-exit at the next step boundary.")
-    preempt_deadline_s: float = Field(25.0, gt=0, description="Seconds a preemption save may take before the process exits without it (the previous checkpoint stays).")
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options for the run dir (e.g. endpoint_url for S3).")
-    save_deadline_s: float = Field(1800.0, gt=0, description="A background save (async_save) that has not committed this many seconds after it started is given up: the run stops with exit 69 (STORAGE_UNAVAILABLE, retryable), naming the step; the previous checkpoint stays the newest good one. While a save runs longer than the larger of 30 s and twice the previous save's time, a warning (and a `save_slow` event) says so, again each such interval.")
-    lease_heartbeat_s: float = Field(30.0, gt=0, description="The writer refreshes the run dir's lease (lease.json) this often, from a thread. Another process takes the lease over without --takeover once it has missed 4 heartbeats (4 x this value, judged by the interval the holder recorded), or at once when the holder's process is gone on the same host. Lower = a lost node's run is picked up sooner, at one small read and write of the run dir per heartbeat.")
-    local_dir: str | None = Field(None, description="Local-first persistence: commit each checkpoint to this local folder (one per run; the last 2 are kept), upload it to the run dir in the background, read every object back and check it, and only then publish it there (its manifest); the run dir stays the source of truth for resuming. Unset = write to the run dir directly. One process only.")
+    preempt_signals: list[str] = Field(
+        ["SIGTERM", "SIGINT", "SIGUSR1"], description="Signals that request a save-and-exit at the next step boundary."
+    )
+    preempt_deadline_s: float = Field(
+        25.0, gt=0,
+        description=(
+            "Seconds a preemption save may take before the process exits without it (the previous checkpoint stays)."
+        ),
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec storage options for the run dir (e.g. endpoint_url for S3)."
+    )
+    save_deadline_s: float = Field(
+        1800.0, gt=0,
+        description=(
+            "A background save (async_save) that has not committed this many seconds after it started is given up: the "
+            "run stops with exit 69 (STORAGE_UNAVAILABLE, retryable), naming the step; the previous checkpoint stays "
+            "the newest good one. While a save runs longer than the larger of 30 s and twice the previous save's time, "
+            "a warning (and a `save_slow` event) says so, again each such interval."
+        ),
+    )
+    lease_heartbeat_s: float = Field(
+        30.0, gt=0,
+        description=(
+            "The writer refreshes the run dir's lease (lease.json) this often, from a thread. Another process takes "
+            "the lease over without --takeover once it has missed 4 heartbeats (4 x this value, judged by the interval "
+            "the holder recorded), or at once when the holder's process is gone on the same host. Lower = a lost "
+            "node's run is picked up sooner, at one small read and write of the run dir per heartbeat."
+        ),
+    )
+    local_dir: str | None = Field(
+        None,
+        description=(
+            "Local-first persistence: commit each checkpoint to this local folder (one per run; the last 2 are kept), "
+            "upload it to the run dir in the background, read every object back and check it, and only then publish it "
+            "there (its manifest); the run dir stays the source of truth for resuming. Unset = write to the run dir "
+            "directly. One process only."
+        ),
+    )
 
 
 class ParallelSection(Section):
     """How a model is spread over the ranks of a torchrun group (docs/distributed.md)."""
 
-    strategy: Literal["ddp", "fsdp"] = Field("ddp", description="With several ranks: \"ddp\" replicates the model and optimizer on every rank (DistributedDataParallel; rank 0 writes them); \"fsdp\" shards parameters, gradients and optimizer state over the ranks (FSDP2 fully_shard per block and on the root) and every rank writes its own shards (torch.distributed.checkpoint). One process has nothing to shard: it trains the whole model (a warning says so) and loads a sharded checkpoint all the same.")
-    shard_modules: str = Field(r"(.*\.)?\d+", description="With fsdp: a regular expression; every module whose qualified name (model.named_modules()) matches it in full becomes its own FSDP unit (its parameters gathered for its forward/backward only), then the root takes the rest. The default matches the items of every ModuleList/Sequential (`h.0`, `blocks.11`): a transformer's blocks.")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp",
+        description=(
+            "With several ranks: \"ddp\" replicates the model and optimizer on every rank (DistributedDataParallel; "
+            "rank 0 writes them); \"fsdp\" shards parameters, gradients and optimizer state over the ranks (FSDP2 "
+            "fully_shard per block and on the root) and every rank writes its own shards "
+            "(torch.distributed.checkpoint). One process has nothing to shard: it trains the whole model (a warning "
+            "says so) and loads a sharded checkpoint all the same."
+        ),
+    )
+    shard_modules: str = Field(
+        r"(.*\.)?\d+",
+        description=(
+            "With fsdp: a regular expression; every module whose qualified name (model.named_modules()) matches it in "
+            "full becomes its own FSDP unit (its parameters gathered for its forward/backward only), then the root "
+            "takes the rest. The default matches the items of every ModuleList/Sequential (`h.0`, `blocks.11`): a "
+            "transformer's blocks."
+        ),
+    )
     @field_validator("shard_modules")
     @classmethod
     def _a_regular_expression(cls, pattern: str) -> str:
         try:
             re.compile(pattern)
         except re.error as e:
-            raise ValueError(f"{pattern!r} is not a regular expression ({e}); fix it, or unset it for the default") from None
+            raise ValueError(
+                f"{pattern!r} is not a regular expression ({e}); fix it, or unset it for the default"
+            ) from None
         return pattern
 
-    param_dtype: Literal["fp32", "bf16"] = Field("fp32", description="With fsdp on CUDA: the dtype parameters are gathered and computed in (MixedPrecisionPolicy param_dtype); gradients are always reduced in fp32 and the sharded parameters and optimizer state stay fp32. Ignored on CPU (gloo), where fsdp computes in fp32 (a warning says so).")
+    param_dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description=(
+            "With fsdp on CUDA: the dtype parameters are gathered and computed in (MixedPrecisionPolicy param_dtype); "
+            "gradients are always reduced in fp32 and the sharded parameters and optimizer state stay fp32. Ignored on "
+            "CPU (gloo), where fsdp computes in fp32 (a warning says so)."
+        ),
+    )
 
 
 class HealthSection(Section):
     """The hang watchdog (harness/health/watchdog.py); none of these change the math."""
 
-    hang_watchdog: bool = Field(True, description="Exit with code 79 (HUNG, restarted like a crash) after dumping every thread's stack to the log dir when a step, save, evaluation or collective takes longer than max(hang_factor x the median step time, hang_floor_s).")
-    hang_factor: float = Field(20.0, gt=1.0, description="A phase may take this many median step times (an evaluation: per eval batch over grad_accum).")
-    hang_floor_s: float = Field(600.0, gt=0.0, description="Lower bound of every limit, in seconds: covers slow checkpoints and stalls that are not hangs.")
-    first_step_s: float = Field(1800.0, gt=0.0, description="Limit for phases before this process has timed a step (compilation, loader workers starting, cache warm-up).")
+    hang_watchdog: bool = Field(
+        True,
+        description=(
+            "Exit with code 79 (HUNG, restarted like a crash) after dumping every thread's stack to the log dir when a "
+            "step, save, evaluation or collective takes longer than max(hang_factor x the median step time, "
+            "hang_floor_s)."
+        ),
+    )
+    hang_factor: float = Field(
+        20.0, gt=1.0,
+        description="A phase may take this many median step times (an evaluation: per eval batch over grad_accum).",
+    )
+    hang_floor_s: float = Field(
+        600.0, gt=0.0,
+        description="Lower bound of every limit, in seconds: covers slow checkpoints and stalls that are not hangs.",
+    )
+    first_step_s: float = Field(
+        1800.0, gt=0.0,
+        description=(
+            "Limit for phases before this process has timed a step (compilation, loader workers starting, cache "
+            "warm-up)."
+        ),
+    )
 
 
 class LogSection(Section):
     """Where metrics go besides metrics.jsonl (which stays the source of truth)."""
 
-    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(default_factory=list, description="Experiment trackers fed by rank 0 with every step's metrics: \"tensorboard\" (pip install 'harness[tensorboard]'; event files in LOG_DIR/tensorboard, re-run steps replace the old points), \"wandb\" (pip install 'harness[wandb]'; one W&B run per harness run, its id the run id, continued by every restart), \"mlflow\" (pip install 'harness[mlflow]'; one MLflow run per harness run, found again by its tag harness.run_id). A tracker that fails warns and never stops training.")
-    wandb_mode: Literal["offline", "online"] = Field("offline", description="W&B: offline = write LOG_DIR/wandb only (no network; `wandb sync` uploads it), online = stream to the W&B server.")
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list,
+        description=(
+            "Experiment trackers fed by rank 0 with every step's metrics: \"tensorboard\" (pip install "
+            "'harness[tensorboard]'; event files in LOG_DIR/tensorboard, re-run steps replace the old points), "
+            "\"wandb\" (pip install 'harness[wandb]'; one W&B run per harness run, its id the run id, continued by "
+            "every restart), \"mlflow\" (pip install 'harness[mlflow]'; one MLflow run per harness run, found again by "
+            "its tag harness.run_id). A tracker that fails warns and never stops training."
+        ),
+    )
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description=(
+            "W&B: offline = write LOG_DIR/wandb only (no network; `wandb sync` uploads it), online = stream to the W&B "
+            "server."
+        ),
+    )
     wandb_project: str = Field("harness", description="W&B project of the run.")
-    mlflow_tracking_uri: str | None = Field(None, description="MLflow: the tracking server or store (e.g. http://mlflow:5000); unset = MLFLOW_TRACKING_URI from the environment, else a local store in LOG_DIR/mlruns.")
+    mlflow_tracking_uri: str | None = Field(
+        None,
+        description=(
+            "MLflow: the tracking server or store (e.g. http://mlflow:5000); unset = MLFLOW_TRACKING_URI from the "
+            "environment, else a local store in LOG_DIR/mlruns."
+        ),
+    )
     mlflow_experiment: str = Field("harness", description="MLflow experiment of the run (created when missing).")
 
 
 class DebugSection(Section):
     """Fault hooks for tests of the harness itself; never set in real runs."""
 
-    crash_at_step: int | None = Field(None, description="Crash the process after this optimizer step (before its checkpoint).")
-    crash_mode: Literal["exit", "raise"] = Field("exit", description="exit = os._exit(13); raise = an uncaught exception.")
+    crash_at_step: int | None = Field(
+        None, description="Crash the process after this optimizer step (before its checkpoint)."
+    )
+    crash_mode: Literal["exit", "raise"] = Field(
+        "exit", description="exit = os._exit(13); raise = an uncaught exception."
+    )
     crash_once: bool = Field(True, description="Crash only the first time (a marker file in the log dir remembers).")
     step_sleep_s: float = Field(0.0, ge=0.0, description="Sleep after each step, to give kill tests a window.")
-    persist_delay_s: float = Field(0.0, ge=0.0, description="Sleep this long in the background persist before writing (async_save), to give kill tests a window in which a save is in flight.")
-    fail_save_rank: int | None = Field(None, ge=0, description="With world size > 1: this rank fails half-way through writing its part of a checkpoint (at `fail_save_step`, or at every save), to test that no rank commits then.")
-    fail_save_step: int | None = Field(None, ge=0, description="The step at which `fail_save_rank` fails its save; unset = every save.")
-    hang_at_step: int | None = Field(None, ge=1, description="Hang forever (once: a marker in the log dir) while working on this step, where `hang_in` says: the step itself, or the data loading of it (in a loader worker when data.num_workers > 0).")
+    persist_delay_s: float = Field(
+        0.0, ge=0.0,
+        description=(
+            "Sleep this long in the background persist before writing (async_save), to give kill tests a window in "
+            "which a save is in flight."
+        ),
+    )
+    fail_save_rank: int | None = Field(
+        None, ge=0,
+        description=(
+            "With world size > 1: this rank fails half-way through writing its part of a checkpoint (at "
+            "`fail_save_step`, or at every save), to test that no rank commits then."
+        ),
+    )
+    fail_save_step: int | None = Field(
+        None, ge=0, description="The step at which `fail_save_rank` fails its save; unset = every save."
+    )
+    hang_at_step: int | None = Field(
+        None, ge=1,
+        description=(
+            "Hang forever (once: a marker in the log dir) while working on this step, where `hang_in` says: the step "
+            "itself, or the data loading of it (in a loader worker when data.num_workers > 0)."
+        ),
+    )
     hang_in: Literal["step", "data"] = Field("step", description="Where `hang_at_step` hangs.")
     hang_rank: int = Field(0, ge=0, description="The rank that hangs (`hang_at_step`).")
-    nan_at_steps: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list, description="Poison the batches that these steps draw in a run without skips (step N's worth of batches): their loss becomes NaN on `nan_rank`. A rollback that skips such a batch does not meet it again.")
-    spike_at_steps: list[Annotated[int, Field(ge=1)]] = Field(default_factory=list, description="Like `nan_at_steps`, but the loss of those batches is multiplied by 100 (a loss spike; the gradients are unchanged).")
+    nan_at_steps: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=list,
+        description=(
+            "Poison the batches that these steps draw in a run without skips (step N's worth of batches): their loss "
+            "becomes NaN on `nan_rank`. A rollback that skips such a batch does not meet it again."
+        ),
+    )
+    spike_at_steps: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=list,
+        description=(
+            "Like `nan_at_steps`, but the loss of those batches is multiplied by 100 (a loss spike; the gradients are "
+            "unchanged)."
+        ),
+    )
     nan_rank: int = Field(0, ge=0, description="The rank whose loss `nan_at_steps` and `spike_at_steps` poison.")
-    sample_log: bool = Field(False, description="Each rank appends the sample ids of every batch to LOG_DIR/samples-rank-NNNNN.jsonl, to test the data split across ranks and world sizes.")
+    sample_log: bool = Field(
+        False,
+        description=(
+            "Each rank appends the sample ids of every batch to LOG_DIR/samples-rank-NNNNN.jsonl, to test the data "
+            "split across ranks and world sizes."
+        ),
+    )
 
 
 class RunConfig(Section):
     """Everything a run needs. `run_dir` is any fsspec URL; logs go to `log_dir`."""
 
-    run_dir: str = Field("runs/default", description="Where checkpoints and run.json go: a local path or any fsspec URL (s3://bucket/prefix).")
-    log_dir: str | None = Field(None, description="Local folder for events.jsonl/metrics.jsonl; unset = run_dir when local, else runs/<name>.")
+    run_dir: str = Field(
+        "runs/default",
+        description="Where checkpoints and run.json go: a local path or any fsspec URL (s3://bucket/prefix).",
+    )
+    log_dir: str | None = Field(
+        None, description="Local folder for events.jsonl/metrics.jsonl; unset = run_dir when local, else runs/<name>."
+    )
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
-    optim: OptimConfig = Field(default_factory=lambda: _default_optim(), description="Optimizer bundle; `type` selects the arm (default adamw).")
+    optim: OptimConfig = Field(
+        default_factory=lambda: _default_optim(),
+        description="Optimizer bundle; `type` selects the arm (default adamw).",
+    )
     train: TrainSection = Field(default_factory=TrainSection)
     checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
     parallel: ParallelSection = Field(default_factory=ParallelSection)

@@ -130,7 +130,8 @@ def _read_file(layers: Layers, path: Path, seen: tuple[Path, ...], extended_by: 
 
 def _check_unset(path: Path, unset: Any, own: dict[str, Any], base: str | None) -> None:
     if not isinstance(unset, list) or not all(isinstance(k, str) and k for k in unset):
-        raise UserError(f"{path}: unset = {unset!r}: expected a list of dotted keys, e.g. unset = [\"train.grad_accum\"]")
+        raise UserError(f"{path}: unset = {unset!r}: expected a list of dotted keys, "
+                        "e.g. unset = [\"train.grad_accum\"]")
     if base is None:
         raise UserError(f"{path}: unset removes keys an extended file sets, but {path} extends none; remove "
                         "unset (a key the file does not set has its default already) or add extends = \"base.toml\"")

@@ -12,7 +12,8 @@
 |      |                        | the previous checkpoint is still the newest good one       |                 |
 | 79   | HUNG                   | the hang watchdog saw a step, save or collective pass its | restart, bounded |
 |      |                        | limit; stacks dumped to the log dir (harness/health)       | (as a crash)    |
-| any other | (crash)           | a bug or an infrastructure failure                         | restart (the supervisor does) |
+| any other | (crash)           | a bug or an infrastructure failure                         | restart (the    |
+|      |                        |                                                            | supervisor does) |
 
 75 is EX_TEMPFAIL from sysexits.h: "try again later", the conventional "safe to requeue".
 

@@ -15,8 +15,8 @@ A fingerprint record is a JSON object:
   state (`optimizer.state`) and group hyper-parameters, and for any other part its `state_dict()`.
   Hashing the live optimizer state is deliberate: a buffer that the state dict leaves out still
   changes the hash. It costs one pass over every tensor (and a copy to the CPU of one that is
-  on a GPU), hence the interval. The per-tensor digests of the newest hashed step stay in memory (`FingerprintLog.tensors`)
-  so a divergence can name the tensor.
+  on a GPU), hence the interval. The per-tensor digests of the newest hashed step stay in memory
+  (`FingerprintLog.tensors`) so a divergence can name the tensor.
 
 `FingerprintLog` is the trainer's state part `fingerprints`: it keeps the history (the newest
 `HISTORY_LIMIT` records) in the checkpoint, plus the state hash of the parts at the moment of the
@@ -70,7 +70,8 @@ def digest(data: bytes) -> str:
 
 def tensor_digest(t: torch.Tensor) -> str:
     h = xxhash.xxh3_64(f"{t.dtype}{tuple(t.shape)}".encode())
-    h.update(tensor_bytes(local(t)))  # a DTensor: this rank's shard (FSDP; rank 0 checks)  # a dense CPU tensor is hashed where it lies, without a copy
+    # A DTensor: this rank's shard (FSDP; rank 0 checks). A dense CPU tensor is hashed where it lies, without a copy.
+    h.update(tensor_bytes(local(t)))
     return h.hexdigest()
 
 

@@ -5,14 +5,34 @@ the trainer (rank 0 only) unless marked supervisor:
 
 | event      | fields                                   | when |
 |------------|------------------------------------------|------|
-| start      | resumed_from: int or null, previous_reached: int or null, startup_s, restore_s, total_steps | once per process, after the state is restored and checked, just before the first step; previous_reached = the last step the interrupted process logged to metrics.jsonl (every step is logged there), null when it logged none past resumed_from; startup_s = seconds since the process started (imports, config, restore); restore_s = the part spent finding, verifying, loading and checking the checkpoint |
-| progress   | step, train_s                            | every few steps (e.g. each console log line) and after each checkpoint; step = steps completed so far; train_s = seconds this process has spent inside training steps so far (cumulative, blocking saves excluded) |
-| checkpoint | step, blocking_s                         | after each commit; blocking_s = seconds the step loop was blocked by this save |
-| save_slow  | step, seconds                            | while a background save has been persisting longer than expected (checkpoint.save_deadline_s), repeated each slow interval |
-| exit       | reason, step, train_s, exit_code, error | when the process ends by itself: "finished" (0), "preempted" (75), "save_deadline_missed" (76, from the deadline watchdog), "user_error" (2) or "crashed" (an exception; error = its type and message); train_s as in progress. A process that is killed writes none |
-| restart    | cause, exit_code, step, restart, backoff_s | supervisor, before each restart; step = newest committed checkpoint |
-| anomaly    | action, step, batch, cause, value, to_step, skip, error | an anomaly (harness/health/anomaly.py) at `step` (not applied): action "rollback" (back to checkpoint `to_step`, step-batches `skip` skipped) or "stop" (error = the message) |
-| hang       | phase, step, limit_s, waited_s, stacks, nccl_trace | the hang watchdog fired (harness/health/watchdog.py), followed by exit reason "hung" (79) |
+| start      | resumed_from: int or null,               | once per process, after the state is restored and checked,   |
+|            | previous_reached: int or null,           | just before the first step; previous_reached = the last step |
+|            | startup_s, restore_s, total_steps        | the interrupted process logged to metrics.jsonl (every step  |
+|            |                                          | is logged there), null when it logged none past              |
+|            |                                          | resumed_from; startup_s = seconds since the process started  |
+|            |                                          | (imports, config, restore); restore_s = the part spent       |
+|            |                                          | finding, verifying, loading and checking the checkpoint      |
+| progress   | step, train_s                            | every few steps (e.g. each console log line) and after each  |
+|            |                                          | checkpoint; step = steps completed so far; train_s = seconds |
+|            |                                          | this process has spent inside training steps so far          |
+|            |                                          | (cumulative, blocking saves excluded)                        |
+| checkpoint | step, blocking_s                         | after each commit; blocking_s = seconds the step loop was    |
+|            |                                          | blocked by this save                                         |
+| save_slow  | step, seconds                            | while a background save has been persisting longer than      |
+|            |                                          | expected (checkpoint.save_deadline_s), repeated each slow    |
+|            |                                          | interval                                                     |
+| exit       | reason, step, train_s, exit_code, error  | when the process ends by itself: "finished" (0), "preempted" |
+|            |                                          | (75), "save_deadline_missed" (76, from the deadline          |
+|            |                                          | watchdog), "user_error" (2) or "crashed" (an exception;      |
+|            |                                          | error = its type and message); train_s as in progress. A     |
+|            |                                          | process that is killed writes none                           |
+| restart    | cause, exit_code, step, restart,         | supervisor, before each restart; step = newest committed     |
+|            | backoff_s                                | checkpoint                                                   |
+| anomaly    | action, step, batch, cause, value,       | an anomaly (harness/health/anomaly.py) at `step` (not        |
+|            | to_step, skip, error                     | applied): action "rollback" (back to checkpoint `to_step`,   |
+|            |                                          | step-batches `skip` skipped) or "stop" (error = the message) |
+| hang       | phase, step, limit_s, waited_s, stacks,  | the hang watchdog fired (harness/health/watchdog.py),        |
+|            | nccl_trace                               | followed by exit reason "hung" (79)                          |
 | gave_up    | cause, step, restarts, streak, stderr_tail | supervisor, when it stops retrying |
 
 Accounting (`account(events)`), with one "process" = the events from one "start" to the next:

@@ -33,7 +33,7 @@ from typing import Any
 
 from harness.errors import UserError
 from harness.events import EVENTS_FILE
-from harness.fingerprint import FIELDS, ordered_parts, diagnose, differing_fields
+from harness.fingerprint import FIELDS, diagnose, differing_fields, ordered_parts
 from harness.jsonlines import records
 from harness.run.files import METRICS_FILE
 

@@ -54,11 +54,11 @@ import tenacity
 from harness import parent_death
 from harness.checkpoint.discovery import latest_committed
 from harness.checkpoint.location import open_location
-from harness.events import EventLog
-from harness.run.files import events_url
 from harness.errors import Unavailable, UserError
+from harness.events import EventLog
 from harness.exit_codes import FINISHED, GAVE_UP, NAMES, PREEMPTED, REQUEUE, RETRY_LATER, USER_ERROR
 from harness.log import get_logger, rank_prefix
+from harness.run.files import events_url
 from harness.signals import DEFAULT_SIGNALS, PreemptionWatch
 
 log = get_logger(__name__)

@@ -40,14 +40,13 @@ from typing import Any
 
 import torch
 
+from harness.buffer_probe import BufferProbe, non_persistent_buffers
 from harness.checkpoint.diff import compare_checkpoints
 from harness.checkpoint.store import CheckpointStore
-from harness.buffer_probe import BufferProbe, non_persistent_buffers
 from harness.completeness import check_buffers, check_registered
 from harness.fingerprint import FingerprintLog, diagnose, part_hashes, record, state_digests
-from harness.rng import RNGState, seed_everything
 from harness.resume_equivalence import Verdict, blame, describe_fields, first_divergence
-
+from harness.rng import RNGState, seed_everything
 
 _OPTIM_HINT = "an optimizer buffer (momentum, second moment) must be in the optimizer's state_dict"
 

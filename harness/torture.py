@@ -49,8 +49,8 @@ from harness.checkpoint import CheckpointStore
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.faults import FaultPlan, SimulatedCrash
 from harness.checkpoint.lease import LEASE_FILE, MISSED_HEARTBEATS
-from harness.checkpoint.manifest import MANIFEST_FILE
 from harness.checkpoint.location import open_location
+from harness.checkpoint.manifest import MANIFEST_FILE
 
 DEFAULT_MODES = ("kill", "eio", "enospc", "powerloss")
 ALL_MODES = ("kill", "powerloss", "eio", "enospc", "transient", "permanent")
@@ -330,13 +330,16 @@ def corruption_sweep(torture: Torture, offsets: int = 16, cli: bool = True) -> C
 # ---- report ----------------------------------------------------------------------------------
 
 def format_table(kind: str, tallies: dict[str, Tally]) -> str:
-    head = f"{'store':8} {'mode':10} {'points':>6} {'recovered':>9} {'lost':>5} {'wrongly accepted':>16} {'unclean':>7} {'new kept':>8}"
+    head = (f"{'store':8} {'mode':10} {'points':>6} {'recovered':>9} {'lost':>5} {'wrongly accepted':>16} "
+            f"{'unclean':>7} {'new kept':>8}")
     rows = [head]
     for mode, t in tallies.items():
-        rows.append(f"{kind:8} {mode:10} {t.tried:>6} {t.recovered:>9} {t.lost:>5} {t.wrongly_accepted:>16} {t.unclean:>7} {t.kept_new:>8}")
+        rows.append(f"{kind:8} {mode:10} {t.tried:>6} {t.recovered:>9} {t.lost:>5} {t.wrongly_accepted:>16} "
+                    f"{t.unclean:>7} {t.kept_new:>8}")
     total = Tally()
     for t in tallies.values():
         for attr in ("tried", "recovered", "lost", "wrongly_accepted", "unclean", "kept_new"):
             setattr(total, attr, getattr(total, attr) + getattr(t, attr))
-    rows.append(f"{kind:8} {'all':10} {total.tried:>6} {total.recovered:>9} {total.lost:>5} {total.wrongly_accepted:>16} {total.unclean:>7} {total.kept_new:>8}")
+    rows.append(f"{kind:8} {'all':10} {total.tried:>6} {total.recovered:>9} {total.lost:>5} "
+                f"{total.wrongly_accepted:>16} {total.unclean:>7} {total.kept_new:>8}")
     return "\n".join(rows)

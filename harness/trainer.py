@@ -20,14 +20,14 @@ from typing import Any
 import torch
 
 from harness import distributed, numerics
+from harness.buffer_probe import BufferProbe, non_persistent_buffers
+from harness.completeness import check_buffers, check_registered
 from harness.config import RunConfig, batch_shape, model_args
 from harness.data import BatchStream, eval_batches
 from harness.data.factory import is_iterator_source
 from harness.data.iterator_stream import IteratorStream
-from harness.data.sources import TrainData, open_data
 from harness.data.prng import derive_seed
-from harness.buffer_probe import BufferProbe, non_persistent_buffers
-from harness.completeness import check_buffers, check_registered
+from harness.data.sources import TrainData, open_data
 from harness.errors import UserError
 from harness.fingerprint import FingerprintLog
 from harness.health.anomaly import Anomaly, detect
@@ -143,7 +143,8 @@ class Trainer:
         if world_size > 1 and not self.sharded:
             from torch.nn.parallel import DistributedDataParallel
 
-            self.net = DistributedDataParallel(self.model, device_ids=[self.device] if self.device.type == "cuda" else None)
+            device_ids = [self.device] if self.device.type == "cuda" else None
+            self.net = DistributedDataParallel(self.model, device_ids=device_ids)
         if world_size > 1:  # dropout differs by rank (as the samples do); each rank's stream is its `rng` part
             seed_everything(derive_seed(cfg.train.seed, rank))
         if cfg.train.compile:

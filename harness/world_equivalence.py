@@ -112,7 +112,8 @@ class WorldVerdict:
     def __str__(self) -> str:
         sizes = " -> ".join(map(str, self.sizes))
         head = "within tolerance" if self else "NOT within tolerance"
-        lines = [f"{head}: world size {sizes}, {self.steps} steps, interrupted at {', '.join(map(str, self.interrupt_at))}",
+        lines = [f"{head}: world size {sizes}, {self.steps} steps, "
+                 f"interrupted at {', '.join(map(str, self.interrupt_at))}",
                  f"  tolerance {self.tolerance:g}: per-step loss |A - B| / max(1, |A|), final model/optimizer "
                  f"tensors max |A - B|",
                  "  batches: " + ("identical sample ids at every step" if self.batch_step is None
@@ -207,7 +208,8 @@ def compare_worlds(a: Path, b: Path, steps: int, sizes: list[int], points: list[
     verdict = WorldVerdict(sizes, steps, tolerance, points)
     by_a = {int(r["step"]): r for r in step_records(a)}
     by_b = {int(r["step"]): r for r in step_records(b)}
-    verdict.not_logged = {run: [s for s in range(1, steps + 1) if s not in by] for run, by in (("A", by_a), ("B", by_b))}
+    verdict.not_logged = {run: [s for s in range(1, steps + 1) if s not in by]
+                          for run, by in (("A", by_a), ("B", by_b))}
     for step in range(1, steps + 1):
         ra, rb = by_a.get(step), by_b.get(step)
         if ra is None or rb is None or ra["batch_hash"] != rb["batch_hash"]:

@@ -9,8 +9,9 @@ fully-local baseline; no split).
 Block matrices are the 2D parameters whose `model.named_parameters()` name matches one of
 `matrix_patterns` (fnmatch). A config that leaves it unset takes the model's own
 `matrix_patterns` attribute when it has one (harness.models.hf: the decoder layers of a
-transformers model), else `blocks.*` (the reference's `blocks.parameters()` with ndim == 2). Every optimizer gets the same schedule
-(`optim.schedule`: warmup, then cosine, linear or warmup-stable-decay); `head_lr_mult` scales
+transformers model), else `blocks.*` (the reference's `blocks.parameters()` with ndim == 2). Every
+optimizer gets the same schedule (`optim.schedule`: warmup, then cosine, linear or
+warmup-stable-decay); `head_lr_mult` scales
 the peak lr of the parameters matching `head_pattern`, in whichever optimizer holds them.
 Bundle names: the arm's name for the matrix optimizer, `adamw` for the rest (omitted when
 nothing is left), `sgdm` for the SGD arm.

@@ -31,10 +31,12 @@ DEFAULT_THREADS_ENV = {k: v for k, v in ENV.items()
 # another order for another operand layout. The per-matrix path keeps the reference's layout.
 INTEL_CPU = numerics.cpu().vendor == "GenuineIntel"
 MKL_BITWISE_ON_INTEL = dict(condition=not INTEL_CPU, strict=False,
-                            reason="bitwise oneMKL comparisons hold on Intel CPUs; on this one they did not (tests/procs.py)")
+                            reason="bitwise oneMKL comparisons hold on Intel CPUs; on this one they did not "
+                                   "(tests/procs.py)")
 
 
-def harness(*args: str, timeout: float = 300, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+def harness(*args: str, timeout: float = 300, check: bool = False,
+            env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `harness ARGS` to completion; returns the completed process (text output)."""
     proc = subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True, text=True,
                           env=env or ENV, timeout=timeout, cwd=ROOT)

@@ -79,7 +79,8 @@ class S3ServerProcess:
         self._proc: subprocess.Popen | None = None
 
     def start(self) -> S3ServerProcess:
-        self._proc = subprocess.Popen([sys.executable, str(LOCAL_SERVER), "--port", str(self.port), "--bucket", self.bucket],
+        self._proc = subprocess.Popen([sys.executable, str(LOCAL_SERVER), "--port", str(self.port),
+                                       "--bucket", self.bucket],
                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         line = self._proc.stdout.readline()  # printed once the bucket exists
         if not line.startswith("S3 server on"):

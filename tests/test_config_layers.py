@@ -46,12 +46,14 @@ def test_unsetting_a_table_replaces_it_instead_of_merging(tmp_path):
 
 @pytest.mark.parametrize("text, overrides, needle", [
     ('unset = ["train.grad_acum"]\n', [],
-     "unset 'train.grad_acum': train.grad_acum is not set by {tiny} (with what it extends), so there is nothing to unset"),
+     "unset 'train.grad_acum': train.grad_acum is not set by {tiny} (with what it extends), "
+     "so there is nothing to unset"),
     ('unset = ["train.grad_accum"]\n[train]\ngrad_accum = 3\n', [],
      "unset lists train.grad_accum and the file sets it too; remove one of them"),
     ('unset = "train.grad_accum"\n', [], "expected a list of dotted keys"),
     ("", ["train.global_batch=null"],
-     "--set train.global_batch=null: train.global_batch is not set by {child} (with what it extends) or an earlier --set"),
+     "--set train.global_batch=null: train.global_batch is not set by {child} (with what it extends) "
+     "or an earlier --set"),
 ])
 def test_an_unset_that_does_nothing_is_refused(tmp_path, text, overrides, needle):
     child = write(tmp_path / "child.toml", f'extends = "{TINY}"\n{text}')

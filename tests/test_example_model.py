@@ -69,5 +69,6 @@ def test_a_tied_checkpoint_loads_into_an_untied_model(tmp_path, tied_lm):
     untied = tied_lm.build({"seq_len": 8})
     untied.head.weight = nn.Parameter(untied.head.weight.detach().clone())
     store.load(ref, {"model": untied})
-    assert torch.equal(untied.head.weight, saved.tok_emb.weight) and torch.equal(untied.tok_emb.weight, saved.tok_emb.weight)
+    assert torch.equal(untied.head.weight, saved.tok_emb.weight)
+    assert torch.equal(untied.tok_emb.weight, saved.tok_emb.weight)
     assert untied.head.weight.data_ptr() != untied.tok_emb.weight.data_ptr()

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from harness.cli.report import run as report
 from harness.errors import UserError
 from harness.events import EventLog
-from harness.run.files import events_url
 from harness.goodput import account
-from harness.cli.report import run as report
+from harness.run.files import events_url
 
 REPO = str(Path(__file__).resolve().parents[1])
 

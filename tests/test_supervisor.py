@@ -36,7 +36,8 @@ TRAINER = textwrap.dedent(
 
     configure()
     run_dir, steps, every, step_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
-    crash = os.environ.get("FAKE_CRASH", "")  # once:K:exit|raise|kill, always:K, after_each_checkpoint, user_error, outage:N
+    # FAKE_CRASH: once:K:exit|raise|kill, always:K, after_each_checkpoint, user_error, outage:N
+    crash = os.environ.get("FAKE_CRASH", "")
     ckpt = os.path.join(run_dir, "ckpt.json")
 
     def commit(step, value):
@@ -219,7 +220,8 @@ def test_a_crash_loop_before_any_checkpoint_says_so_in_plain_words(run, capsys):
     assert code == GAVE_UP
     err = capsys.readouterr().err
     message = err[err.index("error: gave up"):]
-    assert "gave up at no committed checkpoint: the child crashed 2 times in a row without committing any checkpoint" in message
+    assert ("gave up at no committed checkpoint: the child crashed 2 times in a row without committing any checkpoint"
+            in message)
     assert "newer than no committed checkpoint" not in message
     assert message.rstrip().endswith("it starts from step 0.")
 

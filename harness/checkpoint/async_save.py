@@ -166,7 +166,8 @@ class AsyncSaver(Saver):
                  agree: Callable[[bool], bool] = bool, last_committed: int | None = None) -> None:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
-        super().__init__(commit, rank=rank, per_rank=per_rank, sharded=sharded, on_commit=on_commit, last_committed=last_committed)
+        super().__init__(commit, rank=rank, per_rank=per_rank, sharded=sharded, on_commit=on_commit,
+                         last_committed=last_committed)
         self.when_busy, self.agree, self.persist_delay_s = when_busy, agree, persist_delay_s
         self.save_deadline_s, self.on_slow, self.slow_floor_s = save_deadline_s, on_slow, slow_floor_s
         self.buffers = StagingBuffers()

@@ -33,7 +33,8 @@ MODEL_PART = "model"
 MODEL_FILE = "model.safetensors"
 
 
-def consolidate(store: CheckpointStore, ref: CheckpointRef, out: str, storage_options: dict | None = None) -> tuple[str, int]:
+def consolidate(store: CheckpointStore, ref: CheckpointRef, out: str,
+                storage_options: dict | None = None) -> tuple[str, int]:
     """Write `ref`'s model part to `out/model.safetensors` (a local folder or URL); returns (its
     URL, bytes). Raises `CheckpointCorrupt` for a damaged checkpoint, `CheckpointError` for one
     without a model part or an `out` that is a file or cannot be written to."""

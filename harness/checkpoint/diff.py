@@ -53,13 +53,15 @@ class CheckpointDiff:
         return not self.differences
 
 
-def diff_checkpoints(a: tuple[CheckpointStore, CheckpointRef], b: tuple[CheckpointStore, CheckpointRef]) -> tuple[list[str], bool]:
+def diff_checkpoints(a: tuple[CheckpointStore, CheckpointRef],
+                     b: tuple[CheckpointStore, CheckpointRef]) -> tuple[list[str], bool]:
     """(report lines, equal) for checkpoints `a` and `b`."""
     result = compare_checkpoints(a, b)
     return result.lines, result.equal
 
 
-def compare_checkpoints(a: tuple[CheckpointStore, CheckpointRef], b: tuple[CheckpointStore, CheckpointRef]) -> CheckpointDiff:
+def compare_checkpoints(a: tuple[CheckpointStore, CheckpointRef],
+                        b: tuple[CheckpointStore, CheckpointRef]) -> CheckpointDiff:
     """Every difference between checkpoints `a` and `b`, with report lines (JSON ones capped);
     the parts either stores sharded compared whole (module docstring)."""
     (store_a, ref_a), (store_b, ref_b) = a, b

@@ -101,7 +101,8 @@ def read_manifest(loc: Location, ref: CheckpointRef) -> Manifest:
         loc.fs.ls(ref.path, detail=False, refresh=True)
     path = f"{ref.path}/{MANIFEST_FILE}"
     if not loc.fs.exists(path):
-        raise CheckpointCorrupt(f"{ref.url}: no {MANIFEST_FILE}, so this is not a committed checkpoint (an interrupted save?)")
+        raise CheckpointCorrupt(f"{ref.url}: no {MANIFEST_FILE}, so this is not a committed checkpoint "
+                                "(an interrupted save?)")
     try:
         manifest = parse_manifest(read_bytes(loc, path, MAX_MANIFEST_BYTES), loc.url_of(path))
     except CheckpointCorrupt:

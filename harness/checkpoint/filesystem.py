@@ -18,11 +18,10 @@ wraps it in a `FaultyFileSystem`.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from typing import Any
-
-import functools
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem

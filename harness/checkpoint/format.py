@@ -118,7 +118,8 @@ def capture(parts: Mapping[str, Any], rank: int = 0, per_rank: Collection[str] =
     trees: dict[str, Any] = {}
     for part, value in parts.items():
         if not _PART_NAME.fullmatch(part):
-            raise CheckpointError(f"part name {part!r} is not allowed: use letters, digits and '_', starting with a letter")
+            raise CheckpointError(f"part name {part!r} is not allowed: use letters, digits and '_', "
+                                  "starting with a letter")
         file = SHARDED if part in sharded else tensor_file(part, rank, per_rank)
         prefix: KeyPath = (part,) if part in per_rank or part in sharded else ()
         state = value.state_dict() if hasattr(value, "state_dict") else value

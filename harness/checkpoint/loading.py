@@ -33,13 +33,13 @@ from enum import Enum
 from typing import Any
 
 from harness.checkpoint.digest import hexdigest
+from harness.checkpoint.discovery import CheckpointRef, read_manifest, size_problem
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.format import parse_state
-from harness.checkpoint.discovery import CheckpointRef, read_manifest, size_problem
+from harness.checkpoint.location import HashingReader, Location, check_small, hash_file, open_read, read_bytes
 from harness.checkpoint.manifest import STATE_FILE, FileRecord, Manifest
 from harness.checkpoint.restore import restore_parts
 from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE
-from harness.checkpoint.location import HashingReader, Location, check_small, hash_file, open_read, read_bytes
 from harness.checkpoint.tensorfile import TensorEntry, read_header
 from harness.log import get_logger
 
@@ -175,7 +175,8 @@ class CheckpointShards:
     @property
     def metadata(self):
         if self._metadata is None:
-            data = read_listed(self.loc, self.checkpoint.ref, self.checkpoint.manifest, METADATA_FILE, MAX_METADATA_BYTES)
+            data = read_listed(self.loc, self.checkpoint.ref, self.checkpoint.manifest, METADATA_FILE,
+                               MAX_METADATA_BYTES)
             self._metadata = self._dcp.metadata_from_json(
                 data, self.loc.url_of(f"{self.checkpoint.ref.path}/{METADATA_FILE}"))
         return self._metadata

@@ -32,8 +32,8 @@ from harness.checkpoint.background import BackgroundJob
 from harness.checkpoint.commit import Committer
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import Snapshot
-from harness.checkpoint.manifest import FileRecord
 from harness.checkpoint.location import hash_file, open_read
+from harness.checkpoint.manifest import FileRecord
 from harness.checkpoint.store import CheckpointRef, CheckpointStore
 from harness.errors import UserError
 from harness.log import get_logger

@@ -20,8 +20,8 @@ reads every byte once and costs about a raw read while the hash keeps up with th
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
 from collections import deque
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -162,7 +162,8 @@ def write_small(loc: Location, path: str, data: bytes) -> None:
     _write(loc, path, [data], lambda _chunk: None)
 
 
-def _write(loc: Location, path: str, chunks: Iterable[memoryview | bytes], seen: Callable[[memoryview | bytes], None]) -> None:
+def _write(loc: Location, path: str, chunks: Iterable[memoryview | bytes],
+           seen: Callable[[memoryview | bytes], None]) -> None:
     with loc.fs.open(path, "wb") as f:
         for chunk in chunks:
             seen(chunk)
@@ -251,7 +252,8 @@ def hash_file(loc: Location, path: str, algorithm: str = DEFAULT_ALGORITHM) -> t
 def check_small(where: str, size: int, limit: int) -> None:
     """Refuse a small file (a manifest, a state file) of more than `limit` bytes before reading it."""
     if size > limit:
-        raise CheckpointError(f"{where} is {size} bytes, more than the {limit} allowed for this file; it is not a file this harness wrote")
+        raise CheckpointError(f"{where} is {size} bytes, more than the {limit} allowed for this file; "
+                              "it is not a file this harness wrote")
 
 
 def read_bytes(loc: Location, path: str, limit: int) -> bytes:

@@ -90,7 +90,9 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     except CheckpointError:
         raise
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{where}: malformed manifest ({type(e).__name__}: {e}); the checkpoint is not usable") from e
+        raise CheckpointError(
+            f"{where}: malformed manifest ({type(e).__name__}: {e}); the checkpoint is not usable"
+        ) from e
     names = [f.name for f in files]
     if len(set(names)) != len(names) or STATE_FILE not in names or MANIFEST_FILE in names:
         raise CheckpointError(f"{where}: manifest lists files {names}: duplicates, no {STATE_FILE}, or itself")

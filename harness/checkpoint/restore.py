@@ -124,7 +124,8 @@ def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], 
         if problems:
             if check_streamed is not None:
                 check_streamed()  # damage first: a damaged header can read as another shape
-            listed = problems[:_MAX_LISTED] + ([f"... and {len(problems) - _MAX_LISTED} more"] if len(problems) > _MAX_LISTED else [])
+            more = len(problems) - _MAX_LISTED
+            listed = problems[:_MAX_LISTED] + ([f"... and {more} more"] if more > 0 else [])
             raise CheckpointError(
                 f"{where} does not fit the live state ({len(problems)} problem(s)); nothing was loaded:\n  "
                 + "\n  ".join(listed)
@@ -133,7 +134,8 @@ def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], 
                 "skip=[tensor paths]) keeps the live values of the named tensors)"
             )
         for file, (f, _, fwhere) in files.items():
-            todo = sorted((s for ps in slots.values() for s in ps.values() if s.file == file), key=lambda s: s.entry.start)
+            todo = sorted((s for ps in slots.values() for s in ps.values() if s.file == file),
+                          key=lambda s: s.entry.start)
             read: dict[str, torch.Tensor] = {}  # entry name -> its value: a tied tensor is read once
             for slot in todo:
                 if slot.entry.name in read:
@@ -176,7 +178,8 @@ def _tie(live: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(part: str, tree: Any, target: Any, skip: Collection[str], files: dict, open_file: Callable,
-          problems: list[str], shard_dest: dict[str, torch.Tensor]) -> tuple[dict[KeyPath, _Slot], dict[KeyPath, torch.Tensor]]:
+          problems: list[str],
+          shard_dest: dict[str, torch.Tensor]) -> tuple[dict[KeyPath, _Slot], dict[KeyPath, torch.Tensor]]:
     live: dict[KeyPath, torch.Tensor] = {}
     tensor_dicts: set[KeyPath] = set()
     _live_tensors(live_state(target), (), live, tensor_dicts)
@@ -207,7 +210,8 @@ def _plan(part: str, tree: Any, target: Any, skip: Collection[str], files: dict,
             files[file] = open_file(file)
         entry = files[file][1].get(name)
         if entry is None:
-            problems.append(f"{label}: state.json refers to tensor {name!r}, which {file} does not have (corrupt checkpoint)")
+            problems.append(f"{label}: state.json refers to tensor {name!r}, which {file} does not have "
+                            "(corrupt checkpoint)")
             continue
         t = live.get(path)
         if t is not None and (t.dtype != entry.dtype or tuple(t.shape) != entry.shape):

@@ -60,9 +60,9 @@ TRANSIENT_ERRNOS = frozenset({errno.ECONNRESET, errno.ETIMEDOUT, errno.ECONNREFU
 
 # Failures of the connection or of the bytes in flight, not of the request: worth another try.
 # A response that does not parse is one too: throttling front ends can send garbled XML.
-NETWORK_ERRORS = (bx.HTTPClientError, bx.ConnectionError, bx.IncompleteReadError, bx.ResponseStreamingError, ResponseParserError,
-                  aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, aiohttp.ServerTimeoutError,
-                  asyncio.TimeoutError, TimeoutError, ConnectionError)
+NETWORK_ERRORS = (bx.HTTPClientError, bx.ConnectionError, bx.IncompleteReadError, bx.ResponseStreamingError,
+                  ResponseParserError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
+                  aiohttp.ServerTimeoutError, asyncio.TimeoutError, TimeoutError, ConnectionError)
 
 _in_retry = contextvars.ContextVar("harness_storage_in_retry", default=False)
 

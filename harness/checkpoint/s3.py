@@ -120,7 +120,8 @@ class RetryingS3FileSystem(S3FileSystem):
             for upload in pages.get("Uploads", []):
                 self.call_s3("abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"])
                 aborted.append(upload["Key"])
-            marker = {"KeyMarker": pages.get("NextKeyMarker", ""), "UploadIdMarker": pages.get("NextUploadIdMarker", "")}
+            marker = {"KeyMarker": pages.get("NextKeyMarker", ""),
+                      "UploadIdMarker": pages.get("NextUploadIdMarker", "")}
         return aborted
 
     async def _retrying(self, fn, what: str, bucket: str, key: str = ""):

@@ -54,7 +54,8 @@ class Saver:
     background = False
 
     def __init__(self, commit: Committer, *, rank: int = 0, per_rank: Collection[str] = (),
-                 sharded: Collection[str] = (), on_commit: Callable[[Committed], None] | None = None, last_committed: int | None = None) -> None:
+                 sharded: Collection[str] = (), on_commit: Callable[[Committed], None] | None = None,
+                 last_committed: int | None = None) -> None:
         self.commit, self.rank, self.per_rank, self.on_commit = commit, rank, frozenset(per_rank), on_commit
         self.last_committed = last_committed
         self.sharded = frozenset(sharded)
@@ -110,7 +111,8 @@ def open_saver(store: CheckpointStore, *, background: bool, local_dir: str | Non
         commit = LocalFirst(store, local_dir)
     else:
         commit = Committer(store)
-    common = dict(rank=distributed.rank(), per_rank=per_rank, sharded=sharded, on_commit=on_commit, last_committed=last_committed)
+    common = dict(rank=distributed.rank(), per_rank=per_rank, sharded=sharded, on_commit=on_commit,
+                  last_committed=last_committed)
     if not background:
         return Saver(commit, **common)
     return AsyncSaver(commit, when_busy=when_busy, persist_delay_s=persist_delay_s, save_deadline_s=save_deadline_s,

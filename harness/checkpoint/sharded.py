@@ -29,20 +29,24 @@ import json
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.futures import Future
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.shard_files import METADATA_FILE, shard_file
@@ -77,7 +81,8 @@ def metadata_to_json(md: Metadata) -> bytes:
             raise CheckpointError(f"sharded state {fqn!r} is not a tensor; only tensors go through DCP here")
         tensors[fqn] = {"dtype": CODES[meta.properties.dtype], "size": list(meta.size),
                         "chunks": [[list(c.offsets), list(c.sizes)] for c in meta.chunks]}
-    storage = sorted([idx.fqn, list(idx.offset or ()), loc.file, loc.tensor] for idx, loc in (md.storage_data or {}).items())
+    storage = sorted([idx.fqn, list(idx.offset or ()), loc.file, loc.tensor]
+                     for idx, loc in (md.storage_data or {}).items())
     planner = {k: list(v) for k, v in sorted((md.planner_data or {}).items())}
     doc = {"format_version": METADATA_FORMAT, "dcp_version": md.version, "tensors": tensors, "storage": storage,
            "planner_data": planner}
@@ -104,7 +109,9 @@ def metadata_from_json(data: bytes, where: str) -> Metadata:
         return Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage,
                         version=doc.get("dcp_version"))
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointCorrupt(f"{where}: malformed DCP metadata ({type(e).__name__}: {e}); the checkpoint is corrupt") from e
+        raise CheckpointCorrupt(
+            f"{where}: malformed DCP metadata ({type(e).__name__}: {e}); the checkpoint is corrupt"
+        ) from e
 
 
 def _ints(values: Any) -> list[int]:

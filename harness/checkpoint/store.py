@@ -42,19 +42,43 @@ from contextlib import ExitStack, contextmanager, suppress
 from secrets import token_hex
 from typing import Any
 
+from harness.checkpoint.discovery import (
+    TMP_DIR,
+    CheckpointRef,
+    candidates,
+    checkpoints_dir,
+    first_without_problems,
+    latest_committed,
+    read_manifest,
+    ref_at,
+    scan,
+)
 from harness.checkpoint.errors import CheckpointError
-from harness.errors import Unavailable
 from harness.checkpoint.format import Snapshot, capture, dump_state
 from harness.checkpoint.lease import DEFAULT_HEARTBEAT_S, Lease
-from harness.checkpoint.discovery import (TMP_DIR, CheckpointRef, candidates, checkpoints_dir,
-                                          first_without_problems, latest_committed, read_manifest, ref_at, scan)
-from harness.checkpoint.loading import (Checkpoint, Verify, open_checkpoint, open_tensors,
-                                        read_state_file, restore, verify_files)
+from harness.checkpoint.loading import (
+    Checkpoint,
+    Verify,
+    open_checkpoint,
+    open_tensors,
+    read_state_file,
+    restore,
+    verify_files,
+)
+from harness.checkpoint.location import (
+    Location,
+    folder_name,
+    fsync_dir,
+    open_location,
+    rename,
+    write_small,
+    write_stream,
+)
 from harness.checkpoint.manifest import MANIFEST_FILE, STATE_FILE, FileRecord, Manifest
-from harness.checkpoint.shard_files import SHARDED
 from harness.checkpoint.retention import check_policy, steps_to_keep
-from harness.checkpoint.location import Location, folder_name, fsync_dir, open_location, rename, write_small, write_stream
+from harness.checkpoint.shard_files import SHARDED
 from harness.checkpoint.tensorfile import TensorEntry, serialize
+from harness.errors import Unavailable
 from harness.log import get_logger
 
 log = get_logger(__name__)

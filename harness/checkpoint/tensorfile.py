@@ -137,11 +137,14 @@ def read_header(f, file_size: int, where: str) -> dict[str, TensorEntry]:
         doc.pop("__metadata__", None)
         entries = [_entry(name, spec, 8 + n) for name, spec in doc.items()]
     except (ValueError, TypeError, KeyError) as e:
-        raise CheckpointError(f"{where}: malformed safetensors header ({e}); the file is corrupt or not safetensors") from e
+        raise CheckpointError(
+            f"{where}: malformed safetensors header ({e}); the file is corrupt or not safetensors"
+        ) from e
     data_end = 8 + n
     for e in sorted(entries, key=lambda e: (e.start, e.end)):
         if e.start != data_end:
-            raise CheckpointError(f"{where}: tensor {e.name!r} starts at byte {e.start}, expected {data_end}; the header is corrupt")
+            raise CheckpointError(f"{where}: tensor {e.name!r} starts at byte {e.start}, expected {data_end}; "
+                                  "the header is corrupt")
         data_end = e.end
     if data_end != file_size:
         raise CheckpointError(
@@ -167,7 +170,8 @@ def _entry(name: str, spec: dict, base: int) -> TensorEntry:
 def read_tensor(f, entry: TensorEntry, where: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """Read one tensor; into `out`'s storage when it is a dense CPU tensor (no extra memory),
     otherwise into a new tensor that is then copied into `out` (if given). Returns the result."""
-    direct = out is not None and out.device.type == "cpu" and out.is_contiguous() and not out.is_conj() and not out.is_neg()
+    direct = (out is not None and out.device.type == "cpu" and out.is_contiguous() and not out.is_conj()
+              and not out.is_neg())
     buf = out.detach() if direct else torch.empty(entry.shape, dtype=entry.dtype)
     if entry.end > entry.start:
         f.seek(entry.start)

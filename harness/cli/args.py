@@ -16,7 +16,8 @@ def add_config_args(p: argparse.ArgumentParser, *, run_dir: bool = True) -> None
     """CONFIG, --run-dir (unless `run_dir` is False) and --set: every command that takes one run config."""
     p.add_argument("config", metavar="CONFIG", help="TOML run config (see configs/)")
     if run_dir:
-        p.add_argument("--run-dir", metavar="URL", help="override run_dir (a local path or any fsspec URL); wins over run_dir in the config and in --set")
+        p.add_argument("--run-dir", metavar="URL", help="override run_dir (a local path or any fsspec URL); "
+                       "wins over run_dir in the config and in --set")
     add_overrides(p)
 
 

@@ -1,4 +1,5 @@
-"""`harness ckpt ls|verify|show|diff|consolidate|export|gc`: look at, check, export and prune checkpoints from the shell.
+"""`harness ckpt ls|verify|show|diff|consolidate|export|gc`: look at, check, export and prune checkpoints
+from the shell.
 
 Every command takes local paths or fsspec URLs, and `-o KEY=VALUE` (repeatable) for the
 storage options a run's `checkpoint.storage_options` holds, e.g. `-o endpoint_url=http://minio:9000`
@@ -23,12 +24,11 @@ import time
 
 from harness.checkpoint.consolidate import consolidate
 from harness.checkpoint.diff import diff_checkpoints
+from harness.checkpoint.discovery import CHECKPOINTS_DIR, STEP_DIR, CheckpointRef
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import tensor_refs
+from harness.checkpoint.location import folder_name, open_location, read_bytes
 from harness.checkpoint.manifest import MANIFEST_FILE, parse_manifest
-from harness.checkpoint.location import open_location, read_bytes
-from harness.checkpoint.discovery import CHECKPOINTS_DIR, STEP_DIR, CheckpointRef
-from harness.checkpoint.location import folder_name
 from harness.checkpoint.store import CheckpointStore
 from harness.cli.args import storage_option_parser, storage_options_of
 from harness.run_id import RUN_JSON
@@ -58,13 +58,15 @@ def open_target(url: str, options: dict | None = None) -> tuple[CheckpointStore,
     else:
         step = parse_manifest(read_bytes(loc, manifest, 1 << 24), loc.url_of(manifest)).step
     run = parent.rsplit("/", 1)[0] if folder_name(parent) == CHECKPOINTS_DIR else parent
-    return CheckpointStore(loc.url_of(run), storage_options=options), CheckpointRef(step, loc.root, loc.url_of(loc.root))
+    store = CheckpointStore(loc.url_of(run), storage_options=options)
+    return store, CheckpointRef(step, loc.root, loc.url_of(loc.root))
 
 
 def _checkpoint(url: str, options: dict | None) -> tuple[CheckpointStore, CheckpointRef]:
     store, ref = open_target(url, options)
     if ref is None:
-        raise CheckpointError(f"{url} is a run dir, not a checkpoint; name one folder, e.g. {url.rstrip('/')}/{CHECKPOINTS_DIR}/step-00000100")
+        raise CheckpointError(f"{url} is a run dir, not a checkpoint; name one folder, "
+                              f"e.g. {url.rstrip('/')}/{CHECKPOINTS_DIR}/step-00000100")
     return store, ref
 
 
@@ -139,7 +141,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    lines, equal = diff_checkpoints(_checkpoint(args.a, storage_options_of(args)), _checkpoint(args.b, storage_options_of(args)))
+    lines, equal = diff_checkpoints(_checkpoint(args.a, storage_options_of(args)),
+                                    _checkpoint(args.b, storage_options_of(args)))
     for line in lines:
         print(line)
     print("bitwise equal" if equal else "checkpoints differ")
@@ -235,7 +238,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = commands.add_parser("ls", parents=[storage], help="list checkpoints with sizes and whether they verify")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run dir (path or URL) given to `harness train`")
     p.set_defaults(func=cmd_ls)
-    p = commands.add_parser("verify", parents=[storage], help="check sizes and digests of a checkpoint or of every one in a run dir")
+    p = commands.add_parser("verify", parents=[storage],
+                            help="check sizes and digests of a checkpoint or of every one in a run dir")
     p.add_argument("target", metavar="RUN_DIR|CKPT", help="a run dir (every checkpoint in it) or one checkpoint folder "
                    "RUN_DIR/checkpoints/step-NNNNNNNN")
     p.set_defaults(func=cmd_verify)
@@ -263,8 +267,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-shard-size", type=_shard_size, default="5GB", metavar="SIZE", help="split the weights "
                    "into files of at most SIZE (5GB, 500MB, 2GiB; default 5GB) with model.safetensors.index.json")
     p.set_defaults(func=cmd_export)
-    p = commands.add_parser("gc", parents=[storage], help="apply the run's retention policy and remove leftovers of dead writers; "
-                            "never removes the newest good checkpoint")
+    p = commands.add_parser("gc", parents=[storage], help="apply the run's retention policy and remove leftovers of "
+                            "dead writers; never removes the newest good checkpoint")
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run dir (path or URL) given to `harness train`")
     p.add_argument("--keep-last", type=int, help="keep the newest K checkpoints (K >= 2; default: the run's "
                    "checkpoint.keep_last from its run.json)")

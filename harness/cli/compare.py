@@ -7,8 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from harness.compare import __doc__ as compare_doc
-from harness.compare import format_table, run_dirs_of, summarize, write_plot
+from harness.compare import __doc__ as compare_doc, format_table, run_dirs_of, summarize, write_plot
 from harness.errors import UserError
 from harness.seed_groups import group_runs
 from harness.sweep_report import format_best, format_by_lr, write_sweep_plot
@@ -34,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--target-loss applies to grouped runs (an arm's seeds or lrs, as `harness sweep` makes "
                         "them); these runs are one per arm: drop it, or give the runs of a sweep")
     if grouped:
-        print("By lr (mean over seeds; * = the arm's best lr by mean final eval loss):\n" + format_by_lr(arms, args.target_loss)
+        print("By lr (mean over seeds; * = the arm's best lr by mean final eval loss):\n"
+              + format_by_lr(arms, args.target_loss)
               + "\n\nEach arm at its best lr:\n" + format_best(arms, args.target_loss), flush=True)
     else:
         print(format_table(runs), flush=True)

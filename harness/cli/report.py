@@ -6,8 +6,8 @@ import argparse
 
 from harness.errors import UserError
 from harness.events import read_events
-from harness.run.files import events_url, refuse_a_file
 from harness.goodput import Goodput, account
+from harness.run.files import events_url, refuse_a_file
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,7 +52,8 @@ def describe_rollbacks(rollbacks: list[dict]) -> str:
     """"step 7 -> 4, skipped batch 7; ..." from `anomaly` events with action "rollback"."""
     def one(r: dict) -> str:
         skip = r.get("skip") or []
-        what = f"skipped batch{'es' if len(skip) > 1 else ''} {', '.join(map(str, skip))}" if skip else "nothing skipped"
+        batches = "batches" if len(skip) > 1 else "batch"
+        what = f"skipped {batches} {', '.join(map(str, skip))}" if skip else "nothing skipped"
         return f"step {r['step']} -> {r['to_step']}, {what}"
 
     return "; ".join(one(r) for r in rollbacks)

@@ -15,8 +15,8 @@ from pathlib import Path
 
 from harness.errors import UserError
 from harness.events import EVENTS_FILE
-from harness.run.files import log_dir_for, refuse_a_file
 from harness.health.status import render
+from harness.run.files import log_dir_for, refuse_a_file
 
 CLEAR = "\033[H\033[2J"  # cursor home, clear the screen
 

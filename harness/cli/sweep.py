@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from harness.arms import __doc__ as arms_doc
-from harness.arms import command_lines, exit_code, format_summary, plan, slurm_array, sweep
+from harness.arms import __doc__ as arms_doc, command_lines, exit_code, format_summary, plan, slurm_array, sweep
 from harness.cli.args import add_overrides, add_restart_args
 from harness.errors import UserError
 from harness.grid import parse_axes

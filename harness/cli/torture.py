@@ -9,8 +9,7 @@ from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.location import output_folder
 from harness.cli.args import storage_option_parser, storage_options_of
 from harness.log import configure
-from harness.torture import ALL_MODES, DEFAULT_MODES, Torture, corruption_sweep, format_table
-from harness.torture import __doc__ as torture_doc
+from harness.torture import ALL_MODES, DEFAULT_MODES, Torture, __doc__ as torture_doc, corruption_sweep, format_table
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,7 +20,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser("train", help="train a run; resumes automatically", description=__doc__)
     add_config_args(p)
     p.add_argument("--resume", default="auto", metavar="auto|never|CKPT_URL",
-                   help="auto: newest good checkpoint of the run dir (default); never: start fresh; or a checkpoint URL")
+                   help="auto: newest good checkpoint of the run dir (default); never: start fresh; "
+                   "or a checkpoint URL")
     add_allow_config_change(p)
     p.add_argument("--takeover", action="store_true",
                    help="take the run dir's writer lease from another holder (only when that process is gone)")

@@ -14,8 +14,7 @@ from harness.checkpoint.location import output_folder
 from harness.cli.args import add_config_args
 from harness.config import RunConfig, batch_shape, load_config
 from harness.errors import UserError
-from harness.resume_equivalence import __doc__ as equivalence_doc
-from harness.resume_equivalence import run_pair
+from harness.resume_equivalence import __doc__ as equivalence_doc, run_pair
 from harness.world_equivalence import DEFAULT_TOLERANCE, even_points, refuse_what_cannot_pass, run_worlds
 
 
@@ -80,7 +79,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     add_config_args(p, run_dir=False)
     p.add_argument("--steps", type=positive_int, metavar="N", help="train N steps instead of the config's train.steps")
     points = p.add_mutually_exclusive_group()
-    points.add_argument("--interrupt-at", type=parse_steps, metavar="S1,S2", help="interrupt B once it logged these steps")
+    points.add_argument("--interrupt-at", type=parse_steps, metavar="S1,S2",
+                        help="interrupt B once it logged these steps")
     points.add_argument("--random", type=int, metavar="K", help="interrupt at K random steps (default: 2)")
     p.add_argument("--seed", type=int, help="seed of --random (default: a fresh one, printed)")
     p.add_argument("--signal", choices=["KILL", "TERM"], default="KILL",
@@ -117,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--random {k}: choose between 1 and {steps - lowest} interruptions for {steps} steps "
                             f"(steps {lowest}..{steps - 1}, after the first checkpoint)")
         points = sorted(random.Random(seed).sample(range(lowest, steps), k))
-        print(f"interrupting once steps {','.join(map(str, points))} are logged (--random {k} --seed {seed})", flush=True)
+        print(f"interrupting once steps {','.join(map(str, points))} are logged (--random {k} --seed {seed})",
+              flush=True)
     if points[0] < 1 or points[-1] >= steps:
         raise UserError(f"--interrupt-at {','.join(map(str, points))}: steps must lie in 1..{steps - 1}")
     check_points(points, first, cfg)

@@ -37,7 +37,9 @@ def data_errors(url: str) -> Iterator[None]:
             "or leave it unset to train on the built-in corpus"
         ) from e
     except (ValueError, ImportError) as e:
-        raise UserError(f"data URL {url!r} cannot be opened ({e}); use a local path or an fsspec URL such as s3://") from e
+        raise UserError(
+            f"data URL {url!r} cannot be opened ({e}); use a local path or an fsspec URL such as s3://"
+        ) from e
 
 
 class SampleSource(Protocol):

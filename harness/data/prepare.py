@@ -46,8 +46,7 @@ from tqdm import tqdm
 from harness.checkpoint.location import Location, fsync_dir, open_location, rename, write_stream
 from harness.data import tokenize_worker
 from harness.data.documents import TextSplit, input_identity, iter_documents
-from harness.data.shard_index import (INDEX_NAME, TOKENIZER_NAME, ShardEntry, ShardIndex, dtype_for,
-                                      shard_name)
+from harness.data.shard_index import INDEX_NAME, TOKENIZER_NAME, ShardEntry, ShardIndex, dtype_for, shard_name
 from harness.data.tokenizers_spec import EOD_TOKEN, TokenizerInfo, is_trained, resolve_tokenizer
 from harness.errors import UserError
 from harness.log import get_logger

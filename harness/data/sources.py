@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 from harness.checkpoint.location import open_location
-from harness.data.identity import data_identity
 from harness.data.dataset import SampleSource, TokenDataset
 from harness.data.document_split import split_by_document
 from harness.data.factory import build_user_data
+from harness.data.identity import data_identity
 from harness.data.mixture import Mixture
 from harness.data.order import epoch_permutation
 from harness.data.prng import derive_seed
@@ -47,7 +47,8 @@ class TrainData:
     train: SampleSource | Any  # Any: a user's stateful iterator (factory.py)
     eval: SampleSource
     vocab_size: int | None  # None: byte text (the model's default 256), or a user dataset that does not say
-    identity: dict[str, Any] | None  # text: data_identity(); shards: index hashes + weights; None: a user factory without one
+    # text: data_identity(); shards: index hashes + weights; None: a user factory without one
+    identity: dict[str, Any] | None
 
     def sizes(self, seq_len: int) -> dict[str, Any]:
         """How much data trains and how much is held out, in windows and in the tokens they
@@ -161,7 +162,8 @@ def _identity_kind(identity: dict[str, Any] | None) -> str:
         return f"{len(identity['sources'])} token-shard sources"
     if "factory" in identity:
         return f"data.factory {identity['factory']}"
-    return f"text {identity.get('url') or 'built-in corpus'} ({identity.get('size')} bytes, sha256 of first/last MiB {str(identity.get('head'))[:8]}/{str(identity.get('tail'))[:8]})"
+    return (f"text {identity.get('url') or 'built-in corpus'} ({identity.get('size')} bytes, "
+            f"sha256 of first/last MiB {str(identity.get('head'))[:8]}/{str(identity.get('tail'))[:8]})")
 
 
 class Reordered:

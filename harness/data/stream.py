@@ -50,7 +50,8 @@ class _BatchesAhead(Dataset):
         self.rank = stream.rank
         self.world_size = stream.world_size
         self.global_batch = stream.global_batch_size
-        self.in_first_epoch = batches_left(stream.position, self.dataset.num_samples, self.global_batch, stream.drop_last)
+        self.in_first_epoch = batches_left(stream.position, self.dataset.num_samples, self.global_batch,
+                                           stream.drop_last)
         self.per_epoch = batches_left(0, self.dataset.num_samples, self.global_batch, stream.drop_last)
         self._view: tuple[int, SampleSource, torch.Tensor] | None = None  # this process's epoch in hand
 

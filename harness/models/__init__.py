@@ -33,7 +33,8 @@ def call_factory(factory: Callable[[dict[str, Any]], Any], path: str, kind: str,
     except Exception as e:
         log.debug(f"the {kind} raised", factory=path, exc_info=True)
         raise UserError(f"{kind} {path!r} failed with {kind.split()[0]} args {args}: {type(e).__name__}: {e}; fix "
-                        f"{setting} (or the factory, which takes one dict; --log-level debug shows the traceback)") from None
+                        f"{setting} (or the factory, which takes one dict; --log-level debug shows the "
+                        "traceback)") from None
 
 
 def load_factory(path: str, kind: str = "model factory", example: str = DEFAULT_FACTORY) -> Callable[..., Any]:

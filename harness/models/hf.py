@@ -187,7 +187,8 @@ def causal_lm_class(transformers: Any, config: Any) -> type:
 def harness_class(base: type) -> type:
     """`base` (a transformers `...ForCausalLM`) with the harness's forward, under `base`'s own
     name, so `save_pretrained` of it writes `architectures = [base name]`."""
-    return type(base.__name__, (HarnessForward, base), {"__module__": base.__module__, "__qualname__": base.__qualname__})
+    return type(base.__name__, (HarnessForward, base),
+                {"__module__": base.__module__, "__qualname__": base.__qualname__})
 
 
 class HarnessForward(nn.Module):

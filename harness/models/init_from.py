@@ -51,8 +51,9 @@ def load_initial_weights(model: nn.Module, url: str) -> dict[str, Any]:
     missing = sorted({aliases[k] for k in targets} - {aliases[k] for k in loaded})
     if missing:
         raise UserError(f"{SETTING} = {url!r} lacks {len(missing)} of the model's tensors: "
-                        f"{', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}; the model would keep its random "
-                        "init there. Give weights saved from this architecture (names as the model's state_dict)")
+                        f"{', '.join(missing[:6])}{', ...' if len(missing) > 6 else ''}; the model would keep "
+                        "its random init there. Give weights saved from this architecture "
+                        "(names as the model's state_dict)")
     return {"url": url, "files": files}
 
 
@@ -82,7 +83,9 @@ def _weight_files(url: str) -> tuple[Location, list[str]]:
             weight_map = json.loads(f.read(_MAX_INDEX_BYTES))["weight_map"]
         names = sorted(set(weight_map.values()))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UserError(f"{SETTING} = {url!r}: {INDEX_FILE} is not a safetensors index ({type(e).__name__}: {e})") from None
+        raise UserError(
+            f"{SETTING} = {url!r}: {INDEX_FILE} is not a safetensors index ({type(e).__name__}: {e})"
+        ) from None
     return loc, names
 
 
@@ -92,7 +95,8 @@ def _aliases(targets: dict[str, torch.Tensor]) -> dict[str, str]:
     return {name: first.setdefault(tensor_view(t), name) for name, t in targets.items()}
 
 
-def _load_file(loc: Location, name: str, targets: dict[str, torch.Tensor], loaded: set[str], url: str) -> dict[str, Any]:
+def _load_file(loc: Location, name: str, targets: dict[str, torch.Tensor], loaded: set[str],
+               url: str) -> dict[str, Any]:
     """Read one safetensors file into `targets`, hashing every byte; its record."""
     path = loc.join(name)
     where = loc.url_of(path)
@@ -102,9 +106,9 @@ def _load_file(loc: Location, name: str, targets: dict[str, torch.Tensor], loade
             entries = read_header(f, size, where)
             unknown = sorted(set(entries) - set(targets))
             if unknown:
-                raise UserError(f"{SETTING} = {url!r}: {where} holds {len(unknown)} tensor(s) the model does not have: "
-                                f"{', '.join(unknown[:6])}{', ...' if len(unknown) > 6 else ''}; give weights saved from "
-                                "this architecture (names as the model's state_dict)")
+                raise UserError(f"{SETTING} = {url!r}: {where} holds {len(unknown)} tensor(s) the model "
+                                f"does not have: {', '.join(unknown[:6])}{', ...' if len(unknown) > 6 else ''}; "
+                                "give weights saved from this architecture (names as the model's state_dict)")
             for entry in sorted(entries.values(), key=lambda e: e.start):  # the reader only moves forward
                 live = targets[entry.name]
                 if entry.shape != tuple(live.shape):

@@ -32,10 +32,12 @@ def warn_if_changed(before: dict[str, Any], device: torch.device) -> None:
     """Warn about each key (torch version, device type, resume-sensitive numerics) that differs
     between the environment a checkpoint recorded (`before`) and this one."""
     now = environment_fingerprint(device)
-    differ = [(key, before[key], now[key]) for key in ("torch", "device_type") if key in before and before[key] != now[key]]
+    differ = [(key, before[key], now[key])
+              for key in ("torch", "device_type") if key in before and before[key] != now[key]]
     saved_numerics = before.get("numerics", {})
     differ += [(f"numerics.{key}", saved_numerics[key], now["numerics"][key])
-               for key in numerics.RESUME_SENSITIVE if key in saved_numerics and saved_numerics[key] != now["numerics"][key]]
+               for key in numerics.RESUME_SENSITIVE
+               if key in saved_numerics and saved_numerics[key] != now["numerics"][key]]
     for key, then, current in differ:
         log.warning("resuming on a different environment; bitwise equality is not promised there",
                     key=key, checkpoint=then, now=current)

@@ -109,7 +109,8 @@ class Loop:
                     bar.set_postfix(loss=f"{result.loss:.4f}")
                     self.crash_hook()
                     # The last step's evaluation is the final one, after the loop (it overlaps the final persist).
-                    if cfg.train.eval_every and trainer.step % cfg.train.eval_every == 0 and trainer.step < cfg.train.steps:
+                    every = cfg.train.eval_every
+                    if every and trainer.step % every == 0 and trainer.step < cfg.train.steps:
                         with self.watch("eval", **self.eval_limits()):
                             self.write_metrics({"step": trainer.step, "eval_loss": trainer.evaluate()})
                     # Not sticky: a finished run extended with a larger train.steps is unfinished again.

@@ -55,7 +55,8 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
     log_dir = Path(log_dir_for(cfg.run_dir, cfg.log_dir))
     if fsspec.utils.get_protocol(cfg.run_dir) == "memory":
         log.warning("run_dir is memory://: checkpoints and run.json live in this process only and are gone when it "
-                    "exits; nothing can resume from them. Use a local path or s3:// for a real run", run_dir=cfg.run_dir)
+                    "exits; nothing can resume from them. Use a local path or s3:// for a real run",
+                    run_dir=cfg.run_dir)
     batch_shape(cfg, distributed.world())  # a world size the global batch cannot split is refused before any write
     check_sources(cfg.data)  # so is a dataset url that names no prepared dataset
     store = open_store(cfg)
@@ -74,7 +75,8 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
                                           environment_fingerprint(trainer.device), fresh=ref is None,
                                           initialised_from=trainer.initialised_from)
             log.debug("run", run_id=run_id, run_dir=cfg.run_dir, log_dir=str(log_dir), device=str(trainer.device),
-                      resumed_from=ref.step if ref else None, parameters=sum(p.numel() for p in trainer.model.parameters()))
+                      resumed_from=ref.step if ref else None,
+                      parameters=sum(p.numel() for p in trainer.model.parameters()))
             lead = distributed.rank() == 0  # rank 0 keeps the logs: every rank logs the same all-reduced loss
             if lead:
                 log.info("data", **trainer.data.sizes(cfg.data.seq_len))
@@ -86,8 +88,10 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             ran_past = metrics.truncate_after(trainer.step) or []  # ranks > 0 keep no metrics (Silent: None)
             # Where the interrupted process got to: every step it logged, not only its last progress event.
             reached = max((int(r["step"]) for r in ran_past if "loss" in r), default=None)
-            if ref is not None and lead:  # check the restored state, then each re-run step, against the run's own history
-                trainer.fingerprints.watch(events, [] if allow_config_change else ran_past, **fingerprint_checks(resized))
+            # Check the restored state, then each re-run step, against the run's own history.
+            if ref is not None and lead:
+                trainer.fingerprints.watch(events, [] if allow_config_change else ran_past,
+                                           **fingerprint_checks(resized))
             restore_s += time.perf_counter() - t_check
             events.emit("start", step=trainer.step, total_steps=cfg.train.steps, resumed_from=ref.step if ref else None,
                         previous_reached=reached, run_dir=cfg.run_dir,
@@ -96,12 +100,13 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             if resized is not None:
                 events.emit("world_size_changed", **resized.event())
             if changes:
-                events.emit("config_changed", step=trainer.step, changes={k: {"old": a, "new": b} for k, (a, b) in changes.items()},
+                events.emit("config_changed", step=trainer.step,
+                            changes={k: {"old": a, "new": b} for k, (a, b) in changes.items()},
                             schedule=trainer.sched.replanned)
             resumed_here = ref is not None and source is store
             trackers = open_trackers(cfg.log, log_dir, trainer.step, run_id) if lead else distributed.Silent()
-            loop = Loop(cfg, trainer, store, metrics, events, log_dir, last_committed=ref.step if resumed_here else None,
-                        trackers=trackers)
+            loop = Loop(cfg, trainer, store, metrics, events, log_dir,
+                        last_committed=ref.step if resumed_here else None, trackers=trackers)
             try:
                 return loop.run()
             except BaseException as e:

@@ -15,10 +15,10 @@ from typing import Any
 
 from harness import distributed
 from harness.checkpoint import CheckpointCorrupt, CheckpointRef, CheckpointStore, Verify
-from harness.checkpoint.distributed_commit import load_checkpoint
-from harness.checkpoint.shard_files import METADATA_FILE
 from harness.checkpoint.discovery import CHECKPOINTS_DIR, STEP_DIR, skipped
+from harness.checkpoint.distributed_commit import load_checkpoint
 from harness.checkpoint.location import folder_name
+from harness.checkpoint.shard_files import METADATA_FILE
 from harness.config import RunConfig, config_changes
 from harness.data.sources import identity_changes, open_data
 from harness.errors import UserError
@@ -46,7 +46,8 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
     the next, since the damaged one was already partly streamed into it. A checkpoint that is
     intact but does not fit (another model width) is an error, never skipped."""
     restore_s = 0.0
-    data = open_data(cfg.data, cfg.train.seed, distributed.rank(), distributed.world())  # read once: every candidate is checked against it
+    # Read once: every candidate is checked against it.
+    data = open_data(cfg.data, cfg.train.seed, distributed.rank(), distributed.world())
     for ref in candidates:
         t0 = time.perf_counter()
         trainer = None

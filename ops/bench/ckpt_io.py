@@ -15,9 +15,10 @@ For a model + AdamW state of about `--size-mib` (default 1024), in one run:
 
 Every figure is the best of `--repeat` rounds, the contenders taking turns in each round (the
 disk is shared; a burst from another process then hits all of them alike). Each save writes a
-new file or folder; the previous round's is deleted untimed before it. Save figures include fsync, so they measure the
-disk. Loads are measured twice: cold (the files are first evicted from the page cache with
-posix_fadvise, as after a restart on a new node) and warm (read again at once: the code path). Run: `python ops/bench/ckpt_io.py --size-mib 1024`.
+new file or folder; the previous round's is deleted untimed before it. Save figures include
+fsync, so they measure the disk. Loads are measured twice: cold (the files are first evicted from
+the page cache with posix_fadvise, as after a restart on a new node) and warm (read again at once:
+the code path). Run: `python ops/bench/ckpt_io.py --size-mib 1024`.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from harness.checkpoint import CheckpointStore, Verify  # noqa: E402
+from harness.checkpoint import CheckpointRef, CheckpointStore, Verify  # noqa: E402
 from harness.checkpoint.tensorfile import tensor_bytes  # noqa: E402
 
 WIDTH = 2048
@@ -142,6 +143,21 @@ def peak_rss() -> int:
 
 
 def measure(args: argparse.Namespace, folder: Path) -> dict:
+    # The model and optimizer state live in measure_in_process's frame only: freed before the children run.
+    r = measure_in_process(args, folder)
+
+    def rss(kind: str) -> int:
+        out = subprocess.run([sys.executable, __file__, "--child", kind, "--size-mib", str(args.size_mib),
+                              "--dir", str(folder / "run")], check=True, capture_output=True, text=True).stdout
+        return json.loads(out.strip().splitlines()[-1])["maxrss_bytes"]
+
+    r["rss_fresh_bytes"], r["rss_load_bytes"] = rss("fresh"), rss("load")
+    r["rss_load_inplace_bytes"] = rss("load-inplace")
+    return r
+
+
+def measure_in_process(args: argparse.Namespace, folder: Path) -> dict:
+    """The saves, loads and verification timed in this process (the figures but peak RSS)."""
     model, opt = build(args.size_mib, optimizer_state=True)
     tensors = tensors_of(model, opt)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -175,27 +191,25 @@ def measure(args: argparse.Namespace, folder: Path) -> dict:
     store = CheckpointStore(str(run))
 
     ref = store.list()[-1]
+    r.update(measure_loads(args.repeat, store, ref, parts, pt))
+    r.update(best(args.repeat, {"verify_s": (lambda: store.verify(ref), None)}))
+    raw.unlink()
+    pt.unlink()
+    return r
+
+
+def measure_loads(repeat: int, store: CheckpointStore, ref: CheckpointRef, parts: dict, pt: Path) -> dict:
+    """Cold and warm loads; the raw reader's buffer (the checkpoint's size) is freed on return."""
     ckpt = Path(ref.path)
     buffer = torch.zeros(sum(f.stat().st_size for f in ckpt.iterdir()), dtype=torch.uint8)
+    r: dict = {}
     for mode, evict in (("cold", lambda p: (lambda: drop_cache(p))), ("warm", lambda p: None)):
-        r.update(best(args.repeat, {
+        r.update(best(repeat, {
             f"load_raw_{mode}_s": (lambda: raw_read(ckpt, buffer), evict(ckpt)),
             f"load_store_{mode}_s": (lambda: store.load(ref, parts), evict(ckpt)),
             f"load_verified_{mode}_s": (lambda: store.load(ref, parts, verify=Verify.WHILE), evict(ckpt)),
             f"load_torch_{mode}_s": (lambda: torch.load(pt, weights_only=True), evict(pt)),
         }))
-    del buffer
-    r.update(best(args.repeat, {"verify_s": (lambda: store.verify(ref), None)}))
-    raw.unlink()
-    pt.unlink()
-    del model, opt, parts, tensors
-
-    def rss(kind: str) -> int:
-        out = subprocess.run([sys.executable, __file__, "--child", kind, "--size-mib", str(args.size_mib),
-                              "--dir", str(folder / "run")], check=True, capture_output=True, text=True).stdout
-        return json.loads(out.strip().splitlines()[-1])["maxrss_bytes"]
-
-    r["rss_fresh_bytes"], r["rss_load_bytes"], r["rss_load_inplace_bytes"] = rss("fresh"), rss("load"), rss("load-inplace")
     return r
 
 
@@ -219,7 +233,8 @@ def report(r: dict, command: str) -> str:
             k = raw_key.replace("raw", who)
             if k in r:
                 label = "store verified" if who == "verified" else who
-                lines.append(f"| {' '.join([op.split()[0], label, *op.split()[1:]])} | {r[k]:.3f} | {rate[k]:.2f} | {r[raw_key] / r[k]:.2f}x |")
+                name = " ".join([op.split()[0], label, *op.split()[1:]])
+                lines.append(f"| {name} | {r[k]:.3f} | {rate[k]:.2f} | {r[raw_key] / r[k]:.2f}x |")
     lines.append(f"| verify (BLAKE3 of every file) | {r['verify_s']:.3f} | {rate['verify_s']:.2f} | |")
     lines += [
         "",
@@ -229,7 +244,8 @@ def report(r: dict, command: str) -> str:
         f"extra while loading: {extra / 2**20:.1f} MiB = {100 * extra / r['state_bytes']:.1f}% of the state",
         "",
         f"targets: save >= 0.9x raw: {r['save_raw_s'] / r['save_store_s']:.2f}x; load >= 0.9x raw: "
-        f"{r['load_raw_cold_s'] / r['load_store_cold_s']:.2f}x cold, {r['load_raw_warm_s'] / r['load_store_warm_s']:.2f}x warm; "
+        f"{r['load_raw_cold_s'] / r['load_store_cold_s']:.2f}x cold, "
+        f"{r['load_raw_warm_s'] / r['load_store_warm_s']:.2f}x warm; "
         f"extra memory <= 10%: {100 * extra / r['state_bytes']:.1f}%",
     ]
     return "\n".join(lines)

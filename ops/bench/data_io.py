@@ -115,7 +115,8 @@ def boto3_seconds(client, folder: Path, prefix: str, seq_len: int, batch: int, b
     def get(a: int) -> bytes:  # windows inside one shard only; the rare straddler reads its first part
         s = int(np.searchsorted(offsets, a, side="right") - 1)
         lo, hi = (a - offsets[s]) * 2, min((a + seq_len + 1), offsets[s + 1]) - offsets[s]
-        return client.get_object(Bucket=BUCKET, Key=f"{prefix}/{names[s]}", Range=f"bytes={lo}-{hi * 2 - 1}")["Body"].read()
+        got = client.get_object(Bucket=BUCKET, Key=f"{prefix}/{names[s]}", Range=f"bytes={lo}-{hi * 2 - 1}")
+        return got["Body"].read()
 
     with ThreadPoolExecutor(10) as pool:
         begin = time.perf_counter()
@@ -154,7 +155,8 @@ def run(args: argparse.Namespace, tmp: Path, endpoint: str) -> dict:
     s3_tokens = s3_batches * args.batch * args.seq_len
     remote = min(loader_seconds(f"s3://{BUCKET}/small", args.seq_len, args.batch, s3_batches, options)
                  for _ in range(args.repeat))
-    direct = min(boto3_seconds(client, small, "small", args.seq_len, args.batch, s3_batches) for _ in range(args.repeat))
+    direct = min(boto3_seconds(client, small, "small", args.seq_len, args.batch, s3_batches)
+                 for _ in range(args.repeat))
     result["s3"] = {"batches": s3_batches, "loader_tokens_per_s": round(s3_tokens / remote),
                     "boto3_ranged_get_tokens_per_s": round(s3_tokens / direct), "ratio": round(direct / remote, 3)}
 
@@ -168,7 +170,8 @@ def run(args: argparse.Namespace, tmp: Path, endpoint: str) -> dict:
     stream = harness_stream(str(many), 1024, 8, None)
     opened = time.perf_counter()
     next(stream)
-    result["startup_1000_shards"] = {"open_s": round(opened - begin, 4), "first_batch_s": round(time.perf_counter() - opened, 4)}
+    result["startup_1000_shards"] = {"open_s": round(opened - begin, 4),
+                                     "first_batch_s": round(time.perf_counter() - opened, 4)}
     return result
 
 

@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from harness.config import batch_shape, load_config  # noqa: E402
 
-CONFIGS = {"quickstart": ROOT / "configs" / "quickstart.toml", "tokens-example": ROOT / "configs" / "tokens-example.toml"}
+CONFIGS = {"quickstart": ROOT / "configs" / "quickstart.toml",
+           "tokens-example": ROOT / "configs" / "tokens-example.toml"}
 
 
 def harness(*args: str) -> None:

@@ -36,8 +36,8 @@ import torch
 import torch.optim._muon as torch_muon
 
 from optim.build import build_bundle
-from optim.config import parse_optim_config
 from optim.bundle import MultiOpt
+from optim.config import parse_optim_config
 from optim.muon import Muon
 from optim.newton_schulz import NS_COEFFICIENTS, NS_EPS, newton_schulz
 
@@ -191,7 +191,8 @@ def muon_comparison(args) -> tuple[list[tuple[str, float, float]], list[tuple[st
     for tag, dtype in dtypes.items():
         contenders[f"ours, {tag} NS"] = Muon(matrices(), ns_dtype=str(dtype)[6:]).step
         contenders[f"torch.optim.Muon, {tag} NS"] = torch_step(dtype)
-    contenders["ours, fp32 NS, every same-shape group batched"] = Muon(matrices(), ns_dtype="float32", ns_batched=True).step
+    contenders["ours, fp32 NS, every same-shape group batched"] = Muon(matrices(), ns_dtype="float32",
+                                                                      ns_batched=True).step
     contenders["reference per-matrix Muon (fp32)"] = ReferenceMuon(matrices()).step
     times = alternate(contenders, {name: args.reps for name in contenders}, args.device)
     base = "reference per-matrix Muon (fp32)"
@@ -210,7 +211,8 @@ def ns_by_shape(args) -> list[tuple[tuple[int, ...], float, float, float]]:
     rows = []
     for shape in shapes:
         G = torch.randn(shape, device=args.device)
-        times = alternate({"ours": lambda G=G: newton_schulz(G), "torch": lambda G=G: theirs(G, NS_COEFFICIENTS, 5, NS_EPS)},
+        times = alternate({"ours": lambda G=G: newton_schulz(G),
+                           "torch": lambda G=G: theirs(G, NS_COEFFICIENTS, 5, NS_EPS)},
                           {"ours": args.reps, "torch": args.reps}, args.device)
         rows.append((shape, statistics.median(times["ours"]), statistics.median(times["torch"]),
                      ratio(times, "ours", "torch")))

@@ -17,8 +17,9 @@ S3 server (ops/s3/local_server.py, moto, started here in its own process on loop
   and retention make S3 requests that a plain upload does not).
 
 Figures are MiB/s of checkpoint bytes, best of `--repeat` rounds; the two saves take turns going
-first (boto3 uploads the files of a checkpoint staged before the first round). The server is moto (Python, in memory): it bounds both sides alike, so the ratio is the
-figure to read, not the absolute speed. Run: `python ops/bench/s3_io.py --size-mib 256`.
+first (boto3 uploads the files of a checkpoint staged before the first round). The server is
+moto (Python, in memory): it bounds both sides alike, so the ratio is the figure to read, not the
+absolute speed. Run: `python ops/bench/s3_io.py --size-mib 256`.
 
 `--server-cpus 1` pins the server to those CPUs and this process (both clients) to the others, as
 when the endpoint is another machine: on a 2-core box the unpinned run makes every client
@@ -42,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import boto3
-from botocore.config import Config
 import torch
+from botocore.config import Config
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -147,7 +147,8 @@ def worker(size_mib: int, repeat: int, base: Path) -> None:
                 print(f"  {label:20} {seconds:7.3f} s  {nbytes / seconds / 1e9:6.3f} GB/s   peak RSS above the state "
                       f"{extra[label] / 2**20:6.1f} MiB (a rank's share of the state: {nbytes / 2 / 2**20:.0f} MiB)")
             for label in blocking:
-                print(f"  async {label:14} blocks the step {blocking[label]:7.3f} s, on disk after {persisted[label]:7.3f} s")
+                print(f"  async {label:14} blocks the step {blocking[label]:7.3f} s, "
+                      f"on disk after {persisted[label]:7.3f} s")
             print(f"  save ours / dcp: {best['save dcp'] / best['save ours']:.2f}x   load ours / dcp: "
                   f"{best['load dcp'] / best['load ours']:.2f}x   load verified / dcp: "
                   f"{best['load dcp'] / best['load ours verified']:.2f}x")
@@ -155,7 +156,6 @@ def worker(size_mib: int, repeat: int, base: Path) -> None:
 
 def measure_async(store, parts: dict, flat: dict, base: Path, rank: int, repeat: int) -> tuple[dict, dict]:
     """Best (blocking seconds, seconds until committed) of a background save, ours and DCP's."""
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     from harness import distributed

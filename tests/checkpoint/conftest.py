@@ -79,7 +79,8 @@ def torch_state(seed: int = 0, steps: int = 3):
     if steps:
         train(model, Both(), sched, steps, seed)
     extra = Bag({"nan": float("nan"), "inf": -float("inf"), "tiny": 5e-324, "big": 2**70, "none": None,
-                 "tuple": (1, "a"), "ints": {3: "three", 1: [True, False]}, "$odd": 1, "t0": torch.tensor(7, dtype=torch.int32)})
+                 "tuple": (1, "a"), "ints": {3: "three", 1: [True, False]}, "$odd": 1,
+                 "t0": torch.tensor(7, dtype=torch.int32)})
     return {"model": model, "adamw": adamw, "sgd": sgd, "sched": sched, "extra": extra}
 
 

@@ -11,10 +11,10 @@ import psutil
 import pytest
 import torch
 
-from harness.checkpoint import CheckpointError, CheckpointStore, capture
 from harness import exit_codes
-from harness.checkpoint.commit import Committer
+from harness.checkpoint import CheckpointError, CheckpointStore, capture
 from harness.checkpoint.async_save import AsyncSaver, BackgroundSaveError, SaveStalled, StagingBuffers
+from harness.checkpoint.commit import Committer
 from harness.checkpoint.retry import StorageUnavailable
 from harness.config import load_config
 from harness.run.cadence import CheckpointClock
@@ -55,7 +55,8 @@ def test_async_and_sync_saves_of_one_state_have_the_same_manifest_hashes(tmp_pat
         gate.set()
         saver.finish()
         assert hashes(background, 2) == hashes(sync, 2)
-        assert set(hashes(sync, 2)) >= {"model.safetensors", "optim.safetensors", "rank-00000.safetensors", "state.json"}
+        assert set(hashes(sync, 2)) >= {"model.safetensors", "optim.safetensors", "rank-00000.safetensors",
+                                        "state.json"}
     finally:
         trainer.close()
 
@@ -179,9 +180,11 @@ def test_a_stalled_save_is_reported_while_slow_and_given_up_at_the_deadline_nami
     store = CheckpointStore(run_dir)
     gated = Gated(store)  # a persist that never gets an answer from its storage
     slow = []
-    saver = AsyncSaver(Committer(store), save_deadline_s=1.0, slow_floor_s=0.1, on_slow=lambda step, s: slow.append(step))
+    saver = AsyncSaver(Committer(store), save_deadline_s=1.0, slow_floor_s=0.1,
+                       on_slow=lambda step, s: slow.append(step))
     saver.submit(7, torch_state(steps=1))
-    with pytest.raises(SaveStalled, match=r"step 7 has not committed after \d+s \(checkpoint.save_deadline_s = 1\)") as info:
+    stalled = r"step 7 has not committed after \d+s \(checkpoint.save_deadline_s = 1\)"
+    with pytest.raises(SaveStalled, match=stalled) as info:
         saver.submit(8, torch_state(steps=1))  # the wait for the previous save is bounded
     assert info.value.exit_code == exit_codes.STORAGE_UNAVAILABLE
     assert slow and set(slow) == {7}
@@ -289,7 +292,8 @@ def test_a_full_disk_in_the_background_is_a_user_error_naming_what_is_still_comm
             run = f"{url}-{at}-{previous}"
             if previous is not None:
                 CheckpointStore(run).save(previous, parts)
-            saver = AsyncSaver(Committer(CheckpointStore(run, storage_options={"faults": f"enospc@{at}"})), last_committed=previous)
+            saver = AsyncSaver(Committer(CheckpointStore(run, storage_options={"faults": f"enospc@{at}"})),
+                               last_committed=previous)
             saver.submit(5, parts)
             with pytest.raises(CheckpointError, match="step 5 could not be written to .*ENOSPC") as info:
                 saver.finish()

@@ -68,7 +68,8 @@ def test_same_state_gives_the_same_bytes(tmp_path):
     parts = torch_state()
     refs = [CheckpointStore(str(tmp_path / n)).save(5, parts, meta={"m": 1}) for n in "ab"]
     for name in ("model.safetensors", "adamw.safetensors", "state.json"):
-        assert (tmp_path / "a/checkpoints/step-00000005" / name).read_bytes() == (tmp_path / "b/checkpoints/step-00000005" / name).read_bytes()
+        assert ((tmp_path / "a/checkpoints/step-00000005" / name).read_bytes()
+                == (tmp_path / "b/checkpoints/step-00000005" / name).read_bytes())
     manifests = [json.loads(open(f"{r.path}/manifest.json").read())["files"] for r in refs]
     assert manifests[0] == manifests[1]
 

@@ -101,6 +101,7 @@ def read_only_run(tmpfs):
 def test_gc_on_a_read_only_run_dir_is_one_line(capsys, read_only_run):
     code, out, err = gc(capsys, read_only_run)
     assert code == 2 and "Traceback" not in err, err
-    assert err.startswith("error: cannot remove checkpoints in") and "Read-only file system" in err and "--dry-run" in err
+    assert err.startswith("error: cannot remove checkpoints in")
+    assert "Read-only file system" in err and "--dry-run" in err
     code, out, _ = gc(capsys, read_only_run, "--dry-run")
     assert code == 0 and "2 would remove" in out

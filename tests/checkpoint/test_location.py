@@ -19,7 +19,8 @@ from harness.checkpoint.location import HashingReader, hash_file, open_location,
 from procs import ENV, ROOT
 
 # Reference digests straight from the libraries, not through digest.py.
-REFERENCE = {"blake3": lambda data: blake3.blake3(data).hexdigest(), "sha256": lambda data: hashlib.sha256(data).hexdigest()}
+REFERENCE = {"blake3": lambda data: blake3.blake3(data).hexdigest(),
+             "sha256": lambda data: hashlib.sha256(data).hexdigest()}
 
 
 def test_storage_options_for_a_local_path_are_ignored_with_one_warning(tmp_path):
@@ -76,7 +77,8 @@ def test_hash_file_matches_the_library_across_chunk_boundaries(tmp_path, monkeyp
     monkeypatch.setattr(location, "_READ_CHUNK", 7)
     data = bytes(range(256)) * 3 + b"tail"
     (tmp_path / "f").write_bytes(data)
-    assert hash_file(open_location(str(tmp_path)), str(tmp_path / "f"), algorithm) == (len(data), REFERENCE[algorithm](data))
+    expected = (len(data), REFERENCE[algorithm](data))
+    assert hash_file(open_location(str(tmp_path)), str(tmp_path / "f"), algorithm) == expected
 
 
 def test_write_stream_returns_the_default_algorithms_digest_of_what_it_wrote(tmp_path):

@@ -19,6 +19,7 @@ from harness.checkpoint import CheckpointStore, Verify
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.manifest import MANIFEST_VERSION, parse_manifest
 from harness.cli import main
+
 from .conftest import folder, torch_state
 
 OLD_RUN = Path(__file__).parent / "data" / "sha256-v1"

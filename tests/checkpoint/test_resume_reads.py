@@ -6,10 +6,9 @@ storage operation with its path (HARNESS_FAULTS_TRACE)."""
 
 from __future__ import annotations
 
-from procs import ENV, TINY, harness
-
 from harness.checkpoint.faults import TRACE_ENV
 from harness.checkpoint.filesystem import FAULTS_ENV
+from procs import ENV, TINY, harness
 
 
 def test_a_resume_opens_the_candidates_manifest_and_state_once(tmp_path):

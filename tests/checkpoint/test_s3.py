@@ -37,7 +37,8 @@ def test_s3_round_trip_retention_and_skipping_a_damaged_checkpoint(s3):
     keys = s3.keys(prefix)
     assert not any("step-00000001" in k for k in keys)
     assert f"{prefix}/checkpoints/step-00000003/manifest.json" in keys
-    s3.client().put_object(Bucket=s3.bucket, Key=f"{prefix}/checkpoints/step-00000003/model.safetensors", Body=b"garbage")
+    s3.client().put_object(Bucket=s3.bucket, Key=f"{prefix}/checkpoints/step-00000003/model.safetensors",
+                           Body=b"garbage")
     store.loc.fs.invalidate_cache()
     ref = store.latest_good()
     assert ref.step == 2 and ref.url.startswith("s3://")

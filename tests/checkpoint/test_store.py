@@ -241,7 +241,8 @@ def test_a_pickle_renamed_to_safetensors_is_never_executed(run_dir, tmp_path):
     proof = tmp_path / "proof"
     bomb = tmp_path / "bomb.pkl"
     bomb.write_bytes(_pickle_bomb(proof))
-    subprocess.run([sys.executable, "-c", "import pickle,sys; pickle.load(open(sys.argv[1],'rb'))", str(bomb)], check=True)
+    subprocess.run([sys.executable, "-c", "import pickle,sys; pickle.load(open(sys.argv[1],'rb'))", str(bomb)],
+                   check=True)
     assert proof.exists(), "the planted payload must really run code when unpickled"
 
     sentinel = tmp_path / "sentinel"
@@ -286,8 +287,10 @@ def test_a_changed_byte_in_state_json_is_named_as_a_digest_not_a_size(run_dir):
 
 def test_shape_dtype_and_name_mismatches_are_listed_together(run_dir):
     store = CheckpointStore(run_dir)
-    ref = store.save(1, {"model": {"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(1), "gone": torch.zeros(1)}})
-    live = Bag({"a": torch.ones(3, 2), "b": torch.ones(4, dtype=torch.float64), "c": torch.ones(1), "new": torch.ones(1)})
+    ref = store.save(1, {"model": {"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(1),
+                                   "gone": torch.zeros(1)}})
+    live = Bag({"a": torch.ones(3, 2), "b": torch.ones(4, dtype=torch.float64), "c": torch.ones(1),
+                "new": torch.ones(1)})
     with pytest.raises(CheckpointError) as err:
         store.load(ref, {"model": live})
     text = str(err.value)

@@ -18,8 +18,9 @@ from procs import ENV, ROOT, TINY, harness
 def test_log_lines_are_not_glued_to_the_progress_bar(tmp_path):
     main, child = pty.openpty()  # stderr is a terminal: the bar is drawn
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 160, 0, 0))  # a new pty has 0 columns: no bar
-    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "train", str(TINY), "--run-dir", str(tmp_path / "run"),
-                             "--set", "train.steps=12", "--set", "train.log_every=1", "--set", "checkpoint.every_steps=4"],
+    proc = subprocess.Popen([sys.executable, "-m", "harness.cli", "train", str(TINY),
+                             "--run-dir", str(tmp_path / "run"), "--set", "train.steps=12",
+                             "--set", "train.log_every=1", "--set", "checkpoint.every_steps=4"],
                             stdout=subprocess.DEVNULL, stderr=child, stdin=subprocess.DEVNULL, env=ENV, cwd=ROOT)
     os.close(child)
     out = b""

@@ -40,7 +40,8 @@ def test_a_model_factory_that_breaks_the_contract(tmp_path, capsys, monkeypatch,
 
 @pytest.mark.parametrize("factory, args, needle", [
     ("width_from_args", "{ d_model = 0 }", "parameter(s) with no elements: emb.weight (256, 0)"),
-    ("raises_on_bad_args", "{ n_layer = 0 }", "failed with model args {'seq_len': 16, 'n_layer': 0}: ValueError: n_layer must be >= 1"),
+    ("raises_on_bad_args", "{ n_layer = 0 }",
+     "failed with model args {'seq_len': 16, 'n_layer': 0}: ValueError: n_layer must be >= 1"),
 ])
 def test_a_model_factory_given_bad_args(tmp_path, capsys, monkeypatch, factory, args, needle):
     monkeypatch.syspath_prepend(MODELS)
@@ -177,7 +178,8 @@ def test_ckpt_positional_arguments_have_help(capsys):
         usage = capsys.readouterr().out
         positional = usage[usage.index("positional arguments:"):usage.index("options:")]
         described = [line for line in positional.splitlines()[1:] if line.strip()]
-        assert described and all(len(line.split(maxsplit=1)) == 2 or line.startswith(" " * 10) for line in described), usage
+        assert described, usage
+        assert all(len(line.split(maxsplit=1)) == 2 or line.startswith(" " * 10) for line in described), usage
 
 
 def test_a_checkpoint_that_spelled_out_seq_len_resumes_under_a_config_that_derives_it():
@@ -193,11 +195,15 @@ def test_a_checkpoint_that_spelled_out_seq_len_resumes_under_a_config_that_deriv
 
 
 @pytest.mark.parametrize("command, under, needle", [
-    (["ckpt", "consolidate", "{run}/checkpoints/step-00000002", "--out", "{out}"], False, "--out {out} is a file, not a folder: give a folder path"),
-    (["ckpt", "consolidate", "{run}/checkpoints/step-00000002", "--out", "{out}"], True, "cannot write to --out {out}: "),
+    (["ckpt", "consolidate", "{run}/checkpoints/step-00000002", "--out", "{out}"], False,
+     "--out {out} is a file, not a folder: give a folder path"),
+    (["ckpt", "consolidate", "{run}/checkpoints/step-00000002", "--out", "{out}"], True,
+     "cannot write to --out {out}: "),
     (["compare", "{run}", "--plot", "{out}"], True, "cannot write the plot to --plot {out}: "),
-    (["data", "prepare", "builtin:corpus", "--out", "{out}", "--tokenizer", "bytes"], False, "--out {out} is a file, not a folder"),
-    (["data", "prepare", "builtin:corpus", "--out", "{out}", "--tokenizer", "bytes"], True, "cannot write to --out {out}: "),
+    (["data", "prepare", "builtin:corpus", "--out", "{out}", "--tokenizer", "bytes"], False,
+     "--out {out} is a file, not a folder"),
+    (["data", "prepare", "builtin:corpus", "--out", "{out}", "--tokenizer", "bytes"], True,
+     "cannot write to --out {out}: "),
     (["torture", "{out}", "--points", "1"], False, "scratch folder {out} is a file, not a folder: give a folder path"),
 ])
 def test_an_output_path_that_is_a_file_or_unwritable_is_named(trained, tmp_path, capsys, command, under, needle):
@@ -227,7 +233,8 @@ def test_config_errors_name_where_the_bad_key_came_from(tmp_path):
     config = tmp_path / "bad.toml"
     config.write_text(f'extends = "{TINY}"\n[train]\nstepz = 3\n')
     with pytest.raises(UserError) as e:
-        load_config(config, ["train.steps=0", 'data.sources=[{url = "x", weight = "a"}]', "checkpoint.every_steps=autox"])
+        load_config(config, ["train.steps=0", 'data.sources=[{url = "x", weight = "a"}]',
+                             "checkpoint.every_steps=autox"])
     assert sorted(str(e.value).split("; ")) == sorted([
         "command line: train.steps: Input should be greater than 0",
         "command line: data.sources.0.weight: Input should be a valid number, unable to parse string as a number",

@@ -40,8 +40,8 @@ def start(args: list[str], log: Path, env: dict[str, str] | None = None, new_ses
     `new_session`: in a process group of its own, as a terminal's job or ops/torchrun/train.sh
     starts torchrun."""
     with log.open("ab") as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**TORCHRUN_ENV, **(env or {})}, cwd=ROOT,
-                                start_new_session=new_session)
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**TORCHRUN_ENV, **(env or {})},
+                                cwd=ROOT, start_new_session=new_session)
 
 
 def run(args: list[str], log: Path, timeout: float = 300, env: dict[str, str] | None = None) -> int:

@@ -131,7 +131,8 @@ def test_torchrun_elastic_group_loses_a_node_and_finishes_at_world_size_1(tmp_pa
         # Saves inside the step loop, so the loss of rank 0's node after step 6 always finds step 4
         # committed (with a background save still in flight, seen on a busy machine, the survivor
         # started fresh at world size 1 and this test could not see a resume at another size).
-        launcher = [str(ROOT / "ops/torchrun/train.sh"), str(ELASTIC), *NO_DROPOUT, "--set", "checkpoint.async_save=false"]
+        launcher = [str(ROOT / "ops/torchrun/train.sh"), str(ELASTIC), *NO_DROPOUT,
+                    "--set", "checkpoint.async_save=false"]
         agents = [start(launcher, tmp_path / f"node{i}.log", env) for i in range(2)]
         try:
             wait_step(agents[0], run_dir, 6, tmp_path / "node0.log")

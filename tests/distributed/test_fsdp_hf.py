@@ -64,4 +64,5 @@ def test_group_sigkill_resumes_bitwise_and_the_sharded_checkpoint_exports_as_uns
     assert names == sorted(p.name for p in (tmp_path / "from-unsharded").iterdir())
     assert "model.safetensors" in names
     for name in names:
-        assert (tmp_path / "from-sharded" / name).read_bytes() == (tmp_path / "from-unsharded" / name).read_bytes(), name
+        assert ((tmp_path / "from-sharded" / name).read_bytes()
+                == (tmp_path / "from-unsharded" / name).read_bytes()), name

@@ -42,7 +42,8 @@ def test_a_state_poisoned_with_finite_loss_and_gradients_is_never_saved(tmp_path
     the run, and step 4 stays the newest checkpoint."""
     run = tmp_path / "run"
     proc = harness("train", str(TINY), "--run-dir", str(run), "--set",
-                   'model.factory="tests.user_models:overflowing_stat_gpt"', "--set", "model.args.overflow_at_forward=11")
+                   'model.factory="tests.user_models:overflowing_stat_gpt"',
+                   "--set", "model.args.overflow_at_forward=11")
     assert_one_line_error(proc, "model/logit_sq holds NaN/inf after step 8; no checkpoint of this state was written")
     assert checkpoint_steps(run) == [4]
     assert_finite_model(run, 4)

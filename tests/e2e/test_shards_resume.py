@@ -41,7 +41,8 @@ def test_sigkill_on_mixed_shards_is_bitwise(tmp_path, sources, workers, kills):
 def test_resume_on_other_data_is_refused_naming_the_difference(tmp_path, sources):
     run = tmp_path / "run"
     a, b = sources
-    first = harness("train", str(TINY), "--run-dir", str(run), "--set", "train.steps=4", *sources_args(a, b), check=True)
+    first = harness("train", str(TINY), "--run-dir", str(run), "--set", "train.steps=4", *sources_args(a, b),
+                    check=True)
     # The start names the sizes of the split: eval is about eval_fraction (0.05) of the windows.
     sizes = dict(re.findall(r"\b(train_windows|eval_windows|eval_share)=([\d.]+)", first.stderr))
     assert set(sizes) == {"train_windows", "eval_windows", "eval_share"}, first.stderr

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
+import procs
 from harness import cli
 from harness.arms import plan
 from harness.config import load_config
 from harness.errors import UserError
 from harness.grid import expand, parse_axes
-import procs
 
 TINY = procs.TINY
 
@@ -80,8 +80,9 @@ def test_print_commands_and_slurm_array(tmp_path, capsys):
     base = [str(TINY), "--set", f'run_dir="{tmp_path}/s"', "--grid", "optim.lr=1e-3,2e-3", "--seeds", "0,1,2"]
     assert cli.main(["sweep", *base, "--print-commands"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 6 and lines[0] == (f"harness train {TINY} --set 'run_dir=\"{tmp_path}/s\"' --set optim.lr=1e-3 "
-                                            f"--set train.seed=0 --set 'run_dir=\"{tmp_path}/s/lr=1e-3_seed=0\"'")
+    assert len(lines) == 6
+    assert lines[0] == (f"harness train {TINY} --set 'run_dir=\"{tmp_path}/s\"' --set optim.lr=1e-3 "
+                        f"--set train.seed=0 --set 'run_dir=\"{tmp_path}/s/lr=1e-3_seed=0\"'")
     assert cli.main(["sweep", *base, "--launcher", "slurm", "--max-restarts", "2"]) == 0
     script = capsys.readouterr().out
     assert "#SBATCH --array=0-5\n" in script

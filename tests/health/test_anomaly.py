@@ -40,7 +40,8 @@ def test_the_ledger_round_trips_and_an_empty_one_leaves_the_counters_state_as_it
     assert "anomalies" not in counters.state_dict()  # runs without anomalies save what they did before
     ledger = counters.anomalies
     entry = ledger.record_rollback(Anomaly(7, 7, "nonfinite_loss", math.nan), to_step=4, skip=[7])
-    assert entry["value"] == "nan" and ledger.record_rollback(Anomaly(7, 7, "nonfinite_loss", math.nan), 4, [7]) == entry
+    assert entry["value"] == "nan"
+    assert ledger.record_rollback(Anomaly(7, 7, "nonfinite_loss", math.nan), 4, [7]) == entry
     assert len(ledger.history) == 1  # met again after a resume: one entry
     ledger.skipped = 1
     restored = TrainerCounters()

@@ -1,4 +1,5 @@
-"""`harness status RUN_DIR` on real runs: one stopped mid-way (what a live one shows), and a finished one with a rollback and a hang."""
+"""`harness status RUN_DIR` on real runs: one stopped mid-way (what a live one shows), and a finished one with a
+rollback and a hang."""
 
 import os
 import pty
@@ -81,4 +82,5 @@ def test_watch_waits_for_the_run_and_redraws_in_place_only_on_a_terminal(tmp_pat
 
 def test_status_of_a_folder_without_a_run_is_a_one_line_error(tmp_path):
     proc = harness("status", str(tmp_path))
-    assert proc.returncode == 2 and proc.stderr.startswith("error: no events file at ") and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.startswith("error: no events file at ")
+    assert "Traceback" not in proc.stderr

@@ -26,7 +26,17 @@ from harness.models.hf import causal_lm
 from harness.models.init_from import load_initial_weights
 from optim.build import build_bundle
 from optim.config import parse_optim_config
-from procs import ENV, ROOT, TINY, assert_one_line_error, assert_same_run, final_checkpoint, harness, kill_at_step, losses
+from procs import (
+    ENV,
+    ROOT,
+    TINY,
+    assert_one_line_error,
+    assert_same_run,
+    final_checkpoint,
+    harness,
+    kill_at_step,
+    losses,
+)
 from shard_data import make_sources
 
 DATA = Path(__file__).parent / "data"
@@ -117,7 +127,8 @@ def test_export_opens_with_from_pretrained_and_gives_the_harness_logits(verified
     for folder, dtype in ((tmp_path / "sharded", torch.float32), (tmp_path / "bf16", torch.bfloat16)):
         fresh = causal_lm(model_args(load_config(config)))
         record = load_initial_weights(fresh, str(folder))
-        assert sorted(f["name"] for f in record["files"]) == (files if dtype == torch.float32 else ["model.safetensors"])
+        listed = sorted(f["name"] for f in record["files"])
+        assert listed == (files if dtype == torch.float32 else ["model.safetensors"])
         for name, t in model.state_dict().items():
             assert torch.equal(fresh.state_dict()[name], t.to(dtype).float()), name
 
@@ -223,9 +234,11 @@ def bad_config(tmp_path: Path, text: str) -> str:
     (lambda tmp: bad_config(tmp, "{ not json"), "is not a JSON config transformers can read"),
     (lambda tmp: bad_config(tmp, '{"model_type": "llama", "hidden_size": "big"}'),
      "transformers cannot build a LlamaConfig from it (StrictDataclassFieldValidationError"),
-    (lambda tmp: bad_config(tmp, '{"model_type": "no-such-model"}'), "model_type 'no-such-model' is not one transformers"),
+    (lambda tmp: bad_config(tmp, '{"model_type": "no-such-model"}'),
+     "model_type 'no-such-model' is not one transformers"),
     (lambda tmp: f"model.args={{ pretrained = '{tmp / 'missing'}' }}", "model.args.pretrained = "),
-    (lambda tmp: "model.args={ pretrained = 'meta-llama/Llama-3.2-1B' }", "the harness reads local files only and downloads nothing"),
+    (lambda tmp: "model.args={ pretrained = 'meta-llama/Llama-3.2-1B' }",
+     "the harness reads local files only and downloads nothing"),
     (lambda tmp: f"model.init_from='{tmp / 'missing.safetensors'}'", "no such file or folder"),
     (lambda tmp: f"model.init_from='{stray_tensor(tmp)}'", "holds 1 tensor(s) the model does not have: stray.weight"),
 ])
@@ -238,7 +251,8 @@ def test_bad_model_input_is_one_line(tmp_path, capsys, setting, needle):
 
 def test_bad_export_input_is_one_line(tmp_path, capsys):
     gpt = tmp_path / "gpt"
-    assert main(["train", str(TINY), "--run-dir", str(gpt), "--set", "train.steps=1", "--set", "debug.step_sleep_s=0"]) == 0
+    assert main(["train", str(TINY), "--run-dir", str(gpt), "--set", "train.steps=1",
+                 "--set", "debug.step_sleep_s=0"]) == 0
     capsys.readouterr()
     ckpt = str(final_checkpoint(gpt, 1))
     out = tmp_path / "out"

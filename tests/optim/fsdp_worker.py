@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 import optim.sharded

@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from procs import MKL_BITWISE_ON_INTEL
-
 from optim.muon import Muon
 from optim.newton_schulz import newton_schulz
+from procs import MKL_BITWISE_ON_INTEL
 
 SHAPES = [(8, 16), (16, 8), (12, 12), (12, 12)]
 

@@ -6,11 +6,11 @@ import pydantic
 import pytest
 import torch
 
-from optim.errors import OptimError
 from optim import config
 from optim.adafactor import Adafactor2D
 from optim.build import build_bundle
 from optim.config import parse_optim_config
+from optim.errors import OptimError
 from optim.lion import Lion
 from optim.muon import Muon
 from optim.olion import OLion

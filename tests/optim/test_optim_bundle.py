@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from optim.errors import OptimError
 from optim.build import build_bundle
-from optim.config import parse_optim_config
 from optim.bundle import MultiOpt, MultiSched
+from optim.config import parse_optim_config
+from optim.errors import OptimError
 
 
 @pytest.fixture
@@ -134,14 +134,16 @@ def test_hyperparameters_and_grouping_come_from_the_bundle_not_the_checkpoint(tr
                                              "adamw/weight_decay"]
     assert new_sched.restored_with_changes == ["adafactor/base_lrs", "adamw/base_lrs"]
     names = {n: p for g in adamw.param_groups for n, p in zip(g["param_names"], g["params"])}
-    assert torch.equal(adamw.state[names["head.weight"]]["exp_avg"], ckpt["optim"]["adamw"]["state"]["head.weight"]["exp_avg"])
+    saved = ckpt["optim"]["adamw"]["state"]["head.weight"]["exp_avg"]
+    assert torch.equal(adamw.state[names["head.weight"]]["exp_avg"], saved)
 
 
 @pytest.mark.parametrize(("edit", "message"), [
     (lambda sd: sd.pop("adamw"), "lacks scheduler 'adamw'"),
     (lambda sd: sd.update(extra={}), "has scheduler 'extra'"),
     (lambda sd: sd["adamw"].pop("last_epoch"), r"checkpoint sched/adamw is malformed: KeyError"),
-    (lambda sd: sd["adamw"].update(schedule={"kind": "step"}), r"sched/adamw is malformed: ValueError: unknown schedule"),
+    (lambda sd: sd["adamw"].update(schedule={"kind": "step"}),
+     r"sched/adamw is malformed: ValueError: unknown schedule"),
 ])
 def test_scheduler_loading_refuses_a_missing_or_extra_scheduler(trained, edit, message):
     _, sched, fresh = trained
@@ -190,6 +192,7 @@ def test_changed_muon_hyperparameters_apply_after_a_load(tiny_gpt, train, roundt
     new_sched.load_state_dict(ckpt["sched"])
     (group,) = new_opt.optimizers["muon"].param_groups
     multiplier = new_sched.schedulers["muon"].schedule.multiplier(3)
-    assert (group["lr"], group["momentum"], group["ns_steps"], group["weight_decay"]) == (0.05 * multiplier, 0.9, 3, 0.1)
+    expected = (0.05 * multiplier, 0.9, 3, 0.1)
+    assert (group["lr"], group["momentum"], group["ns_steps"], group["weight_decay"]) == expected
     p = group["params"][0]
     assert new_opt.optimizers["muon"].state[p]["mom"] is ckpt["optim"]["muon"]["state"][group["param_names"][0]]["mom"]

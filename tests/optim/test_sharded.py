@@ -3,8 +3,8 @@ math, with their state created eagerly in the parameter's placement.
 
 One torchrun group (world size 2, gloo, real processes) runs every arm of optim.build
 (fsdp_worker.py): a model sharded by `fully_shard` (uneven shards, an empty shard, row and column
-shards; and on a 2D HSDP mesh for muon and adafactor) against the same model unsharded in the same process, on the same batches, for 3 steps,
-then a fresh bundle loads the name-keyed state and takes a 4th.
+shards; and on a 2D HSDP mesh for muon and adafactor) against the same model unsharded in the same
+process, on the same batches, for 3 steps, then a fresh bundle loads the name-keyed state and takes a 4th.
 
 Bitwise: muon (also on HSDP), olion (also in several rounds), lion (ours), sgdm and adamw (torch's, on DTensors),
 parameters and state.

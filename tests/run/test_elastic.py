@@ -47,8 +47,8 @@ def test_a_batch_split_error_says_what_was_given_and_what_is_derived():
     with pytest.raises(UserError, match=r"with train.grad_accum = 3: data.batch_size \(not set, so derived\) would be "
                                         r"16 / \(3 x 1\), not a whole number; no world size splits it"):
         batch_shape(_cfg({}, {"global_batch": 16, "grad_accum": 3}), 1)
-    with pytest.raises(UserError, match=r"with data.batch_size = 4 and train.grad_accum = 2: 4 x 2 x world size 1 is 8; "
-                                        r".* or --set train.grad_accum=null"):
+    with pytest.raises(UserError, match=r"with data.batch_size = 4 and train.grad_accum = 2: "
+                                        r"4 x 2 x world size 1 is 8; .* or --set train.grad_accum=null"):
         batch_shape(_cfg({"batch_size": 4}, {"global_batch": 16, "grad_accum": 2}), 1)
 
 
@@ -114,7 +114,8 @@ def test_verify_resume_refuses_a_world_size_and_a_tolerance_it_cannot_use_before
     work = tmp_path / "work"
     proc = harness("verify-resume", str(ELASTIC), "--world-sizes", "2,3", "--work-dir", str(work))
     assert_one_line_error(proc, "the valid world sizes for this config are 1, 2, 4")
-    proc = harness("verify-resume", str(ELASTIC), "--world-sizes", "2,1,2", "--interrupt-at", "6", "--work-dir", str(work))
+    proc = harness("verify-resume", str(ELASTIC), "--world-sizes", "2,1,2", "--interrupt-at", "6",
+                   "--work-dir", str(work))
     assert_one_line_error(proc, "give 2 step(s), one per world size after the first")
     proc = harness("verify-resume", str(ELASTIC), "--tolerance", "1e-3", "--work-dir", str(work))
     assert_one_line_error(proc, "--tolerance applies to --world-sizes only")

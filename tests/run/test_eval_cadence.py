@@ -16,7 +16,8 @@ def test_a_last_step_on_the_eval_cadence_is_evaluated_once(tmp_path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     assert [step for step, _ in evals] == [2, 4]
-    assert records[-1] == {**records[-1], "step": 4, "eval_loss": evals[-1][1]}  # the final evaluation is the last record
+    # The final evaluation is the last record.
+    assert records[-1] == {**records[-1], "step": 4, "eval_loss": evals[-1][1]}
     board = EventAccumulator(str(run / "tensorboard"))
     board.Reload()
     assert [e.step for e in board.Scalars("eval_loss")] == [2, 4]

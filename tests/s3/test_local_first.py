@@ -11,8 +11,7 @@ import torch
 from torch import nn
 
 import procs
-from harness.checkpoint import CheckpointStore, capture
-from harness.checkpoint import local_first
+from harness.checkpoint import CheckpointStore, capture, local_first
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.local_first import LocalFirst, UploadError
 from procs import TINY, harness

@@ -11,10 +11,9 @@ import json
 import pytest
 
 import procs
+from harness import exit_codes
 from procs import TINY, assert_same_run, harness, start, wait_for_step
 from s3server import FAKE_ENV, S3ServerProcess, download_final
-
-from harness import exit_codes
 
 STEPS = 12
 # Short deadlines so an outage is declared within seconds; heartbeats often, so one is due mid-run.

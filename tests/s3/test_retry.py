@@ -11,8 +11,13 @@ import random
 import time
 
 import pytest
-from botocore.exceptions import (ClientError, ConnectionClosedError, EndpointConnectionError,
-                                 FlexibleChecksumError, ReadTimeoutError)
+from botocore.exceptions import (
+    ClientError,
+    ConnectionClosedError,
+    EndpointConnectionError,
+    FlexibleChecksumError,
+    ReadTimeoutError,
+)
 from s3fs.errors import translate_boto_error
 
 from harness.checkpoint.filesystem import open_filesystem

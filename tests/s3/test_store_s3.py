@@ -92,7 +92,8 @@ def test_deleting_what_is_partly_or_wholly_gone_is_no_error(proxy, s3_server, s3
     store.delete(store.ref(2))
     committed, incomplete = store.scan()
     assert [r.step for r in committed] == [s for s in before if s != 2] and not incomplete
-    assert not s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{prefix}/checkpoints/step-00000002/").get("Contents")
+    listed = s3_server.client().list_objects_v2(Bucket=s3_server.bucket, Prefix=f"{prefix}/checkpoints/step-00000002/")
+    assert not listed.get("Contents")
 
 
 def test_discovery_sees_what_another_process_wrote(proxy, s3_url):

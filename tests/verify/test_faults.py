@@ -137,7 +137,8 @@ def test_dropout_rng_not_restored():
 
 def test_data_cursor_off_by_one():
     verdict = check_resume(lambda: build(data=LateCursor), steps=STEPS, interrupt_at=[CUT])
-    assert (verdict.step, verdict.when, verdict.part, verdict.tensor) == (CUT, "restore", "data", "position"), str(verdict)
+    found = (verdict.step, verdict.when, verdict.part, verdict.tensor)
+    assert found == (CUT, "restore", "data", "position"), str(verdict)
 
 
 def test_optimizer_buffer_left_out():

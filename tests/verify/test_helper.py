@@ -37,7 +37,8 @@ def test_builtin_trainer_registers_everything():
         trainer.loaders = [{"gen": torch.Generator()}]
         with pytest.raises(IncompleteState) as e:
             check_registered({"trainer": trainer}, trainer.state.parts())
-        for name in ("trainer.extra_optimizer (SGD)", "trainer.scheduler (StepLR)", "trainer.loaders[0]['gen'] (Generator)"):
+        for name in ("trainer.extra_optimizer (SGD)", "trainer.scheduler (StepLR)",
+                     "trainer.loaders[0]['gen'] (Generator)"):
             assert name in str(e.value)
         assert "train.unregistered_state" in str(e.value)
         assert len(check_registered({"trainer": trainer}, trainer.state.parts(), "warn")) == 3
