@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -453,3 +454,45 @@ def test_bad_columnar_inputs_are_one_line_errors_and_leave_nothing(tmp_path, cap
                      "--shard-tokens", "64", "--workers", "0")
     assert code == 2 and message in err and name in err and len(err.splitlines()) == 1, err
     assert list(out.iterdir()) == []
+
+
+def test_prepare_of_parquet_killed_continues_to_byte_identical_output(tmp_path):
+    """A real SIGKILL after a few recorded shards; the same command resumes at the recorded row
+    (inside a row group) and ends with an uninterrupted prepare's bytes."""
+    from harness.data.corpus import default_corpus
+
+    parquet = _parquet(tmp_path / "corpus.parquet", {"text": default_corpus().decode("ascii").splitlines() * 4},
+                       row_group_size=100)
+    args = [parquet, "--tokenizer", "bytes", "--shard-tokens", "3000", "--workers", "0"]
+    reference = tmp_path / "reference"
+    prepare(PrepareSpec((parquet,), "bytes", shard_tokens=3000), str(reference))
+    out = tmp_path / "killed"
+    proc = _run_prepare([*args, "--out", str(out)])
+    while proc.poll() is None and 0 <= _shards_recorded(out) < 5:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL and _shards_recorded(out) >= 5, "the prepare ended before the kill"
+    proc = _run_prepare([*args, "--out", str(out)])
+    _, err = proc.communicate()
+    assert proc.returncode == 0 and "resuming prepare" in err.decode(), err.decode()[-2000:]
+    assert _files(out) == _files(reference)
+
+
+def test_a_folder_fixed_after_a_failed_prepare_is_prepared_again_from_the_beginning(tmp_path, capsys):
+    """A null row in the second arrow file stops the prepare after shards of the first were
+    recorded; the folder saved again with that row filled has another identity (its arrow
+    files'), so the same command starts again and gives what a fresh prepare gives."""
+    rows = ROWS[:]
+    rows[2000] = None
+    folder = _saved_dataset(tmp_path / "saved", {"text": rows})
+    args = ("data", "prepare", folder, "--tokenizer", "bytes", "--shard-tokens", "4096", "--workers", "0")
+    code, err = _cli(capsys, *args, "--out", str(tmp_path / "ds"))
+    assert code == 2 and "data-00001-of-00002.arrow row 751: column 'text' is null" in err, err
+    assert _shards_recorded(tmp_path / "ds") > 3
+    rows[2000] = "filled"
+    shutil.rmtree(folder)
+    _saved_dataset(tmp_path / "saved", {"text": rows})
+    code, err = _cli(capsys, *args, "--out", str(tmp_path / "ds"))
+    assert code == 0 and "an input changed since this prepare started" in err and folder in err, err
+    assert _files(tmp_path / "ds") == _prepared(capsys, tmp_path / "fresh", folder)
