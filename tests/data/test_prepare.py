@@ -440,13 +440,11 @@ def _state_only(tmp_path: Path, files: list) -> list[str]:
      "is a folder without state.json: not a dataset saved with save_to_disk"),
     (lambda p: [str(_write(p / "dd" / "dataset_dict.json", '{"splits": ["train", "test"]}').parent)], "dd",
      "is a DatasetDict (splits: train, test); pass one split's folder, e.g. "),
-    (lambda p: [str(p / "none.parquet")], "none.parquet", "does not exist"),
     # A good input first: the bad column of the second is found before any shard is written.
     (lambda p: [_jsonl(p / "a.jsonl", ROWS), _parquet(p / "b.parquet", {"body": ["x"]})], "b.parquet",
      "has no column 'text'"),
 ], ids=["parquet-no-column", "folder-no-column", "not-strings", "null", "corrupt-parquet", "damaged-page",
-        "corrupt-arrow", "no-arrow-files", "arrow-file-missing", "not-saved", "dataset-dict", "missing",
-        "second-input"])
+        "corrupt-arrow", "no-arrow-files", "arrow-file-missing", "not-saved", "dataset-dict", "second-input"])
 def test_bad_columnar_inputs_are_one_line_errors_and_leave_nothing(tmp_path, capsys, make, name, message):
     inputs = make(tmp_path / "in")
     out = tmp_path / "ds"
