@@ -69,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="URL", help="the dataset folder (local path or fsspec URL)")
     p.add_argument("--tokenizer", required=True, metavar="SPEC",
                    help="a tokenizer.json path/URL, `bytes`, or `train-bpe:VOCAB` (trained on the inputs)")
-    p.add_argument("--text-field", "--field", dest="field", default="text",
+    p.add_argument("--text-field", "--field", dest="field", default="text", metavar="NAME",
                    help="the field of JSON-lines inputs, the column of parquet/arrow ones, that holds each "
                         "document's text (default: text)")
     p.add_argument("--text-split", choices=["file", "line"], default="file",

@@ -10,7 +10,8 @@
   selected dataset in its indexed order, so that is the dataset's row order). A `DatasetDict`
   folder (`dataset_dict.json`) is refused, naming a split folder to pass instead.
 
-So memory holds one record batch, whatever the size of the file (ops/bench/prepare_rss.py). A row's
+So memory holds one row group's text column chunk and a record batch of it (parquet) or one record
+batch (arrow), whatever the size of the file (ops/bench/prepare_rss.py: peak RSS flat). A row's
 value in the text column is one document, as a JSON line's field is (documents.py): an empty string
 is no document, a null is an error naming the file and row. The column must hold strings; that and
 its presence are checked in every file (`check_text_column`) before prepare writes anything.
@@ -149,5 +150,6 @@ def _pyarrow() -> tuple[Any, Any]:
         import pyarrow
         import pyarrow.parquet
     except ImportError:
-        raise UserError("parquet and arrow inputs need pyarrow: pip install 'harness[parquet]'") from None
+        raise UserError("parquet and arrow inputs need pyarrow: pip install -e '.[parquet]' (or pip install "
+                        "pyarrow)") from None
     return pyarrow, pyarrow.parquet
