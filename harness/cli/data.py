@@ -1,7 +1,8 @@
 """`harness data prepare|verify`: make a token-shard dataset, check one.
 
-`prepare INPUT... --out URL --tokenizer SPEC` tokenizes text / JSON-lines inputs (local or any
-fsspec URL, `.gz`/`.zst` too; `builtin:corpus` for the built-in one) into shards plus
+`prepare INPUT... --out URL --tokenizer SPEC` tokenizes text / JSON-lines inputs (`.gz`/`.zst`
+too), parquet and arrow files and `save_to_disk` folders (the text in column --text-field), local
+or any fsspec URL (`builtin:corpus` for the built-in corpus), into shards plus
 `index.json` (harness/data/prepare.py); killed, it continues where it stopped when run again
 with the same arguments. `verify URL` checks every shard's size, sha256 and end-of-document
 count against the index.
@@ -63,11 +64,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     storage = storage_option_parser()
     p = commands.add_parser("prepare", parents=[storage], help="tokenize inputs into shards + index.json")
     p.add_argument("inputs", nargs="+", metavar="INPUT",
-                   help="text or JSON-lines files (.gz/.zst too), local or fsspec URLs; builtin:corpus")
+                   help="text or JSON-lines files (.gz/.zst too), .parquet or .arrow files, folders saved by "
+                        "datasets' save_to_disk; local or fsspec URLs; builtin:corpus")
     p.add_argument("--out", required=True, metavar="URL", help="the dataset folder (local path or fsspec URL)")
     p.add_argument("--tokenizer", required=True, metavar="SPEC",
                    help="a tokenizer.json path/URL, `bytes`, or `train-bpe:VOCAB` (trained on the inputs)")
-    p.add_argument("--field", default="text", help="the text field of JSON-lines inputs (default: text)")
+    p.add_argument("--text-field", "--field", dest="field", default="text", metavar="NAME",
+                   help="the field of JSON-lines inputs, the column of parquet/arrow ones, that holds each "
+                        "document's text (default: text)")
     p.add_argument("--text-split", choices=["file", "line"], default="file",
                    help="text inputs: one document per file, or per non-empty line (default: file)")
     p.add_argument("--eod", default=EOD_TOKEN,

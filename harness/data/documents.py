@@ -1,16 +1,21 @@
 """The documents of `harness data prepare`'s inputs, in a fixed order.
 
-An input is a local path or fsspec URL; `.gz` and `.zst` are decompressed on the fly. Its format
+An input is a local path or fsspec URL. `.parquet` and `.arrow` files and folders saved by the
+`datasets` library's `save_to_disk` are columnar (columnar.py): each row's value in the `field`
+column is a document. Otherwise `.gz` and `.zst` are decompressed on the fly, and the format
 comes from the name without that suffix: `.jsonl`, `.ndjson` and `.json` are JSON lines (one
-object per line, the document is its `field`), anything else is UTF-8 text: one document per
-file (`text_split="file"`) or one per non-empty line (`"line"`). `builtin:corpus` is the
-built-in corpus (`corpus.py`), one document per paragraph (line). An empty document (an empty
-file, an empty JSON text) is no document: it would be an end-of-document token alone.
+object per line, the document is its `field`; what `load_dataset("json", data_files=...)` reads),
+anything else is UTF-8 text: one document per file (`text_split="file"`) or one per non-empty
+line (`"line"`). `builtin:corpus` is the built-in corpus (`corpus.py`), one document per
+paragraph (line). An empty document (an empty file, an empty JSON text or row value) is no
+document: it would be an end-of-document token alone.
 
 The order is the inputs' order, then the order inside each, so the document stream, and the
 token stream made from it, is a pure function of the inputs: what a restarted prepare relies on.
-Anything that is not what it claims (binary data, invalid UTF-8, a JSON line without the field)
-is a UserError naming the file and line.
+Anything that is not what it claims (binary data, invalid UTF-8, a JSON line without the field, a
+damaged parquet file, a column that does not hold strings) is a UserError naming the file and
+line or row; `check_inputs` finds what can be found without reading the documents (a columnar
+input's text column) before prepare writes anything.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Iterator
 from typing import Any, Literal
 
 from harness.checkpoint.filesystem import open_filesystem
+from harness.data import columnar
 from harness.data.corpus import default_corpus
 from harness.data.identity import data_identity, file_identity
 from harness.errors import UserError
@@ -41,6 +47,10 @@ def iter_documents(inputs: list[str], *, field: str = "text", text_split: TextSp
         if url == BUILTIN_CORPUS:
             yield from (line for line in default_corpus().decode("ascii").splitlines() if line)
             continue
+        if (files := _columnar_files(url, storage_options)) is not None:
+            with _input_errors(url):
+                yield from columnar.documents(files, field, storage_options)
+            continue
         with _open_text(url, storage_options) as lines:
             if _base_name(url).endswith(_JSON_SUFFIXES):
                 yield from _json_documents(url, lines, field)
@@ -48,6 +58,21 @@ def iter_documents(inputs: list[str], *, field: str = "text", text_split: TextSp
                 yield from (text for _, text in _checked_lines(url, lines) if text.strip())
             elif document := "".join(line for _, line in _checked_lines(url, lines)):
                 yield document
+
+
+def check_inputs(inputs: list[str], *, field: str = "text", storage_options: dict | None = None) -> None:
+    """Raise the UserError reading would raise for what can be seen without reading any document:
+    a missing columnar input, a save_to_disk folder without its arrow files, a text column that
+    is not there or holds no strings, a parquet file whose footer is damaged."""
+    for url in inputs:
+        if url != BUILTIN_CORPUS and (files := _columnar_files(url, storage_options)) is not None:
+            with _input_errors(url):
+                columnar.check_text_column(files, field, storage_options)
+
+
+def _columnar_files(url: str, storage_options: dict | None) -> list[str] | None:
+    with _input_errors(url):
+        return columnar.data_files(url, storage_options)
 
 
 def _base_name(url: str) -> str:
@@ -72,11 +97,15 @@ def _open_text(url: str, storage_options: dict | None) -> Iterator[io.TextIOBase
 
 def input_identity(url: str, storage_options: dict | None = None) -> dict[str, Any]:
     """The input's size and the sha256 of its first and last MiB, as the training data's identity
-    takes them (identity.py): what a resumed prepare compares to see an input changed."""
+    takes them (identity.py): what a resumed prepare compares to see an input changed. A
+    save_to_disk folder's is that of each of its arrow files, in order."""
     if url == BUILTIN_CORPUS:
         return data_identity(None)
+    files = _columnar_files(url, storage_options)
     with _input_errors(url):
-        return file_identity(url, storage_options)
+        if files is None or files == [url]:
+            return file_identity(url, storage_options)
+        return {"url": url, "files": [file_identity(file, storage_options) for file in files]}
 
 
 @contextlib.contextmanager
@@ -87,8 +116,8 @@ def _input_errors(url: str) -> Iterator[None]:
     except FileNotFoundError:
         raise UserError(f"input {url} does not exist; check the path or URL") from None
     except (ValueError, ImportError, IsADirectoryError) as e:
-        raise UserError(f"input {url} cannot be opened ({e}); pass a text or JSON-lines file or an fsspec "
-                        f"URL") from None
+        raise UserError(f"input {url} cannot be opened ({e}); pass a text, JSON-lines or parquet file, a "
+                        f"save_to_disk folder, or an fsspec URL of one") from None
 
 
 @contextlib.contextmanager
@@ -152,7 +181,7 @@ def _json_documents(url: str, lines: io.TextIOBase, field: str) -> Iterator[str]
             raise UserError(f"input {url} line {number} is not JSON ({e.msg}); JSON-lines inputs hold one "
                             f"object per line") from None
         if not isinstance(record, dict) or field not in record:
-            raise UserError(f"input {url} line {number} has no field {field!r}; pass --field with the name of "
+            raise UserError(f"input {url} line {number} has no field {field!r}; pass --text-field with the name of "
                             f"the text field")
         text = record[field]
         if not isinstance(text, str):

@@ -45,7 +45,7 @@ from tqdm import tqdm
 
 from harness.checkpoint.location import Location, fsync_dir, open_location, rename, write_stream
 from harness.data import tokenize_worker
-from harness.data.documents import TextSplit, input_identity, iter_documents
+from harness.data.documents import TextSplit, check_inputs, input_identity, iter_documents
 from harness.data.shard_index import INDEX_NAME, TOKENIZER_NAME, ShardEntry, ShardIndex, dtype_for, shard_name
 from harness.data.tokenizers_spec import EOD_TOKEN, TokenizerInfo, is_trained, resolve_tokenizer
 from harness.errors import UserError
@@ -72,7 +72,8 @@ class PrepareSpec:
         if self.shard_tokens < 1:
             raise UserError(f"--shard-tokens must be >= 1, got {self.shard_tokens}")
         if not self.inputs:
-            raise UserError("no INPUT given: pass one or more text or JSON-lines files")
+            raise UserError("no INPUT given: pass one or more text, JSON-lines or parquet files or save_to_disk "
+                            "folders")
 
 
 @dataclass
@@ -88,6 +89,7 @@ def prepare(spec: PrepareSpec, out: str, *, workers: int = 0, storage_options: d
     """Write the dataset for `spec` at `out` (resuming an interrupted prepare there); returns its
     index. Raises UserError for bad inputs, a finished dataset at `out`, or an unfinished one
     made with other arguments."""
+    check_inputs(list(spec.inputs), field=spec.field, storage_options=storage_options)
     loc = open_location(out, storage_options)
     loc.fs.makedirs(loc.root, exist_ok=True)
     progress, tokenizer, header = _resume_or_start(spec, loc, storage_options)

@@ -1,6 +1,6 @@
-"""ops/bench/optim_step.py, sharded_muon.py (under torchrun), harness_overhead.py, data_wait.py and s3_io.py still
-run (tiny sizes) and print every figure docs/bench-optim.md, docs/bench-data.md and README quote. They time nothing
-here: no figure is asserted."""
+"""ops/bench/optim_step.py, sharded_muon.py (under torchrun), harness_overhead.py, data_wait.py, s3_io.py and
+prepare_rss.py still run (tiny sizes) and print every figure docs/bench-optim.md, docs/bench-data.md and README
+quote. They time nothing here: no figure is asserted."""
 
 from __future__ import annotations
 
@@ -63,3 +63,13 @@ def test_s3_io_bench_pinned_reports_every_figure():
     # the smallest model is one 16 MiB layer: two parts, so both saves complete a multipart upload
     assert all(len(v) == 1 and v[0] > 0 for v in out["completion_seconds"].values()), out["completion_seconds"]
     assert out["save_ratio_less_completion"] > 0
+
+
+def test_prepare_rss_reports_peak_rss_at_both_sizes_and_the_ratio():
+    out = json.loads(bench("prepare_rss.py", "--sizes-mb", "1,2", "--rows-per-group", "100"))
+    assert out["sizes_mb"] == [1, 2]
+    for kind in ("parquet", "save_to_disk"):
+        assert out[kind]["rss_ratio"] > 0
+        for size in ("1mb", "2mb"):
+            assert set(out[kind][size]) == {"input_mib", "peak_rss_mib", "wall_s", "tokens"}
+            assert out[kind][size]["tokens"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -199,7 +200,7 @@ def test_verify_of_a_file_or_a_bad_index_says_what_is_wrong_in_one_line(tmp_path
     ("late.txt.gz", gzip.compress(b"ok\n" * 5000 + "äö\n".encode() + b"x\xc3"),
      "is not UTF-8 text (line 5002, byte offset 15006: unexpected end of data)"),
     ("zeros.txt", b"abc\x00\x00\x00", "holds NUL bytes"),
-    ("rows.jsonl", b'{"body": "no text field"}\n', "has no field 'text'; pass --field"),
+    ("rows.jsonl", b'{"body": "no text field"}\n', "has no field 'text'; pass --text-field"),
     ("rows2.jsonl", b"not json\n", "is not JSON"),
     ("broken.txt.gz", b"\x1f\x8b\x08\x00garbage", "cannot be decompressed"),
 ], ids=["binary", "late-bad-utf8", "nul", "no-field", "not-json", "bad-gzip"])
@@ -311,3 +312,185 @@ def test_resume_inside_a_document_spanning_many_shards(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare_module, "_write_shard", write_shard)
     prepare(spec, str(tmp_path / "resumed"))
     assert _files(tmp_path / "resumed") == _files(tmp_path / "reference")
+
+
+# Parquet files and `datasets` folders (harness/data/columnar.py): each row's text is a document,
+# exactly as the same text given as JSON lines.
+
+ROWS = [f"row {i}: " + "word " * (i % 7) + "äö€" * (i % 3) if i % 11 else "" for i in range(2500)]
+
+
+def _jsonl(path: Path, rows: list, field: str = "text") -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"id": i, field: row}) + "\n" for i, row in enumerate(rows)))
+    return str(path)
+
+
+def _parquet(path: Path, columns: dict, row_group_size: int = 700) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table(columns), str(path), row_group_size=row_group_size)
+    return str(path)
+
+
+def _saved_dataset(folder: Path, columns: dict, files: int = 2) -> str:
+    """A folder as `datasets.Dataset.save_to_disk` writes it: arrow IPC streams of record batches
+    (schema metadata "huggingface" with the features), dataset_info.json, state.json listing them."""
+    import pyarrow as pa
+
+    table = pa.table(columns)
+    features = {name: {"dtype": "string" if pa.types.is_string(t) else str(t), "_type": "Value"}
+                for name, t in zip(table.schema.names, table.schema.types)}
+    schema = table.schema.with_metadata({"huggingface": json.dumps({"info": {"features": features}})})
+    folder.mkdir(parents=True)
+    names, per_file = [], -(-len(table) // files)
+    for number in range(files):
+        names.append(f"data-{number:05d}-of-{files:05d}.arrow")
+        with pa.ipc.new_stream(str(folder / names[-1]), schema) as writer:
+            writer.write_table(table.slice(number * per_file, per_file).cast(schema), max_chunksize=300)
+    (folder / "dataset_info.json").write_text(json.dumps({"citation": "", "description": "", "features": features,
+                                                          "homepage": "", "license": ""}, indent=2))
+    (folder / "state.json").write_text(json.dumps({
+        "_data_files": [{"filename": name} for name in names], "_fingerprint": "0123456789abcdef",
+        "_format_columns": None, "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False,
+        "_split": None}, indent=2))
+    return str(folder)
+
+
+def _prepared(capsys, out: Path, *inputs: str, args: tuple[str, ...] = ("--tokenizer", "bytes")) -> dict[str, bytes]:
+    code, err = _cli(capsys, "data", "prepare", *inputs, "--out", str(out), "--shard-tokens", "4096",
+                     "--workers", "0", *args)
+    assert code == 0, err
+    return _files(out)
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "train-bpe:300"])
+def test_parquet_of_many_row_groups_prepares_the_bytes_json_lines_give(tmp_path, capsys, tokenizer):
+    import pyarrow.parquet as pq
+
+    parquet = _parquet(tmp_path / "rows.parquet", {"id": list(range(len(ROWS))), "text": ROWS})
+    assert pq.ParquetFile(parquet).metadata.num_row_groups == 4
+    jsonl = _jsonl(tmp_path / "rows.jsonl", ROWS)
+    from_parquet = _prepared(capsys, tmp_path / "p", parquet, args=("--tokenizer", tokenizer))
+    assert len([name for name in from_parquet if name.startswith("shard-")]) > 5
+    assert from_parquet == _prepared(capsys, tmp_path / "j", jsonl, args=("--tokenizer", tokenizer))
+    assert read_index(str(tmp_path / "p"))[0].total_documents == sum(1 for row in ROWS if row)
+
+
+def test_a_save_to_disk_folder_and_its_arrow_files_prepare_the_bytes_json_lines_give(tmp_path, capsys):
+    folder = _saved_dataset(tmp_path / "saved", {"text": ROWS, "id": list(range(len(ROWS)))})
+    reference = _prepared(capsys, tmp_path / "j", _jsonl(tmp_path / "rows.jsonl", ROWS))
+    assert _prepared(capsys, tmp_path / "folder", folder) == reference
+    arrow_files = [f"{folder}/data-00000-of-00002.arrow", f"{folder}/data-00001-of-00002.arrow"]
+    assert _prepared(capsys, tmp_path / "files", *arrow_files) == reference
+
+
+def test_text_field_names_the_column_of_parquet_and_arrow_inputs(tmp_path, capsys):
+    """`--text-field content` reads that column and no other (the `text` column is a decoy);
+    `--field` is the same option."""
+    columns = {"text": ["not this"] * len(ROWS), "content": ROWS}
+    reference = _prepared(capsys, tmp_path / "j", _jsonl(tmp_path / "rows.jsonl", ROWS, field="content"),
+                          args=("--tokenizer", "bytes", "--field", "content"))
+    for name, url in [("p", _parquet(tmp_path / "rows.parquet", columns)),
+                      ("s", _saved_dataset(tmp_path / "saved", columns))]:
+        assert _prepared(capsys, tmp_path / name, url, args=("--tokenizer", "bytes", "--text-field", "content")) \
+            == reference
+
+
+def _damaged_page(tmp_path: Path) -> list[str]:
+    """A parquet file whose footer is sound and whose first page header is not: found only
+    while reading, after the upfront check passed."""
+    path = _parquet(tmp_path / "damaged.parquet", {"text": ROWS})
+    data = bytearray(Path(path).read_bytes())
+    data[4:40] = b"\xff" * 36
+    return [str(_write(Path(path), bytes(data)))]
+
+
+def _write(path: Path, data: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data.encode() if isinstance(data, str) else data)
+    return path
+
+
+def _state_only(tmp_path: Path, files: list) -> list[str]:
+    _write(tmp_path / "saved" / "dataset_info.json", "{}")
+    return [str(_write(tmp_path / "saved" / "state.json", json.dumps({"_data_files": files})).parent)]
+
+
+@pytest.mark.parametrize("make, name, message", [
+    (lambda p: [_parquet(p / "a.parquet", {"body": ["x"]})], "a.parquet",
+     "has no column 'text' (its columns: body); pass --text-field"),
+    (lambda p: [_saved_dataset(p / "saved", {"body": ["x"]})], "data-00000-of-00002.arrow",
+     "has no column 'text' (its columns: body); pass --text-field"),
+    (lambda p: [_parquet(p / "a.parquet", {"text": [1, 2], "title": ["a", "b"]})], "a.parquet",
+     "column 'text' holds int64, not strings; pass --text-field with the column holding the text (its string "
+     "columns: title)"),
+    (lambda p: [_parquet(p / "a.parquet", {"text": ["a", "b", None, "d"]})], "a.parquet",
+     "row 3: column 'text' is null, not text"),
+    (lambda p: [str(_write(p / "a.parquet", b"PAR1" + bytes(100)))], "a.parquet",
+     "is not a readable parquet file (Parquet magic bytes not found in footer."),
+    (_damaged_page, "damaged.parquet", "is not a readable parquet file (Couldn't deserialize thrift"),
+    (lambda p: [str(_write(p / "a.arrow", "not arrow"))], "a.arrow", "is not a readable Arrow IPC stream file"),
+    (lambda p: _state_only(p, []), "saved", "lists no arrow files (_data_files); save the dataset again"),
+    (lambda p: _state_only(p, [{"filename": "data-00000-of-00001.arrow"}]), "saved",
+     "data-00000-of-00001.arrow, listed in its state.json, is missing"),
+    (lambda p: [str(_write(p / "plain" / "notes.txt", "x").parent)], "plain",
+     "is a folder without state.json: not a dataset saved with save_to_disk"),
+    (lambda p: [str(_write(p / "dd" / "dataset_dict.json", '{"splits": ["train", "test"]}').parent)], "dd",
+     "is a DatasetDict (splits: train, test); pass one split's folder, e.g. "),
+    # A good input first: the bad column of the second is found before any shard is written.
+    (lambda p: [_jsonl(p / "a.jsonl", ROWS), _parquet(p / "b.parquet", {"body": ["x"]})], "b.parquet",
+     "has no column 'text'"),
+], ids=["parquet-no-column", "folder-no-column", "not-strings", "null", "corrupt-parquet", "damaged-page",
+        "corrupt-arrow", "no-arrow-files", "arrow-file-missing", "not-saved", "dataset-dict", "second-input"])
+def test_bad_columnar_inputs_are_one_line_errors_and_leave_nothing(tmp_path, capsys, make, name, message):
+    inputs = make(tmp_path / "in")
+    out = tmp_path / "ds"
+    code, err = _cli(capsys, "data", "prepare", *inputs, "--out", str(out), "--tokenizer", "bytes",
+                     "--shard-tokens", "64", "--workers", "0")
+    assert code == 2 and message in err and name in err and len(err.splitlines()) == 1, err
+    assert list(out.iterdir()) == []
+
+
+def test_prepare_of_parquet_killed_continues_to_byte_identical_output(tmp_path):
+    """A real SIGKILL after a few recorded shards; the same command resumes at the recorded row
+    (inside a row group) and ends with an uninterrupted prepare's bytes."""
+    from harness.data.corpus import default_corpus
+
+    parquet = _parquet(tmp_path / "corpus.parquet", {"text": default_corpus().decode("ascii").splitlines() * 4},
+                       row_group_size=100)
+    args = [parquet, "--tokenizer", "bytes", "--shard-tokens", "3000", "--workers", "0"]
+    reference = tmp_path / "reference"
+    prepare(PrepareSpec((parquet,), "bytes", shard_tokens=3000), str(reference))
+    out = tmp_path / "killed"
+    proc = _run_prepare([*args, "--out", str(out)])
+    while proc.poll() is None and 0 <= _shards_recorded(out) < 5:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL and _shards_recorded(out) >= 5, "the prepare ended before the kill"
+    proc = _run_prepare([*args, "--out", str(out)])
+    _, err = proc.communicate()
+    assert proc.returncode == 0 and "resuming prepare" in err.decode(), err.decode()[-2000:]
+    assert _files(out) == _files(reference)
+
+
+def test_a_folder_fixed_after_a_failed_prepare_is_prepared_again_from_the_beginning(tmp_path, capsys):
+    """A null row in the second arrow file stops the prepare after shards of the first were
+    recorded; the folder saved again with that row filled has another identity (its arrow
+    files'), so the same command starts again and gives what a fresh prepare gives."""
+    rows = ROWS[:]
+    rows[2000] = None
+    folder = _saved_dataset(tmp_path / "saved", {"text": rows})
+    args = ("data", "prepare", folder, "--tokenizer", "bytes", "--shard-tokens", "4096", "--workers", "0")
+    code, err = _cli(capsys, *args, "--out", str(tmp_path / "ds"))
+    assert code == 2 and "data-00001-of-00002.arrow row 751: column 'text' is null" in err, err
+    assert _shards_recorded(tmp_path / "ds") > 3
+    rows[2000] = "filled"
+    shutil.rmtree(folder)
+    _saved_dataset(tmp_path / "saved", {"text": rows})
+    code, err = _cli(capsys, *args, "--out", str(tmp_path / "ds"))
+    assert code == 0 and "an input changed since this prepare started" in err and folder in err, err
+    assert _files(tmp_path / "ds") == _prepared(capsys, tmp_path / "fresh", folder)
