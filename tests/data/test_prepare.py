@@ -75,6 +75,16 @@ def _shards_recorded(out: Path) -> int:
         return -1 if (out / "index.json").exists() else 0
 
 
+def _kill_prepare_after(args: list[str], out: Path, shards: int) -> None:
+    """Start `data prepare ARGS --out OUT` and SIGKILL it once its resume state records `shards` shards."""
+    proc = _run_prepare([*args, "--out", str(out)])
+    while proc.poll() is None and 0 <= _shards_recorded(out) < shards:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL and _shards_recorded(out) >= shards, "the prepare ended before the kill"
+
+
 def test_prepare_killed_at_random_points_continues_to_byte_identical_output(tmp_path):
     """Real SIGKILLs at seeded random points (after a random number of recorded shards plus a
     random delay); each restart continues, and the final folder equals an uninterrupted run."""
@@ -114,12 +124,7 @@ def test_a_killed_prepare_whose_input_changed_starts_again_from_the_beginning(tm
     text.write_bytes(default_corpus())
     args = [str(text), "--tokenizer", "bytes", "--text-split", "line", "--shard-tokens", "1000", "--workers", "0"]
     out = tmp_path / "killed"
-    proc = _run_prepare([*args, "--out", str(out)])
-    while proc.poll() is None and 0 <= _shards_recorded(out) < 3:
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL and _shards_recorded(out) >= 3, "the prepare ended before the kill"
+    _kill_prepare_after(args, out, 3)
     first, rest = text.read_text().split("\n", 1)
     text.write_text(f"{first.upper()}\n{rest}one more paragraph at the end\n")
     proc = _run_prepare([*args, "--out", str(out)])
@@ -465,12 +470,7 @@ def test_prepare_of_parquet_killed_continues_to_byte_identical_output(tmp_path):
     reference = tmp_path / "reference"
     prepare(PrepareSpec((parquet,), "bytes", shard_tokens=3000), str(reference))
     out = tmp_path / "killed"
-    proc = _run_prepare([*args, "--out", str(out)])
-    while proc.poll() is None and 0 <= _shards_recorded(out) < 5:
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.communicate()
-    assert proc.returncode == -signal.SIGKILL and _shards_recorded(out) >= 5, "the prepare ended before the kill"
+    _kill_prepare_after(args, out, 5)
     proc = _run_prepare([*args, "--out", str(out)])
     _, err = proc.communicate()
     assert proc.returncode == 0 and "resuming prepare" in err.decode(), err.decode()[-2000:]
