@@ -151,7 +151,9 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel
 
             self.net = DistributedDataParallel(self.model, device_ids=[self.device] if self.device.type == "cuda" else None)
-        if world_size > 1:  # dropout differs by rank (as the samples do); each rank's stream is its `rng` part
+        # Dropout differs by rank (as the samples do); each rank's stream is its `rng` part. Exact
+        # elastic mode draws only from per-micro-batch streams, so every rank keeps the run seed's.
+        if world_size > 1 and not self.exact:
             seed_everything(derive_seed(cfg.train.seed, rank))
         if cfg.train.compile:
             # Compiles what the step calls; `self.model` stays the plain module, so the state part
