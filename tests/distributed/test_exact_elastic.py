@@ -1,6 +1,6 @@
 """Exact elastic mode (`parallel.exact_elastic`, harness/exact.py) with real processes (gloo,
 torchrun), dropout on: one process accumulating the step's 4 micro-batches ends bit for bit where
-two ranks of 2 end, and a run killed at world size 2, resumed at 1, killed, resumed at 2 ends bit
+two ranks of 2 (and four of 1) end, and a run killed at world size 2, resumed at 1, killed, resumed at 2 ends bit
 for bit where the uninterrupted run at 2 ends (docs/distributed.md, "Exact elastic"). Without the
 mode both differ (the masks and the sum order follow the world size): `exact_elastic = false`
 fails every assertion below."""
@@ -33,18 +33,19 @@ def _bitwise_differences(a: Path, b: Path, step: int) -> list[str]:
     return [d.line for d in diff.differences if not d.part.startswith("rank-")]
 
 
-@pytest.mark.parametrize("arm", ["adamw", "muon"])
-def test_one_process_with_accumulation_is_bitwise_two_ranks(tmp_path, arm):
-    """World size 1 (4 micro-batches accumulated) against world size 2 (2 each), 4 steps:
-    every logged loss and the final checkpoint (model, optimizer, RNG, counters) bitwise equal."""
+@pytest.mark.parametrize("arm, world", [("adamw", 2), ("muon", 2), ("adamw", 4)])
+def test_one_process_with_accumulation_is_bitwise_several_ranks(tmp_path, arm, world):
+    """World size 1 (4 micro-batches accumulated) against world size 2 (2 each) and 4 (1 each),
+    4 steps: every logged loss and the final checkpoint (model, optimizer, RNG, counters) bitwise
+    equal."""
     sets = ["--set", f"optim.type={arm}", "--set", "train.steps=4", "--set", "debug.step_sleep_s=0"]
-    one, two = tmp_path / "one", tmp_path / "two"
+    one, many = tmp_path / "one", tmp_path / "many"
     proc = harness("train", str(EXACT), "--run-dir", str(one), *sets, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    log = tmp_path / "two.log"
-    assert run(torchrun("train", str(EXACT), "--run-dir", str(two), *sets), log) == 0, tail(log)
-    assert _losses(one) == _losses(two) and sorted(_losses(one)) == [1, 2, 3, 4]
-    assert _bitwise_differences(one, two, 4) == []
+    log = tmp_path / "many.log"
+    assert run(torchrun("train", str(EXACT), "--run-dir", str(many), *sets, nproc=world), log) == 0, tail(log)
+    assert _losses(one) == _losses(many) and sorted(_losses(one)) == [1, 2, 3, 4]
+    assert _bitwise_differences(one, many, 4) == []
 
 
 def test_killed_at_2_resumed_at_1_killed_resumed_at_2_is_bitwise_the_continuous_run(tmp_path):
