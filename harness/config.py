@@ -137,14 +137,7 @@ class ParallelSection(Section):
         return pattern
 
     param_dtype: Literal["fp32", "bf16"] = Field("fp32", description="With fsdp on CUDA: the dtype parameters are gathered and computed in (MixedPrecisionPolicy param_dtype); gradients are always reduced in fp32 and the sharded parameters and optimizer state stay fp32. Ignored on CPU (gloo), where fsdp computes in fp32 (a warning says so).")
-    exact_elastic: bool = Field(False, description="Make every step independent of the world size, bit for bit (harness/exact.py; docs/distributed.md, \"Exact elastic\"): the step's train.global_batch samples are cut into V = global_batch / data.batch_size canonical micro-batches in sample order, rank r of W takes the contiguous block r*V/W..(r+1)*V/W-1, each micro-batch draws its random numbers from (seed, step, micro-batch), and the gradients are summed over one fixed tree of the V micro-batches. Needs train.global_batch and data.batch_size set (train.grad_accum unset: it is V / W), train.cpu_threads set on a CPU, and parallel.strategy = \"ddp\"; the exact world sizes are 1 and every W dividing V with V / W a power of two (others are refused).")
-
-    @model_validator(mode="after")
-    def _exact_with_ddp(self) -> ParallelSection:
-        if self.exact_elastic and self.strategy == "fsdp":
-            raise ValueError("exact_elastic supports strategy = \"ddp\" only (FSDP's own reduce-scatter sums in the "
-                             "ring's order): set parallel.strategy = \"ddp\", or parallel.exact_elastic = false")
-        return self
+    exact_elastic: bool = Field(False, description="Make every step independent of the world size, bit for bit (harness/exact.py; docs/distributed.md, \"Exact elastic\"): the step's train.global_batch samples are cut into V = global_batch / data.batch_size canonical micro-batches in sample order, rank r of W takes the contiguous block r*V/W..(r+1)*V/W-1, each micro-batch draws its random numbers from (seed, step, micro-batch), and the gradients are summed over one fixed tree of the V micro-batches. Needs train.global_batch and data.batch_size set (train.grad_accum unset: it is V / W), and train.cpu_threads set on a CPU; DDP and FSDP alike; the exact world sizes are 1 and every W dividing V with V / W a power of two (others are refused).")
 
 
 class HealthSection(Section):

@@ -27,9 +27,12 @@ parameters' `.grad`, in their dtypes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+from optim.dtensor import is_dtensor, local
 
 
 class SumTree:
@@ -58,13 +61,20 @@ class SumTree:
         return total
 
 
-def flat_gradients(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """This micro-batch's gradients of `params` as one float32 vector (zeros where a parameter
-    has none); the parameters' `.grad` are cleared for the next micro-batch's backward."""
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
-    for p in params:
-        p.grad = None
-    return flat
+def flat_gradients(params: list[torch.nn.Parameter],
+                   take: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None) -> torch.Tensor:
+    """This micro-batch's whole gradients of `params` as one float32 vector (zeros where a
+    parameter has none), cleared for the next micro-batch's backward. `take(p)` returns and
+    clears one parameter's whole gradient (FSDP keeps it apart: exact_fsdp.FSDPGradients);
+    default: its `.grad`."""
+    grads = [take(p) if take is not None else _take_grad(p) for p in params]
+    return torch.cat([(g if g is not None else torch.zeros(p.shape, device=p.device)).reshape(-1).float()
+                      for p, g in zip(params, grads)])
+
+
+def _take_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
+    grad, p.grad = p.grad, None
+    return grad
 
 
 def set_gradients(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
@@ -90,6 +100,36 @@ def reduce_blocks(block_sum: torch.Tensor, world_size: int) -> torch.Tensor:
     whole = torch.empty_like(padded)
     dist.all_gather(list(whole.view(world_size, shard)), tree.result())
     return whole[:n]
+
+
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, world_size: int) -> float:
+    """The global norm of the summed gradients, in an order no sharding changes, then every
+    gradient scaled by min(1, max_norm / (norm + 1e-6)) as torch's clip_grad_norm_ does. Each
+    gradient row's sum of squares is taken in float64 (a square of a float32 is exact there)
+    left to right (a cumulative sum: one order whatever the thread count or the number of rows
+    beside it); the rows of every rank (FSDP: each its own shards' rows, all-gathered) are
+    added exactly rounded (math.fsum), so the norm depends on the gradient values alone.
+    Collective where the gradients are sharded."""
+    rows = [_row_squares(local(p.grad)) for p in params]
+    values = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.float64)
+    if world_size > 1 and any(is_dtensor(p.grad) for p in params):
+        bound = sum(p.shape[0] if p.dim() else 1 for p in params)  # no rank holds more rows than all
+        padded = torch.nn.functional.pad(values, (0, bound - values.numel()))  # zeros add nothing to the sum
+        gathered = [torch.empty_like(padded) for _ in range(world_size)]
+        dist.all_gather(gathered, padded)
+        values = torch.cat(gathered)
+    norm = math.sqrt(math.fsum(values.tolist()))
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            local(p.grad).mul_(coef)
+    return norm
+
+
+def _row_squares(g: torch.Tensor) -> torch.Tensor:
+    if not g.numel():  # an empty shard
+        return torch.zeros(0, dtype=torch.float64, device=g.device)
+    return g.reshape(g.shape[0] if g.dim() else 1, -1).double().square().cumsum(dim=1)[:, -1]
 
 
 def mean_over_micro_batches(losses: torch.Tensor, world_size: int) -> float:

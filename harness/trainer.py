@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from harness import distributed, exact, numerics
+from harness import distributed, exact, exact_fsdp, numerics
 from harness.config import RunConfig, batch_shape, model_args
 from harness.data import BatchStream, eval_batches
 from harness.data.factory import is_iterator_source
@@ -147,6 +147,7 @@ class Trainer:
         # Under FSDP the model is its own wrapper (its backward reduce-scatters the gradients).
         # Exact elastic mode has no wrapper: it sums the gradients itself, in its tree's order.
         self.net = self.model
+        self._fsdp_gradients = exact_fsdp.FSDPGradients(self.model) if self.exact and self.sharded else None
         if world_size > 1 and not self.sharded and not self.exact:
             from torch.nn.parallel import DistributedDataParallel
 
@@ -287,6 +288,9 @@ class Trainer:
             self.batch_hook(self.step + 1, block)
         params = [p for p in self.model.parameters() if p.requires_grad]
         micro_batches = self.grad_accum * self.world_size
+        take = self._fsdp_gradients.take if self.sharded else None
+        if self.sharded:  # FSDP keeps each micro-batch's whole gradient; the tree sums them
+            self.model.set_requires_gradient_sync(False)
         tree = exact.SumTree()
         losses = []
         first = self.rank * self.grad_accum
@@ -299,7 +303,7 @@ class Trainer:
                 if self._buffer_probe is not None and self._buffer_probe.done:
                     self._check_buffers()
                 self.scaler.scale(loss / micro_batches).backward()
-            tree.push(exact.flat_gradients(params))
+            tree.push(exact.flat_gradients(params, take))
             losses.append(loss.detach())
         block_losses = torch.stack(losses)
         if self.cfg.debug.nan_rank == self.rank:  # debug: a poisoned batch (as in _micro_batches)
@@ -307,7 +311,10 @@ class Trainer:
                 block_losses = block_losses * math.nan
             elif batch_no in self.cfg.debug.spike_at_steps:
                 block_losses = block_losses * 100.0
-        exact.set_gradients(params, exact.reduce_blocks(tree.result(), self.world_size))
+        if self.sharded:
+            exact_fsdp.reduce_scatter_blocks(tree.result(), exact_fsdp.ShardLayout(params, self.world_size, self.rank))
+        else:
+            exact.set_gradients(params, exact.reduce_blocks(tree.result(), self.world_size))
         loss_value = exact.mean_over_micro_batches(block_losses, self.world_size)
         return loss_value, block.x.numel() * self.world_size, [block.sample_ids], data_s
 
@@ -347,6 +354,8 @@ class Trainer:
         """The global gradient norm (one fused norm, one host sync), clipping to train.grad_clip."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip is not None else math.inf
+        if self.exact:  # in an order no sharding changes
+            return exact.clip_gradients(params, max_norm, self.world_size)
         return float(full_value(torch.nn.utils.clip_grad_norm_(params, max_norm)))
 
     def _skip_rolled_back_batches(self) -> float:

@@ -52,7 +52,6 @@ def test_exact_world_sizes_are_those_whose_block_is_an_aligned_power_of_two():
     (["data.batch_size=null"], "needs train.global_batch and data.batch_size set"),  # a derived micro-batch
     (["train.grad_accum=2"], "derives train.grad_accum"),
     (["train.global_batch=9"], "not a whole number of micro-batches"),
-    (["parallel.strategy=fsdp"], 'supports strategy = "ddp" only'),
     (["train.cpu_threads=null"], "needs train.cpu_threads set"),
 ])
 def test_configs_exact_mode_cannot_run_are_one_line_errors(tmp_path, sets, needle):

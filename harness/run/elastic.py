@@ -17,7 +17,8 @@ none = one process) and the config, so a sharded strategy plugs in by recording 
   would need every model's dropout to draw per sample). Under `parallel.exact_elastic` nothing
   is restarted: training draws only from per-micro-batch streams (harness/exact.py), so every
   rank's own streams are the run seed's at any world size, and the resumed run is the
-  uninterrupted one bit for bit: its re-run steps are checked in full (`fingerprint_checks`).
+  uninterrupted one bit for bit: its re-run steps are checked in full, but for the hashes of
+  resharded parts (`fingerprint_checks`).
 - Sharded parts (FSDP): a part sharded when saved or now is resharded by the load (DCP reads
   any layout into any other); `WorldChange.resharded` names them, because a rank's hash of such
   a part covers its own shard, so the restored-state check cannot compare it with the hash at
@@ -127,8 +128,10 @@ def fingerprint_checks(change: WorldChange | None) -> dict[str, Any]:
     """The arguments of `FingerprintLog.watch` after loading across `change`: at another world
     size a re-run step must see the same batch and lr, not the same bits (the reduction order
     changed), the restarted random streams are not the saved ones, and a resharded part's hash
-    covers another share of it than the one hashed at save time. In exact elastic mode none of
-    that holds: everything is checked, as at the same world size."""
-    if change is None or change.exact:
+    covers another share of it than the one hashed at save time. In exact elastic mode only the
+    last holds: every re-run step's loss and state are checked, but for the resharded parts."""
+    if change is None:
         return {}
+    if change.exact:
+        return {"unchecked": tuple(sorted(change.resharded))}
     return {"inputs_only": True, "unchecked": ("rng", *sorted(change.resharded))}
