@@ -78,3 +78,21 @@ def test_killed_at_2_resumed_at_1_killed_resumed_at_2_is_bitwise_the_continuous_
     changes = [(e["old_world_size"], e["new_world_size"]) for e in events if e["event"] == "world_size_changed"]
     assert changes == [(2, 1), (1, 2)]
     assert not [e for e in events if e["event"] == "resume_mismatch"]
+
+
+def test_a_rollback_decided_at_two_ranks_is_the_one_process_s_bit_for_bit(tmp_path):
+    """A NaN loss at step 3 (`debug.nan_at_steps`, on rank 0's micro-batches) with
+    `train.on_anomaly = "rollback"`: one process and two ranks both roll back to step 2, skip the
+    same batch and end with the same losses and the same checkpoint, bit for bit."""
+    sets = ["--set", "train.steps=6", "--set", "debug.step_sleep_s=0", "--set", "debug.nan_at_steps=[3]",
+            "--set", "train.on_anomaly=rollback"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    proc = harness("train", str(EXACT), "--run-dir", str(one), *sets, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    log = tmp_path / "two.log"
+    assert run(torchrun("train", str(EXACT), "--run-dir", str(two), *sets), log) == 0, tail(log)
+    for run_dir in (one, two):
+        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
+        assert [e["step"] for e in events if e["event"] == "anomaly"] == [3], events
+    assert _losses(one) == _losses(two) and sorted(_losses(one)) == list(range(1, 7))
+    assert _bitwise_differences(one, two, 6) == []
