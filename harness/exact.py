@@ -21,7 +21,11 @@ used: its buckets sum in the ring's order, which depends on W.
 Every gradient is one flat float32 vector per micro-batch (`flat_gradients`): the parameters'
 gradients in `model.parameters()` order, zeros for a parameter that got none (so every leaf has
 the same layout at every world size). `set_gradients` puts the summed vector back as the
-parameters' `.grad`, in their dtypes.
+parameters' `.grad`, in their dtypes. Under FSDP the leaves are the same whole gradients, and
+the cross-rank sum ends in FSDP's shards instead (harness/exact_fsdp.py).
+
+The other reductions of a step are made order-free too: `clip_gradients` (the clipping norm
+from exactly summed per-row sums of squares) and `mean_over_micro_batches` (the logged loss).
 """
 
 from __future__ import annotations
@@ -36,14 +40,15 @@ from optim.dtensor import is_dtensor, local
 
 
 class SumTree:
-    """The binary-counter summation tree over leaves pushed in order (module docstring). A leaf
-    pushed may itself be the sum of an aligned power-of-two block of `size` leaves. Merges add
-    in place into the older partial sum; `result()` is the fold of what is left."""
+    """The binary-counter summation tree over leaves pushed in order (module docstring). Equal
+    aligned power-of-two block sums pushed into a fresh tree combine as their leaves would.
+    Merges add in place into the older partial sum; `result()` is the fold of what is left."""
 
     def __init__(self) -> None:
         self._stack: list[tuple[int, torch.Tensor]] = []  # (leaves covered, partial sum), oldest first
 
-    def push(self, tensor: torch.Tensor, size: int = 1) -> None:
+    def push(self, tensor: torch.Tensor) -> None:
+        size = 1
         while self._stack and self._stack[-1][0] == size:
             covered, older = self._stack.pop()
             tensor = older.add_(tensor)
