@@ -305,8 +305,8 @@ def exact_shape(cfg: RunConfig, world_size: int) -> tuple[int, int]:
     exact = exact_world_sizes(micro_batches)
     if world_size not in exact:
         raise UserError(f"parallel.exact_elastic: world size {world_size} is not exact for {micro_batches} "
-                        f"micro-batches per step (each rank's block must be a subtree of the summation tree); the exact world "
-                        f"sizes are {_listed(exact)}: run at one of those")
+                        f"micro-batches per step (each rank's block must be a subtree of the summation tree); "
+                        f"the exact world sizes are {_listed(exact)}: run at one of those")
     return batch_size, micro_batches // world_size
 
 
