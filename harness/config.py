@@ -377,6 +377,19 @@ class ParallelSection(Section):
             "CPU (gloo), where fsdp computes in fp32 (a warning says so)."
         ),
     )
+    exact_elastic: bool = Field(
+        False,
+        description=(
+            "Make every step independent of the world size, bit for bit (harness/exact.py; docs/distributed.md, "
+            "\"Exact elastic\"): the step's train.global_batch samples are cut into V = global_batch / "
+            "data.batch_size canonical micro-batches in sample order, rank r of W takes the contiguous block "
+            "r*V/W..(r+1)*V/W-1, each micro-batch draws its random numbers from (seed, step, micro-batch), and "
+            "the gradients are summed over one fixed tree of the V micro-batches. Needs train.global_batch and "
+            "data.batch_size set (train.grad_accum unset: it is V / W), and train.cpu_threads set on a CPU; DDP "
+            "and FSDP alike; the exact world sizes are 1 and every W dividing V with V / W a power of two (others "
+            "are refused)."
+        ),
+    )
 
 
 class HealthSection(Section):
@@ -582,6 +595,8 @@ def batch_shape(cfg: RunConfig, world_size: int) -> tuple[int, int]:
     the one of the two the config leaves unset is derived (grad_accum when both are unset);
     raises UserError when global_batch != batch_size x grad_accum x world_size, saying which
     factors the config gave and what to change."""
+    if cfg.parallel.exact_elastic:
+        return exact_shape(cfg, world_size)
     batch_size, accum, target = cfg.data.batch_size, cfg.train.grad_accum, cfg.train.global_batch
     if target is None:
         return batch_size, accum
@@ -609,6 +624,40 @@ def batch_shape(cfg: RunConfig, world_size: int) -> tuple[int, int]:
              else "no world size splits it:")
     raise UserError(f"train.global_batch = {target} does not split over {world_size} rank(s) with {given}: "
                     f"{problem}; {where} {fix}")
+
+
+def exact_shape(cfg: RunConfig, world_size: int) -> tuple[int, int]:
+    """(data.batch_size, grad_accum) of `parallel.exact_elastic` at `world_size`: the canonical
+    micro-batch is the config's data.batch_size, V = global_batch / batch_size of them make a
+    step, and a rank accumulates its block of V / world_size. Raises UserError, naming the key to
+    change, when the config leaves the micro-batch derived (or fixes grad_accum), when the global
+    batch is no whole number of micro-batches, or when `world_size` is not exact for V
+    (`exact_world_sizes`)."""
+    target, batch_size = cfg.train.global_batch, cfg.data.batch_size
+    if target is None or "batch_size" not in cfg.data.model_fields_set:
+        raise UserError("parallel.exact_elastic needs train.global_batch and data.batch_size set (the canonical "
+                        "micro-batch, the same at every world size): set both")
+    if "grad_accum" in cfg.train.model_fields_set:
+        raise UserError(f"parallel.exact_elastic derives train.grad_accum (global_batch / batch_size / world size), "
+                        f"but the config sets it to {cfg.train.grad_accum}: unset it (--set train.grad_accum=null)")
+    if target % batch_size:
+        raise UserError(f"parallel.exact_elastic: train.global_batch = {target} is not a whole number of micro-batches "
+                        f"of data.batch_size = {batch_size}; make it a multiple of {batch_size}")
+    micro_batches = target // batch_size
+    exact = exact_world_sizes(micro_batches)
+    if world_size not in exact:
+        raise UserError(f"parallel.exact_elastic: world size {world_size} is not exact for {micro_batches} "
+                        f"micro-batches per step (each rank's block must be a subtree of the summation tree); "
+                        f"the exact world sizes are {_listed(exact)}: run at one of those")
+    return batch_size, micro_batches // world_size
+
+
+def exact_world_sizes(micro_batches: int) -> list[int]:
+    """The world sizes at which `parallel.exact_elastic` is exact for V = `micro_batches`: 1 (one
+    rank sums the whole tree), and every W dividing V whose block V / W is a power of two (a block
+    is then one aligned subtree of the binary-counter tree, harness/exact.py)."""
+    return [w for w in range(1, micro_batches + 1)
+            if w == 1 or (micro_batches % w == 0 and (micro_batches // w) & (micro_batches // w - 1) == 0)]
 
 
 def valid_world_sizes(cfg: RunConfig) -> list[int]:

@@ -268,6 +268,7 @@ class FingerprintLog:
         self._expected: dict[int, dict[str, Any]] = {}
         self._events = None
         self._inputs_only = False
+        self._unchecked: frozenset[str] = frozenset()
         self.unsaved: list[str] = []  # non-persistent buffers that carry state ("model.ema"), see note_unsaved
 
     def take(self, step: int, loss: float, batch: Any, lr: Any) -> dict[str, Any]:
@@ -284,6 +285,7 @@ class FingerprintLog:
             fields = differing_fields(expected, rec)
             if self._inputs_only:
                 fields = [f for f in fields if f in INPUT_FIELDS]
+            fields = [f for f in fields if f.removeprefix("state:") not in self._unchecked]
             if fields:
                 self._diverged(step, fields, "a re-run step differs from the record the interrupted process wrote")
         return rec
@@ -294,11 +296,13 @@ class FingerprintLog:
         the re-run steps to match `ran_past` (records of steps after the checkpoint that the
         interrupted process logged). `events` gets `resume_mismatch` events. A part whose
         `restored_with_changes` is non-empty is not checked: its load changed the state on
-        purpose (the optimizer bundle under a changed config), nor are the `unchecked` parts.
+        purpose (the optimizer bundle under a changed config), nor are the `unchecked` parts
+        (neither restored nor in the re-run steps' state hashes).
         `inputs_only`: a re-run step is compared on what it consumed (batch, lr) only, where its
         numbers may differ on purpose (a resume at another world size)."""
         self._events = events
         self._inputs_only = inputs_only
+        self._unchecked = frozenset(unchecked)
         self._expected = {int(r["step"]): dict(r) for r in ran_past if "batch_hash" in r and "loss" in r}
         if self._saved_state is None:
             return

@@ -11,6 +11,10 @@ user-side randomness. Its state dict holds only JSON values and uint8 tensors:
      "torch":  uint8 tensor,
      "cuda":   [uint8 tensor per device]}                                (only with CUDA)
 
+`micro_batch_streams(seed, step, v)` is the exact-elastic mode's randomness: inside it every
+generator above is seeded from (seed, step, micro-batch v) alone, and the process's own streams
+are put back when it ends.
+
 Loading raises UserError when the checkpoint's CUDA device count differs from this process's
 (the streams could not be mapped one to one) or when it needs numpy and numpy is missing.
 """
@@ -18,10 +22,13 @@ Loading raises UserError when the checkpoint's CUDA device count differs from th
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from harness.data.prng import derive_seed
 from harness.errors import UserError
 
 try:
@@ -37,6 +44,31 @@ def seed_everything(seed: int) -> None:
         # numpy accepts only seeds in [0, 2**32).
         np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+# derive_seed's first part for the micro-batch streams: apart from every other use of the run seed.
+_MICRO_BATCH_DOMAIN = 0x4D494352  # "MICR"
+
+
+@contextmanager
+def micro_batch_streams(seed: int, step: int, micro_batch: int) -> Iterator[None]:
+    """Draw from generators seeded by (seed, step, micro_batch) only, within the block: the same
+    dropout masks for canonical micro-batch `micro_batch` of `step` whichever rank computes it.
+    The process's own streams (python, numpy, torch CPU, every CUDA device) are restored after."""
+    saved_python = random.getstate()
+    saved_numpy = np.random.get_state() if np is not None else None
+    saved_torch = torch.get_rng_state()
+    saved_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    seed_everything(derive_seed(_MICRO_BATCH_DOMAIN, seed, step, micro_batch))
+    try:
+        yield
+    finally:
+        random.setstate(saved_python)
+        if saved_numpy is not None:
+            np.random.set_state(saved_numpy)
+        torch.set_rng_state(saved_torch)
+        if saved_cuda is not None:
+            torch.cuda.set_rng_state_all(saved_cuda)
 
 
 class RNGState:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from harness import distributed, numerics
+from harness import distributed, exact, exact_fsdp, numerics
 from harness.buffer_probe import BufferProbe, non_persistent_buffers
 from harness.completeness import check_buffers, check_registered
 from harness.config import RunConfig, batch_shape, model_args
@@ -34,7 +34,7 @@ from harness.health.anomaly import Anomaly, detect
 from harness.log import get_logger
 from harness.models.contract import build_model, split_output
 from harness.models.init_from import load_initial_weights
-from harness.rng import RNGState, seed_everything
+from harness.rng import RNGState, micro_batch_streams, seed_everything
 from harness.sharding import full_value, materialize_optimizer_state, shard_model
 from harness.state import TrainerCounters, TrainState
 from optim.build import build_bundle
@@ -101,10 +101,16 @@ class Trainer:
         self.rank = rank
         self.world_size = world_size
         self.batch_size, self.grad_accum = batch_shape(cfg, world_size)
+        self.exact = cfg.parallel.exact_elastic  # harness/exact.py: the step does not depend on the world size
         self.data = data if data is not None else open_data(cfg.data, cfg.train.seed, rank, world_size)
         self.device = resolve_device(cfg.train.device)
         if self.device.type == "cuda" and world_size > 1:
             self.device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, set by the process group
+        if self.exact and self.device.type == "cpu" and cfg.train.cpu_threads is None:
+            # torch's own CPU kernels split their sums by the thread count, and torchrun sets 1
+            # thread per rank where one process takes the machine's: fixed, the bits follow.
+            raise UserError("parallel.exact_elastic on a CPU needs train.cpu_threads set (the same per-rank thread "
+                            "count at every world size, e.g. 1)")
         numerics.apply(cfg.train.cpu_threads)
         numerics.warn_of_open_residual(self.device.type)
         seed_everything(cfg.train.seed)
@@ -139,13 +145,17 @@ class Trainer:
         # the gradients before any optimizer (Muon's orthogonalisation included) sees them.
         # `self.model`, the inner module, is the state part, so parameter names stay unprefixed.
         # Under FSDP the model is its own wrapper (its backward reduce-scatters the gradients).
+        # Exact elastic mode has no wrapper: it sums the gradients itself, in its tree's order.
         self.net = self.model
-        if world_size > 1 and not self.sharded:
+        self._fsdp_gradients = exact_fsdp.FSDPGradients(self.model) if self.exact and self.sharded else None
+        if world_size > 1 and not self.sharded and not self.exact:
             from torch.nn.parallel import DistributedDataParallel
 
             device_ids = [self.device] if self.device.type == "cuda" else None
             self.net = DistributedDataParallel(self.model, device_ids=device_ids)
-        if world_size > 1:  # dropout differs by rank (as the samples do); each rank's stream is its `rng` part
+        # Dropout differs by rank (as the samples do); each rank's stream is its `rng` part. Exact
+        # elastic mode draws only from per-micro-batch streams, so every rank keeps the run seed's.
+        if world_size > 1 and not self.exact:
             seed_everything(derive_seed(cfg.train.seed, rank))
         if cfg.train.compile:
             # Compiles what the step calls; `self.model` stays the plain module, so the state part
@@ -181,9 +191,13 @@ class Trainer:
         """The harness's global order over a map-style source, or a user's stateful iterator as it is."""
         cfg = self.cfg
         if not is_iterator_source(self.train_set):
-            return BatchStream(self.train_set, self.batch_size, cfg.train.seed, rank=self.rank,
-                               world_size=self.world_size, num_workers=cfg.data.num_workers,
-                               pin_memory=self.device.type == "cuda")
+            # Exact elastic mode reads a rank's whole block of micro-batches of a step at once.
+            return BatchStream(self.train_set, self.batch_size * (self.grad_accum if self.exact else 1), cfg.train.seed,
+                               rank=self.rank, world_size=self.world_size, num_workers=cfg.data.num_workers,
+                               pin_memory=self.device.type == "cuda", contiguous=self.exact)
+        if self.exact:
+            raise UserError("parallel.exact_elastic needs a map-style dataset (the harness's own order cuts the "
+                            "canonical micro-batches); a data.factory iterator cannot: set exact_elastic = false")
         if cfg.data.num_workers:
             raise UserError(f"data.num_workers = {cfg.data.num_workers} with a data.factory iterator: the harness "
                             "reads an iterator in the training process, so its state_dict matches the batches "
@@ -198,13 +212,42 @@ class Trainer:
     def train_step(self) -> StepResult:
         """One optimizer step over `grad_accum` micro-batches. Raises TrainingDiverged on NaN/inf."""
         t0 = time.perf_counter()
-        accum = self.grad_accum
         self.model.train()
+        data_s = self._skip_rolled_back_batches()
+        batch_no = self.counters.anomalies.next_batch(self.step)
+        accumulate = self._exact_micro_batches if self.exact else self._micro_batches
+        loss_value, tokens, sample_ids, micro_data_s = accumulate(batch_no)
+        data_s += micro_data_s
+        # Host clock, no extra device sync: exact on CPU. On CUDA the loss read above has synced,
+        # but the optimizer's kernels may still run at t_end, so there it is approximate (low).
+        t_optim = time.perf_counter()
+        grad_norm = math.nan
+        if math.isfinite(loss_value):
+            self.scaler.unscale_(self.optim)
+            grad_norm = self._clip_gradients()
+        self._stop_if_diverged(loss_value, grad_norm, batch_no)
+        self.scaler.step(self.optim)
+        self.scaler.update()
+        self.sched.step()
+        self.optim.zero_grad(set_to_none=True)
+        t_end = time.perf_counter()
+        self.counters.record(loss_value, tokens)
+        if self.cfg.train.spike_threshold is not None:
+            self.counters.anomalies.observe(loss_value, self.cfg.train.spike_window)
+        lr = self.sched.get_last_lr()
+        fingerprint = self.fingerprints.take(self.step, loss_value, {"sample_ids": self._global_ids(sample_ids)}, lr)
+        return StepResult(self.step, loss_value, grad_norm, lr, tokens, t_end - t0, t_end - t_optim,
+                          fingerprint=fingerprint, data_seconds=data_s)
+
+    def _micro_batches(self, batch_no: int) -> tuple[float, int, list[torch.Tensor], float]:
+        """Forward and backward of this rank's `grad_accum` micro-batches, the gradients reduced by
+        DDP's (FSDP's) own collective; returns (the loss, mean over all ranks; tokens over all ranks;
+        this rank's sample ids per micro-batch; seconds waited for data)."""
+        accum = self.grad_accum
         total = torch.zeros((), device=self.device)
         tokens = 0
         sample_ids = []
-        data_s = self._skip_rolled_back_batches()
-        batch_no = self.counters.anomalies.next_batch(self.step)
+        data_s = 0.0
         for i in range(accum):
             t_data = time.perf_counter()
             batch = next(self.stream)
@@ -232,26 +275,49 @@ class Trainer:
             torch.distributed.all_reduce(total)
             tokens *= self.world_size
         loss_value = float(total) / (accum * self.world_size)
-        # Host clock, no extra device sync: exact on CPU. On CUDA the loss read above has synced,
-        # but the optimizer's kernels may still run at t_end, so there it is approximate (low).
-        t_optim = time.perf_counter()
-        grad_norm = math.nan
-        if math.isfinite(loss_value):
-            self.scaler.unscale_(self.optim)
-            grad_norm = self._clip_gradients()
-        self._stop_if_diverged(loss_value, grad_norm, batch_no)
-        self.scaler.step(self.optim)
-        self.scaler.update()
-        self.sched.step()
-        self.optim.zero_grad(set_to_none=True)
-        t_end = time.perf_counter()
-        self.counters.record(loss_value, tokens)
-        if self.cfg.train.spike_threshold is not None:
-            self.counters.anomalies.observe(loss_value, self.cfg.train.spike_window)
-        lr = self.sched.get_last_lr()
-        fingerprint = self.fingerprints.take(self.step, loss_value, {"sample_ids": self._global_ids(sample_ids)}, lr)
-        return StepResult(self.step, loss_value, grad_norm, lr, tokens, t_end - t0, t_end - t_optim,
-                          fingerprint=fingerprint, data_seconds=data_s)
+        return loss_value, tokens, sample_ids, data_s
+
+    def _exact_micro_batches(self, batch_no: int) -> tuple[float, int, list[torch.Tensor], float]:
+        """`_micro_batches` of `parallel.exact_elastic` (harness/exact.py): this rank's contiguous
+        block of the step's canonical micro-batches, each drawing its random numbers from (seed,
+        step, its index v) and leaving its own gradient, summed over the fixed tree and then
+        across ranks in the tree's order; the loss is the exactly rounded mean over all of them."""
+        t_data = time.perf_counter()
+        block = next(self.stream)
+        data_s = time.perf_counter() - t_data
+        if self.batch_hook is not None:
+            self.batch_hook(self.step + 1, block)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        micro_batches = self.grad_accum * self.world_size
+        take = self._fsdp_gradients.take if self.sharded else None
+        if self.sharded:  # FSDP keeps each micro-batch's whole gradient; the tree sums them
+            self.model.set_requires_gradient_sync(False)
+        tree = exact.SumTree()
+        losses = []
+        first = self.rank * self.grad_accum
+        for k, (x, y) in enumerate(zip(block.x.split(self.batch_size), block.y.split(self.batch_size))):
+            # A fresh copy of each micro-batch: the same shape and alignment whichever block it came in.
+            x, y = x.to(self.device, copy=True), y.to(self.device, copy=True)
+            with micro_batch_streams(self.cfg.train.seed, self.step + 1, first + k):
+                with self._autocast():
+                    _, loss = split_output(self.net(x, y))
+                if self._buffer_probe is not None and self._buffer_probe.done:
+                    self._check_buffers()
+                self.scaler.scale(loss / micro_batches).backward()
+            tree.push(exact.flat_gradients(params, take))
+            losses.append(loss.detach())
+        block_losses = torch.stack(losses)
+        if self.cfg.debug.nan_rank == self.rank:  # debug: a poisoned batch (as in _micro_batches)
+            if batch_no in self.cfg.debug.nan_at_steps:
+                block_losses = block_losses * math.nan
+            elif batch_no in self.cfg.debug.spike_at_steps:
+                block_losses = block_losses * 100.0
+        if self.sharded:
+            exact_fsdp.reduce_scatter_blocks(tree.result(), exact_fsdp.ShardLayout(params, self.world_size, self.rank))
+        else:
+            exact.set_gradients(params, exact.reduce_blocks(tree.result(), self.world_size))
+        loss_value = exact.mean_over_micro_batches(block_losses, self.world_size)
+        return loss_value, block.x.numel() * self.world_size, [block.sample_ids], data_s
 
     def _accumulating(self, more: bool):
         """The context of one micro-batch's backward: no gradient reduction when `more` follow."""
@@ -272,6 +338,8 @@ class Trainer:
         ids = torch.stack(per_micro_batch).to(self.device)  # [accum, batch]; NCCL gathers on the GPU
         gathered = [torch.empty_like(ids) for _ in range(self.world_size)]
         torch.distributed.all_gather(gathered, ids)
+        if self.exact:  # one contiguous block per rank: rank order is cursor order
+            return torch.cat(gathered).reshape(-1).cpu()
         return torch.stack(gathered, dim=2).reshape(-1).cpu()  # [accum, batch, world] -> cursor order
 
     def _check_buffers(self) -> None:
@@ -287,6 +355,8 @@ class Trainer:
         """The global gradient norm (one fused norm, one host sync), clipping to train.grad_clip."""
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip is not None else math.inf
+        if self.exact:  # in an order no sharding changes
+            return exact.clip_gradients(params, max_norm, self.world_size)
         return float(full_value(torch.nn.utils.clip_grad_norm_(params, max_norm)))
 
     def _skip_rolled_back_batches(self) -> float:
@@ -295,7 +365,7 @@ class Trainer:
         ledger = self.counters.anomalies
         t0 = time.perf_counter()
         while ledger.next_batch(self.step) in ledger.skip:
-            for _ in range(self.grad_accum):
+            for _ in range(1 if self.exact else self.grad_accum):  # exact mode reads a step's block at once
                 next(self.stream)
             ledger.skipped += 1
         return time.perf_counter() - t0

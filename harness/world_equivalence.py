@@ -28,7 +28,9 @@ its dropout off (`--set model.args.dropout=0` for the built-in GPT), or pass a w
 A config that cannot pass is refused before anything runs (`refuse_what_cannot_pass`): without
 `train.global_batch` a step's batch grows with the world size, and `model.args.dropout` > 0
 under the default tolerance (with a --tolerance given, a warning says what it then measures).
-Exit code 0 within the tolerance, 1 beyond it, 2 on a user error.
+Under `parallel.exact_elastic` the default tolerance is 0: B must end bit for bit where A ends
+(every loss, every model and optimizer tensor), with dropout on; the verdict then reads
+`identical`. Exit code 0 within the tolerance, 1 beyond it, 2 on a user error.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from harness.log import get_logger
 from harness.resume_equivalence import events_of, last_step, log_tail, start_train, step_records, wait_for_step
 
 DEFAULT_TOLERANCE = 1e-4
+EXACT_TOLERANCE = 0.0  # parallel.exact_elastic: bit for bit
 NUMERIC_PARTS = ("model", "optim")  # float tensors whose values depend on the reduction order
 # What a change of world size changes on purpose: the random streams, and hashes of exact losses.
 _EXPECTED_TO_DIFFER = ("rng", "fingerprints")
@@ -59,7 +62,8 @@ def refuse_what_cannot_pass(cfg: RunConfig, sizes: list[int], tolerance: float |
     without `train.global_batch` (a step's batch is data.batch_size x grad_accum x world size,
     so no batch of B's matches A's after a change), or with `model.args.dropout` > 0 under the
     default tolerance (`tolerance` None: the masks change with the world size, far beyond float
-    rounding); with a tolerance given, dropout only warns. Nothing to refuse without a change."""
+    rounding); with a tolerance given, dropout only warns. Nothing to refuse without a change;
+    under `parallel.exact_elastic` (its masks do not depend on the world size) dropout is fine."""
     if len(set(sizes)) == 1:
         return
     given = f"--world-sizes {','.join(map(str, sizes))}"
@@ -69,7 +73,7 @@ def refuse_what_cannot_pass(cfg: RunConfig, sizes: list[int], tolerance: float |
                         f"set it (--set train.global_batch={cfg.data.batch_size * cfg.train.grad_accum * sizes[0]}, "
                         f"the batch at world size {sizes[0]}) to keep the batch at every world size")
     dropout = cfg.model.args.get("dropout")
-    if not (isinstance(dropout, (int, float)) and dropout > 0):
+    if cfg.parallel.exact_elastic or not (isinstance(dropout, (int, float)) and dropout > 0):
         return
     why = (f"model.args.dropout = {dropout}: dropout masks are drawn per rank over its micro-batch, so they change "
            "with the world size")
@@ -111,7 +115,7 @@ class WorldVerdict:
 
     def __str__(self) -> str:
         sizes = " -> ".join(map(str, self.sizes))
-        head = "within tolerance" if self else "NOT within tolerance"
+        head = ("identical" if self.tolerance == 0 else "within tolerance") if self else "NOT within tolerance"
         lines = [f"{head}: world size {sizes}, {self.steps} steps, "
                  f"interrupted at {', '.join(map(str, self.interrupt_at))}",
                  f"  tolerance {self.tolerance:g}: per-step loss |A - B| / max(1, |A|), final model/optimizer "

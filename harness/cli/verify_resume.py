@@ -15,7 +15,13 @@ from harness.cli.args import add_config_args
 from harness.config import RunConfig, batch_shape, load_config
 from harness.errors import UserError
 from harness.resume_equivalence import __doc__ as equivalence_doc, run_pair
-from harness.world_equivalence import DEFAULT_TOLERANCE, even_points, refuse_what_cannot_pass, run_worlds
+from harness.world_equivalence import (
+    DEFAULT_TOLERANCE,
+    EXACT_TOLERANCE,
+    even_points,
+    refuse_what_cannot_pass,
+    run_worlds,
+)
 
 
 def parse_world_sizes(text: str) -> list[int]:
@@ -92,7 +98,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                         "identical, the losses and state within --tolerance (world_equivalence.py); one "
                         "interruption per size after the first (--interrupt-at, default evenly spaced)")
     p.add_argument("--tolerance", type=float, metavar="X",
-                   help=f"with --world-sizes: the largest deviation accepted (default {DEFAULT_TOLERANCE:g})")
+                   help=f"with --world-sizes: the largest deviation accepted (default {DEFAULT_TOLERANCE:g}; 0 under "
+                        "parallel.exact_elastic, whose verdict is then `identical`)")
     p.add_argument("--work-dir", metavar="DIR", help="keep both runs here (default: a temporary folder, "
                                                      "removed when identical)")
     p.set_defaults(func=run)
@@ -128,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     sets = [*overrides, f"train.fingerprint_every={args.fingerprint_every}", 'train.on_divergence="warn"']
     sig = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}[args.signal]
     if args.world_sizes:
-        tolerance = DEFAULT_TOLERANCE if args.tolerance is None else args.tolerance
+        default = EXACT_TOLERANCE if cfg.parallel.exact_elastic else DEFAULT_TOLERANCE
+        tolerance = default if args.tolerance is None else args.tolerance
         verdict = run_worlds(args.config, steps, work, sets, args.world_sizes, points, sig, tolerance)
     else:
         verdict = run_pair(args.config, steps, work, sets, points, sig)

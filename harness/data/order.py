@@ -7,6 +7,10 @@ rank `r` takes every `world_size`-th of them starting at `r`. Because ranks only
 lies after `P`, a run resumed with a different world size re-splits the rest of the epoch and no
 sample is repeated or skipped within it. With `drop_last`, a tail shorter than a global batch is
 skipped, so every rank gets the same number of equal batches.
+
+`parallel.exact_elastic` splits contiguously instead (`rank_block`): the global batch is a whole
+step, cut into canonical micro-batches in cursor order, and rank `r` takes the `r`-th block of
+them, so a micro-batch holds the same samples whichever rank computes it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,12 @@ def rank_batch(permutation: torch.Tensor, position: int, batch_size: int, rank: 
     short batch.
     """
     return permutation[position : position + batch_size * world_size][rank::world_size]
+
+
+def rank_block(permutation: torch.Tensor, position: int, block: int, rank: int) -> torch.Tensor:
+    """The sample indices of rank `rank`'s contiguous block of `block` samples in the global batch
+    starting at `position` (the exact-elastic split: module docstring)."""
+    return permutation[position + rank * block : position + (rank + 1) * block]
 
 
 def batches_left(position: int, num_samples: int, global_batch: int, drop_last: bool) -> int:

@@ -14,6 +14,8 @@ Contract:
 - `pin_memory` (for a CUDA device; only with workers, where the loader's own thread pins batches
   ahead of the step, in the training process it would be one more copy in the step) delivers
   batches in page-locked memory, so their copy to the device can be asynchronous.
+- `contiguous` (parallel.exact_elastic): a rank's batch is its contiguous block of the global
+  batch (`order.rank_block`) instead of every world_size-th sample; the cursor is the same.
 - The stream never touches the process's global RNGs (the trainer's dropout depends on them):
   the permutation and the DataLoader's worker seeds come from dedicated generators.
 """
@@ -27,7 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from harness.data.batch import Batch, fetch_samples
 from harness.data.dataset import SampleSource
-from harness.data.order import batches_left, epoch_permutation, rank_batch
+from harness.data.order import batches_left, epoch_permutation, rank_batch, rank_block
 from harness.data.prng import derive_seed
 from harness.errors import UserError
 
@@ -49,6 +51,7 @@ class _BatchesAhead(Dataset):
         self.batch_size = stream.batch_size
         self.rank = stream.rank
         self.world_size = stream.world_size
+        self.contiguous = stream.contiguous
         self.global_batch = stream.global_batch_size
         self.in_first_epoch = batches_left(stream.position, self.dataset.num_samples, self.global_batch,
                                            stream.drop_last)
@@ -68,7 +71,8 @@ class _BatchesAhead(Dataset):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | UserError:
         epoch, position = self.cursor(index)
         dataset, permutation = self._epoch(epoch)
-        indices = rank_batch(permutation, position, self.batch_size, self.rank, self.world_size)
+        indices = (rank_block(permutation, position, self.batch_size, self.rank) if self.contiguous
+                   else rank_batch(permutation, position, self.batch_size, self.rank, self.world_size))
         try:
             return fetch_samples(dataset, indices)
         except UserError as e:
@@ -100,6 +104,7 @@ class BatchStream:
         num_workers: int = 0,
         drop_last: bool = True,
         pin_memory: bool = False,
+        contiguous: bool = False,
     ):
         if batch_size < 1 or num_workers < 0 or not 0 <= rank < world_size:
             raise ValueError(
@@ -123,6 +128,7 @@ class BatchStream:
         self.num_workers = num_workers
         self.drop_last = drop_last
         self.pin_memory = pin_memory and num_workers > 0
+        self.contiguous = contiguous
         self.epoch = 0
         self.position = 0
         self._pending: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None

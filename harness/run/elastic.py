@@ -14,7 +14,11 @@ none = one process) and the config, so a sharded strategy plugs in by recording 
   new world size) (`reseed`): a pure function of the checkpoint and the new world size, the same
   for every rank layout the checkpoint came from. Dropout masks are drawn per rank over that
   rank's micro-batch, so they depend on the world size (deriving them from the global sample id
-  would need every model's dropout to draw per sample).
+  would need every model's dropout to draw per sample). Under `parallel.exact_elastic` nothing
+  is restarted: training draws only from per-micro-batch streams (harness/exact.py), so every
+  rank's own streams are the run seed's at any world size, and the resumed run is the
+  uninterrupted one bit for bit: its re-run steps are checked in full, but for the hashes of
+  resharded parts (`fingerprint_checks`).
 - Sharded parts (FSDP): a part sharded when saved or now is resharded by the load (DCP reads
   any layout into any other); `WorldChange.resharded` names them, because a rank's hash of such
   a part covers its own shard, so the restored-state check cannot compare it with the hash at
@@ -51,7 +55,7 @@ class WorldChange:
     `old_shape` / `new_shape`: (micro-batch, grad_accum) at each world size; `old_shape` is None
     when the current config cannot run at the old size (a config changed since, under
     --allow-config-change). `resharded`: the parts sharded in the checkpoint or in this run
-    (module docstring)."""
+    (module docstring); `exact`: the run is in exact elastic mode."""
 
     step: int
     old_world: int
@@ -59,6 +63,7 @@ class WorldChange:
     old_shape: tuple[int, int] | None
     new_shape: tuple[int, int]
     resharded: frozenset[str] = frozenset()
+    exact: bool = False  # parallel.exact_elastic: the step does not depend on the world size
 
     @property
     def global_batch(self) -> tuple[int | None, int]:
@@ -92,7 +97,7 @@ def world_change(meta: dict[str, Any], cfg: RunConfig, world: int, step: int) ->
         old_shape = batch_shape(cfg, old)
     except UserError:
         old_shape = None
-    change = WorldChange(step, old, world, old_shape, batch_shape(cfg, world))
+    change = WorldChange(step, old, world, old_shape, batch_shape(cfg, world), exact=cfg.parallel.exact_elastic)
     before, after = change.global_batch
     if before is not None and before != after:
         log.warning("train.global_batch is not set, so the global batch changes with the world size; set it to "
@@ -114,7 +119,8 @@ def after_load(saved: dict[str, Any], cfg: RunConfig, step: int, sharded: Collec
     change = world_change(saved["meta"], cfg, distributed.world(), step)
     if change is not None:
         change = replace(change, resharded=sharded_parts(saved["parts"]) | frozenset(sharded))
-        reseed(change, cfg.train.seed, distributed.rank())
+        if not change.exact:
+            reseed(change, cfg.train.seed, distributed.rank())
     return change
 
 
@@ -122,7 +128,10 @@ def fingerprint_checks(change: WorldChange | None) -> dict[str, Any]:
     """The arguments of `FingerprintLog.watch` after loading across `change`: at another world
     size a re-run step must see the same batch and lr, not the same bits (the reduction order
     changed), the restarted random streams are not the saved ones, and a resharded part's hash
-    covers another share of it than the one hashed at save time."""
+    covers another share of it than the one hashed at save time. In exact elastic mode only the
+    last holds: every re-run step's loss and state are checked, but for the resharded parts."""
     if change is None:
         return {}
+    if change.exact:
+        return {"unchecked": tuple(sorted(change.resharded))}
     return {"inputs_only": True, "unchecked": ("rng", *sorted(change.resharded))}

@@ -1,0 +1,84 @@
+"""Exact elastic mode in one process: the summation tree (harness/exact.py), the exact world sizes
+and the configs refused (harness/config.py), the per-micro-batch streams (harness/rng.py). The
+runs across world sizes: tests/distributed/test_exact_elastic.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from harness.config import exact_world_sizes, load_config
+from harness.errors import UserError
+from harness.exact import SumTree
+from harness.rng import micro_batch_streams
+from procs import ROOT, assert_one_line_error, harness
+
+EXACT = ROOT / "tests" / "data" / "exact.toml"
+
+
+def _tree_sum(leaves: list[torch.Tensor]) -> torch.Tensor:
+    tree = SumTree()
+    for leaf in leaves:
+        tree.push(leaf.clone())
+    return tree.result()
+
+
+@pytest.mark.parametrize("micro_batches", [4, 6, 8, 12])
+def test_blocks_summed_apart_then_combined_are_bitwise_the_whole_tree(micro_batches):
+    """For every exact world size W, summing each rank's block alone and then the W block sums
+    in rank order gives the bits of one process summing all V leaves; a plain left-to-right sum
+    of the same leaves differs (so the tree is what makes it exact)."""
+    g = torch.Generator().manual_seed(micro_batches)
+    leaves = [torch.randn(1000, generator=g) * 10.0 ** torch.randint(-3, 4, (1000,), generator=g)
+              for _ in range(micro_batches)]
+    whole = _tree_sum(leaves)
+    for world in exact_world_sizes(micro_batches):
+        block = micro_batches // world
+        blocks = [_tree_sum(leaves[r * block:(r + 1) * block]) for r in range(world)]
+        assert torch.equal(_tree_sum(blocks), whole), world
+    assert not torch.equal(sum(leaves[1:], leaves[0].clone()), whole)
+
+
+def test_exact_world_sizes_are_those_whose_block_is_an_aligned_power_of_two():
+    assert exact_world_sizes(4) == [1, 2, 4]
+    assert exact_world_sizes(6) == [1, 3, 6]
+    assert exact_world_sizes(12) == [1, 3, 6, 12]
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["train.global_batch=null"], "needs train.global_batch and data.batch_size set"),
+    (["data.batch_size=null"], "needs train.global_batch and data.batch_size set"),  # a derived micro-batch
+    (["train.grad_accum=2"], "derives train.grad_accum"),
+    (["train.global_batch=9"], "not a whole number of micro-batches"),
+    (["train.cpu_threads=null"], "needs train.cpu_threads set"),
+])
+def test_configs_exact_mode_cannot_run_are_one_line_errors(tmp_path, sets, needle):
+    args = [a for s in sets for a in ("--set", s)]
+    proc = harness("train", str(EXACT), "--run-dir", str(tmp_path / "run"), "--set", "train.device=cpu", *args)
+    assert_one_line_error(proc, needle)
+
+
+def test_a_world_size_that_is_not_exact_is_refused_naming_the_exact_ones():
+    from harness.config import batch_shape
+
+    cfg = load_config(EXACT, ["train.global_batch=12"])  # 6 micro-batches of 2
+    assert batch_shape(cfg, 3) == (2, 2)
+    with pytest.raises(UserError, match="world size 2 is not exact for 6 micro-batches .* are 1, 3, 6"):
+        batch_shape(cfg, 2)
+
+
+def test_micro_batch_streams_depend_on_step_and_index_only_and_restore_the_process_streams():
+    torch.manual_seed(7)
+    random.seed(7)
+    before = torch.get_rng_state(), random.getstate()
+    with micro_batch_streams(1, 3, 2):
+        first = torch.rand(4), random.random()
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    torch.rand(100)  # the process's own streams moved on: the micro-batch's must not care
+    with micro_batch_streams(1, 3, 2):
+        again = torch.rand(4), random.random()
+    with micro_batch_streams(1, 3, 1):
+        other = torch.rand(4)
+    assert torch.equal(first[0], again[0]) and first[1] == again[1] and not torch.equal(first[0], other)
