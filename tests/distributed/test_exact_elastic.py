@@ -58,8 +58,8 @@ def test_one_process_with_accumulation_is_bitwise_several_ranks(tmp_path, arm, w
     assert _bitwise_differences(one, many, 4) == []
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_killed_at_2_resumed_at_1_killed_resumed_at_2_is_bitwise_the_continuous_run(tmp_path, strategy):
+@pytest.mark.parametrize("arm, strategy", [("adamw", "ddp"), ("adamw", "fsdp"), ("muon", "fsdp")])
+def test_killed_at_2_resumed_at_1_killed_resumed_at_2_is_bitwise_the_continuous_run(tmp_path, arm, strategy):
     """`harness verify-resume --world-sizes 2,1,2`: B is SIGKILLed (torchrun and both ranks) after
     step 3, resumed by one process from step 2, SIGKILLed after step 6, resumed at 2 from step 4:
     `identical`, and, from the run dirs themselves, every loss and the final checkpoint bitwise
@@ -68,7 +68,8 @@ def test_killed_at_2_resumed_at_1_killed_resumed_at_2_is_bitwise_the_continuous_
     the shards of step 2 and writing an unsharded step 4, which FSDP at 2 reshards again."""
     work = tmp_path / "work"
     proc = harness("verify-resume", str(EXACT), "--world-sizes", "2,1,2", "--interrupt-at", "3,6",
-                   "--work-dir", str(work), "--set", f"parallel.strategy={strategy}", timeout=600)
+                   "--work-dir", str(work), "--set", f"parallel.strategy={strategy}", "--set", f"optim.type={arm}",
+                   timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.splitlines()[1].startswith("identical: world size 2 -> 1 -> 2"), proc.stdout
     continuous, elastic = work / "continuous", work / "interrupted"
