@@ -48,6 +48,10 @@ def test_sigkill_resumes_from_the_local_tier_bitwise(tmp_path, continuous):
     newest_local = start["previous_reached"] - start["previous_reached"] % 2
     assert start["resumed_tier"] == "local" and start["resumed_from"] == newest_local >= 6
     assert_same_run(run, continuous, STEPS)
+    lost = start["previous_reached"] - newest_local
+    said = f"step {newest_local} from the local tier, {lost} step{'s' if lost != 1 else ''} lost"
+    assert said in harness("report", str(run), check=True).stdout
+    assert said in harness("status", str(run), check=True).stdout
 
 
 @pytest.mark.parametrize("damage", ["flip", "missing"])
