@@ -256,7 +256,7 @@ class TrainSection(Section):
 
 
 class LocalTierSection(Section):
-    """The local checkpoint tier (docs/checkpoints-tiers.md): frequent checkpoints on node-local disk
+    """The local checkpoint tier (docs/checkpoint-tiers.md): frequent checkpoints on node-local disk
     or tmpfs that a restart on the same machine recovers from before the run dir."""
 
     dir: str = Field(
@@ -344,7 +344,8 @@ class CheckpointSection(Section):
         None,
         description=(
             "[checkpoint.local]: a local checkpoint tier with its own cadence, used by `--resume auto` when it holds a "
-            "newer checkpoint of this run that verifies (one process only). Not `local_dir`, which only stages uploads."
+            "newer checkpoint of this run that verifies (one process or DDP; not FSDP). Not `local_dir`, which only "
+            "stages uploads."
         ),
     )
     local_dir: str | None = Field(

@@ -2,10 +2,16 @@
 
 A crash loses the steps since the last checkpoint; checkpoints to the run dir (S3, a shared file
 system) are too slow to take every few steps. `[checkpoint.local]` adds a second tier with its own
-cadence, `every_steps`, in a local folder: `DIR/<run id>/` is an ordinary `CheckpointStore` (the
-same files, the same atomic commit and BLAKE3 manifest, retention keeping `keep`), written by the
-training process itself, synchronously, at the steps where no persistent save is due. A tmpfs
-folder (`/dev/shm`) makes it a RAM tier: no other code.
+cadence, `every_steps`, in a local folder: `DIR/<run id>/rank-NNNNN/` is an ordinary
+`CheckpointStore` (the same files, the same atomic commit and BLAKE3 manifest, retention keeping
+`keep`), written by each training process itself, synchronously, at the steps where no persistent
+save is due. A tmpfs folder (`/dev/shm`) makes it a RAM tier: no other code.
+
+Several ranks (DDP). Each rank keeps a whole checkpoint of its own in its own folder (the
+replicated parts, its per-rank parts, its rank and the world size in state.json): what it needs to
+resume without any other rank's files, so a node-local disk per node is enough. At a resume the
+ranks agree, with one all-gather of the steps each can verify, on the newest step every rank holds
+(run/resume.py). FSDP (sharded parts) is not built: refused before anything is written.
 
 Trust. The run dir stays the source of truth; a local checkpoint is used only when it is newer,
 belongs to this run and verifies byte for byte (run/resume.py). Keying the folder by the run id
@@ -17,8 +23,8 @@ Timeline. After a resume at step S, local checkpoints past S belong to an abando
 resume from an older tier, `--resume URL`, a rollback) and are deleted before training goes on,
 as local-first staging does (checkpoint/local_first.py).
 
-One process only for now: at world size > 1 (each rank its own folder, the ranks agreeing on a step
-every rank holds) it is refused before anything is written (run/process.py).
+Not built: peer copies (a rank's local files also kept on another node), so a node that is gone
+with its disk falls back to the persistent tier.
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from harness import distributed
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.commit import Committer
+from harness.checkpoint.distributed_commit import WORLD_SIZE_KEY
 from harness.checkpoint.saver import Saver, Submitted
 from harness.config import LocalTierSection
 from harness.run_id import RUN_ID_KEY
@@ -36,17 +44,22 @@ LOCAL = "local"
 PERSISTENT = "persistent"
 
 
-def local_store(section: LocalTierSection, run_id: str) -> CheckpointStore:
-    """The local tier's store for the run `run_id` (`DIR/<run id>`)."""
-    return CheckpointStore(f"{section.dir.rstrip('/')}/{run_id}", keep_last=section.keep)
+def local_store(section: LocalTierSection, run_id: str, rank: int) -> CheckpointStore:
+    """The local tier's store of rank `rank` of the run `run_id` (`DIR/<run id>/rank-NNNNN`)."""
+    return CheckpointStore(f"{section.dir.rstrip('/')}/{run_id}/rank-{rank:05d}", keep_last=section.keep)
 
 
-def foreign(meta: Mapping[str, Any], run_id: str) -> str | None:
-    """Why a local checkpoint with this saved `meta` is not this run's (None when it is)."""
-    saved = meta.get(RUN_ID_KEY)
-    if saved == run_id:
-        return None
-    return f"it was written by run {saved}, not by this run {run_id}"
+def not_mine(state: Mapping[str, Any], run_id: str, rank: int, world: int) -> str | None:
+    """Why a local checkpoint whose state.json is `state` may not be loaded by rank `rank` of a
+    world of `world` in the run `run_id` (None when it may): another run's, another rank's, or
+    saved at another world size (a rank's copy holds its own per-rank state only)."""
+    meta = state["meta"]
+    if meta.get(RUN_ID_KEY) != run_id:
+        return f"it was written by run {meta.get(RUN_ID_KEY)}, not by this run {run_id}"
+    if state.get("rank") != rank or meta.get(WORLD_SIZE_KEY) != world:
+        return (f"it holds rank {state.get('rank')} of world size {meta.get(WORLD_SIZE_KEY)}, this process is rank "
+                f"{rank} of {world}")
+    return None
 
 
 class LocalTier:
@@ -58,18 +71,19 @@ class LocalTier:
     def __init__(self, section: LocalTierSection, run_id: str, resumed_step: int,
                  per_rank: Collection[str] = ()) -> None:
         self.every, self.run_id = section.every_steps, run_id
-        self.store = local_store(section, run_id)
+        self.store = local_store(section, run_id, distributed.rank())
         for ref in self.store.list():
             if ref.step > resumed_step:
                 self.store.delete(ref)
-        self.saver = Saver(Committer(self.store), per_rank=per_rank)
+        self.saver = Saver(Committer(self.store), rank=distributed.rank(), per_rank=per_rank)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
     def save(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any]) -> Submitted:
-        """Commit `parts` as `step` in the local folder, its meta stamped with the run id; returns
-        when committed (retention applied)."""
-        submitted = self.saver.submit(step, parts, meta={**meta, RUN_ID_KEY: self.run_id})
+        """Commit `parts` as `step` in this rank's local folder, its meta stamped with the run id and
+        the world size; returns when committed (retention applied)."""
+        meta = {**meta, RUN_ID_KEY: self.run_id, WORLD_SIZE_KEY: distributed.world()}
+        submitted = self.saver.submit(step, parts, meta=meta)
         assert submitted is not None  # a synchronous saver never skips
         return submitted

@@ -12,8 +12,9 @@ Contract of `train(cfg, ...)` (what `harness train` does):
   optim/bundle.py) and a `config_changed` event records old -> new per key and any re-planned
   schedule. Warns when the torch version, device type or numerical settings (harness.numerics)
   differ from the checkpoint's (bitwise equality is not promised there).
-- With a local tier (`[checkpoint.local]`, run/local_tier.py, one process) `--resume auto` also
-  considers this run's local checkpoints and loads the newest step that verifies in either tier;
+- With a local tier (`[checkpoint.local]`, run/local_tier.py; one process or DDP) `--resume auto`
+  also considers this run's local checkpoints and loads the newest step that verifies in either
+  tier (with several ranks: on every rank);
   a local one that does not verify or is another run's is skipped and reported (a
   `checkpoint_rejected` event each). The `start` event names the tier resumed from.
 - Resumes at another world size than the checkpoint's (harness/run/elastic.py): the global batch
@@ -150,17 +151,19 @@ def local_source(cfg: RunConfig, resume: str) -> LocalSource | None:
     """This run's local tier as a source to resume from: with `--resume auto` and a run id already
     in the run dir's run.json (before the first start no local checkpoint can be this run's)."""
     run_id = existing_run_id(cfg) if cfg.checkpoint.local is not None and resume == "auto" else None
-    return None if run_id is None else LocalSource(local_store(cfg.checkpoint.local, run_id), run_id)
+    if run_id is None:
+        return None
+    return LocalSource(local_store(cfg.checkpoint.local, run_id, distributed.rank()), run_id)
 
 
 def open_store(cfg: RunConfig) -> CheckpointStore:
     """The run dir's store. `checkpoint.local_dir` (commit there first, upload in the background:
-    checkpoint/local_first.py) is the saver's business, and works with one process only; so does
-    the local tier (`checkpoint.local`) for now."""
+    checkpoint/local_first.py) is the saver's business, and works with one process only; the
+    local tier (`checkpoint.local`) with one process or DDP, not FSDP."""
     c = cfg.checkpoint
-    if c.local is not None and distributed.is_distributed():
-        raise UserError("checkpoint.local (the local tier) works with one process only for now; with several ranks "
-                        "remove [checkpoint.local]")
+    if c.local is not None and distributed.is_distributed() and cfg.parallel.strategy == "fsdp":
+        raise UserError("checkpoint.local (the local tier) is not built for parallel.strategy = \"fsdp\" (sharded "
+                        "parts); remove [checkpoint.local] or use ddp")
     if c.local_dir is not None and distributed.is_distributed():
         raise UserError("checkpoint.local_dir works with one process only; with several ranks unset it "
                         "(every rank then writes its part straight to the run dir)")

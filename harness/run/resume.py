@@ -5,8 +5,11 @@ makes every rank of a group load the one rank 0 verified; `resume_newest` tries 
 newest first, verifying each while it loads, and refuses (`all_damaged`) a run dir whose every
 checkpoint is damaged. With a local tier (`LocalSource`, run/local_tier.py) its checkpoints join
 the candidates by step (local first at an equal step: it reads faster); each is verified in full
-and checked to be this run's *before* it is loaded, and one that is not is skipped, logged and
-recorded in `LocalSource.rejected` (the caller emits `checkpoint_rejected` events).
+and checked to be this run's and this rank's *before* it is loaded, and one that is not is
+skipped, logged and recorded in `LocalSource.rejected` (the caller emits `checkpoint_rejected`
+events). With several ranks every rank verifies its own local checkpoints and one all-gather of
+the steps each verified gives the newest step every rank holds (`LocalSource.agreed`); else the
+persistent checkpoint rank 0 chose.
 `check_compatible` refuses a changed math key or other data unless
 `--allow-config-change`, and warns about another environment.
 """
@@ -30,7 +33,7 @@ from harness.errors import UserError
 from harness.log import get_logger
 from harness.run.elastic import WorldChange, after_load
 from harness.run.environment import warn_if_changed
-from harness.run.local_tier import LOCAL, PERSISTENT, foreign
+from harness.run.local_tier import LOCAL, PERSISTENT, not_mine
 from harness.trainer import Trainer, resolve_device
 
 log = get_logger(__name__)
@@ -51,18 +54,49 @@ class Candidate:
 
 @dataclass
 class LocalSource:
-    """The local tier of the run `run_id` as a source of checkpoints to resume from; `rejected`
-    collects one record (tier, step, url, problem) per local checkpoint passed over."""
+    """This rank's local tier of the run `run_id` as a source of checkpoints to resume from;
+    `rejected` collects one record (tier, step, url, problem) per local checkpoint passed over."""
 
     store: CheckpointStore
     run_id: str
     rejected: list[dict[str, Any]] = field(default_factory=list)
+    verified: set[int] = field(default_factory=set)
 
-    def problems(self, ref: CheckpointRef, meta: dict[str, Any]) -> list[str]:
-        """Why the local checkpoint `ref` (its saved `meta` already read) must not be loaded: another
-        run's, else every file that does not match its manifest (reads every byte). Empty when good."""
-        other = foreign(meta, self.run_id)
-        return [other] if other else self.store.verify(ref)
+    def problems(self, ref: CheckpointRef, state: dict[str, Any]) -> list[str]:
+        """Why the local checkpoint `ref` (its state.json `state` already read) must not be loaded
+        here (`not_mine`), else every file that does not match its manifest (reads every byte, once
+        per step). Empty when good."""
+        other = not_mine(state, self.run_id, distributed.rank(), distributed.world())
+        if other:
+            return [other]
+        problems = [] if ref.step in self.verified else self.store.verify(ref)
+        if not problems:
+            self.verified.add(ref.step)
+        return problems
+
+    def candidates(self) -> list[CheckpointRef]:
+        """The local checkpoints to try, newest first: all of them with one process; with several
+        ranks the newest step that every rank verified (`agreed`), or none."""
+        if not distributed.is_distributed():
+            return self.store.candidates()
+        step = self.agreed()
+        return [] if step is None else [self.store.ref(step)]
+
+    def agreed(self) -> int | None:
+        """The newest step every rank holds a good local checkpoint of (a collective: every rank
+        calls it). Each rank verifies its own (damaged ones are rejected), then one all-gather."""
+        good = []
+        for ref in self.store.candidates():
+            try:
+                problems = self.problems(ref, self.store.open(ref).state)
+            except CheckpointCorrupt as e:
+                problems = [str(e)]
+            if problems:
+                self.reject(ref, problems)
+            else:
+                good.append(ref.step)
+        held = [set(steps) for steps in distributed.all_gather_object(good)]
+        return max(set.intersection(*held), default=None)
 
     def reject(self, ref: CheckpointRef, problems: list[str]) -> None:
         skipped(ref, problems)
@@ -92,7 +126,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
     data = open_data(cfg.data, cfg.train.seed, distributed.rank(), distributed.world())
     tried = [Candidate(source, ref, PERSISTENT) for ref in candidates]
     if local is not None:
-        tried = sorted([Candidate(local.store, ref, LOCAL) for ref in local.store.candidates()] + tried,
+        tried = sorted([Candidate(local.store, ref, LOCAL) for ref in local.candidates()] + tried,
                        key=lambda c: -c.step)  # stable: local first at an equal step
     for chosen in tried:
         source, ref = chosen.store, chosen.ref
@@ -102,7 +136,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             checkpoint = source.open(ref)
             saved = checkpoint.state
             if chosen.tier == LOCAL:
-                problems = local.problems(ref, saved["meta"])
+                problems = local.problems(ref, saved)
                 if problems:
                     local.reject(ref, problems)
                     restore_s += time.perf_counter() - t0
@@ -125,9 +159,11 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             t0 = time.perf_counter()
             if trainer.sharded or METADATA_FILE in checkpoint.records:
                 trainer.materialize_optimizer_state()  # read into live tensors of the right sharding
-            load_checkpoint(source, checkpoint, trainer.state.parts(),
-                            verify=Verify.NO if chosen.tier == LOCAL else verify,  # verified above
-                            kept_on_new_rank=trainer.state.kept_on_new_rank)
+            if chosen.tier == LOCAL:  # verified above; this rank's own copy: its state.json holds its per-rank parts
+                source.restore(checkpoint, trainer.state.parts())
+            else:
+                load_checkpoint(source, checkpoint, trainer.state.parts(), verify=verify,
+                                kept_on_new_rank=trainer.state.kept_on_new_rank)
             resized = after_load(saved, cfg, ref.step, trainer.state.sharded)
             return trainer, chosen, restore_s + time.perf_counter() - t0, changes, resized
         except BaseException as e:

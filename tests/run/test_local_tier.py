@@ -21,9 +21,9 @@ def train(run: Path, *args: str) -> list[str]:
 
 
 def local_steps(folder: Path) -> dict[int, Path]:
-    """step -> checkpoint folder of the local tier's one run under `folder`."""
+    """step -> checkpoint folder of the local tier's one run under `folder` (one process: rank 0)."""
     (run_folder,) = folder.iterdir()
-    return {int(p.name.removeprefix("step-")): p for p in (run_folder / "checkpoints").glob("step-*")}
+    return {int(p.name.removeprefix("step-")): p for p in (run_folder / "rank-00000" / "checkpoints").glob("step-*")}
 
 
 def starts(run: Path) -> list[dict]:
@@ -88,7 +88,8 @@ def test_another_runs_local_checkpoint_is_not_used(tmp_path, continuous):
     (other_folder,) = local.iterdir()
     assert harness(*train(run, *common, "--set", "debug.crash_at_step=3")).returncode != 0
     (mine,) = [p for p in local.iterdir() if p != other_folder]
-    shutil.copytree(other_folder / "checkpoints" / "step-00000006", mine / "checkpoints" / "step-00000006")
+    copied = "rank-00000/checkpoints/step-00000006"
+    shutil.copytree(other_folder / copied, mine / copied)
     harness(*train(run, *common), check=True)
     (rejected,) = [e for e in events(run) if e["event"] == "checkpoint_rejected"]
     assert rejected["step"] == 6 and other_folder.name in rejected["problem"]
