@@ -8,11 +8,13 @@ same command started again at once:
   (default /dev/shm when there is one: the RAM tier).
 Per failure: the steps lost (the last step the killed process logged minus the step the next one
 resumed from, both from its `start` event) and the seconds from the restart (process launch) to
-its first resumed step (that step's `time` in metrics.jsonl), with `restore_s` (finding, verifying
-and loading the checkpoint) of the `start` event. The run dir is on local disk here, so the
+training again (its `start` event, written just before the first resumed step; metrics.jsonl
+cannot say, a later resume from the same step cuts it back), with `restore_s` (finding, verifying
+and loading the checkpoint) of the `start` event. The time to redo the lost steps is steps lost x
+the step time. The run dir is on local disk here, so the
 persistent tier's read is fast too: the gap is mostly the steps lost.
 
-    python ops/bench/recovery.py --failures 4 --steps 60
+    python ops/bench/recovery.py --failures 3 --steps 40
 """
 
 from __future__ import annotations
@@ -70,26 +72,26 @@ def arm(run_dir: Path, failures: list[int], args: argparse.Namespace, local: str
     if proc.wait(1800) != 0:
         raise SystemExit(f"the last process exited {proc.returncode}:\n{proc.stderr.read()[-2000:]}")
     starts = [e for e in records(run_dir / "events.jsonl") if e["event"] == "start"][1:]
-    metrics = [r for r in records(run_dir / "metrics.jsonl") if "loss" in r]
     out = []
     for launched, start in zip(launches, starts):
         resumed = start["resumed_from"] or 0
-        first = min(r["time"] for r in metrics if r["time"] >= launched and r["step"] == resumed + 1)
         out.append({"resumed_from": resumed, "tier": start.get("resumed_tier"), "restore_s": start["restore_s"],
-                    "lost": (start["previous_reached"] or resumed) - resumed, "to_first_step_s": first - launched})
-    return out
+                    "lost": (start["previous_reached"] or resumed) - resumed, "to_ready_s": start["time"] - launched})
+    steps = {r["step"]: r["time"] for r in records(run_dir / "metrics.jsonl") if "loss" in r}
+    step_s = statistics.median(steps[s] - steps[s - 1] for s in steps if s - 1 in steps)
+    return [{**r, "step_s": step_s} for r in out]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--failures", type=int, default=4)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--failures", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--persistent-every", type=int, default=20)
     p.add_argument("--local-every", type=int, default=2)
     p.add_argument("--local-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
     args = p.parse_args()
     failures = sorted(random.Random(args.seed).sample(range(3, args.steps - 2), args.failures))
     print(f"failures after steps {failures}; {args.steps} steps; persistent every {args.persistent_every}, "
@@ -99,9 +101,10 @@ def main() -> None:
             rows = arm(Path(tmp) / name, failures, args, tier)
             for r in rows:
                 print(f"  {name:<11} resumed from {r['resumed_from']} ({r['tier']}): {r['lost']} steps lost, "
-                      f"{r['to_first_step_s']:.2f} s to the first resumed step (restore {r['restore_s']:.3f} s)")
-            print(f"{name:<11} mean: {statistics.mean(r['lost'] for r in rows):.1f} steps lost, "
-                  f"{statistics.mean(r['to_first_step_s'] for r in rows):.2f} s restart -> first resumed step, "
+                      f"{r['to_ready_s']:.2f} s to training again (restore {r['restore_s']:.3f} s)")
+            lost, step_s = statistics.mean(r["lost"] for r in rows), rows[0]["step_s"]
+            print(f"{name:<11} mean: {lost:.1f} steps lost (x {step_s:.2f} s a step = {lost * step_s:.1f} s to redo), "
+                  f"{statistics.mean(r['to_ready_s'] for r in rows):.2f} s restart -> training again, "
                   f"restore {statistics.mean(r['restore_s'] for r in rows):.3f} s")
 
 

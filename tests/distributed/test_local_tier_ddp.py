@@ -52,3 +52,13 @@ def test_ranks_agree_on_a_step_every_rank_holds(tmp_path, continuous):
     assert run(args, log) == 0, tail(log)
     assert (starts(run_dir)[-1]["resumed_from"], starts(run_dir)[-1]["resumed_tier"]) == (held[0], "local")
     assert_same_run(continuous, run_dir, STEPS)
+
+
+def test_fsdp_with_a_local_tier_is_refused_in_one_line(tmp_path):
+    log = tmp_path / "torchrun.log"
+    local = tmp_path / "local"
+    args = train_args(tmp_path / "run", "--set", "parallel.strategy='fsdp'",
+                      "--set", f"checkpoint.local.dir='{local}'", "--set", "checkpoint.local.every_steps=2")
+    assert run(args, log) != 0
+    assert "error: checkpoint.local (the local tier) is not built for parallel.strategy" in tail(log)
+    assert not local.exists()
