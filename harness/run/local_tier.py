@@ -17,11 +17,12 @@ Trust. The run dir stays the source of truth; a local checkpoint is used only wh
 belongs to this run and verifies byte for byte (run/resume.py). Keying the folder by the run id
 keeps another run's files out of sight, and every local checkpoint also records the run id in its
 meta (`RUN_ID_KEY`, inside state.json, which the manifest hashes), so a copy of another run's
-checkpoint put in this run's folder is rejected too (`foreign`).
+checkpoint put in this run's folder is rejected too (`not_mine`).
 
-Timeline. After a resume at step S, local checkpoints past S belong to an abandoned future (a
-resume from an older tier, `--resume URL`, a rollback) and are deleted before training goes on,
-as local-first staging does (checkpoint/local_first.py).
+Timeline. After a resume or a rollback (harness/health/rollback.py) to step S, local checkpoints
+past S belong to an abandoned future (a resume from an older tier, `--resume URL`, the steps
+before an anomaly) and are deleted before training goes on (`drop_after`), as local-first staging
+does (checkpoint/local_first.py).
 
 Not built: peer copies (a rank's local files also kept on another node), so a node that is gone
 with its disk falls back to the persistent tier.
@@ -72,10 +73,14 @@ class LocalTier:
                  per_rank: Collection[str] = ()) -> None:
         self.every, self.run_id = section.every_steps, run_id
         self.store = local_store(section, run_id, distributed.rank())
-        for ref in self.store.list():
-            if ref.step > resumed_step:
-                self.store.delete(ref)
+        self.drop_after(resumed_step)
         self.saver = Saver(Committer(self.store), rank=distributed.rank(), per_rank=per_rank)
+
+    def drop_after(self, step: int) -> None:
+        """Delete the local checkpoints past `step`: the live state went back to `step`."""
+        for ref in self.store.list():
+            if ref.step > step:
+                self.store.delete(ref)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0

@@ -180,6 +180,8 @@ class Loop:
         self.last_saved = step
         self.clock.saved(step)
         self.trackers.rewind(step)
+        if self.local_tier is not None:
+            self.local_tier.drop_after(step)
 
     def hung(self, report: HangReport) -> None:
         """The hang watchdog fires (from its thread, just before it exits the process)."""

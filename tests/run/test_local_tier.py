@@ -111,3 +111,18 @@ def test_supervisor_restart_resumes_from_the_local_tier(tmp_path, continuous):
 def test_a_bad_local_tier_setting_is_a_one_line_error(tmp_path):
     proc = harness(*train(tmp_path / "run", *local_tier(tmp_path / "local", every=0)))
     assert_one_line_error(proc, "checkpoint.local.every_steps")
+
+
+def test_a_rollback_then_a_kill_resumes_from_the_local_tier_bitwise(tmp_path):
+    """A NaN at step 7 rolls back to persistent 4 (local 6 is dropped: the state went back); a
+    SIGKILL after step 11 (local 10 is committed before step 11 runs: local saves are synchronous)
+    resumes from the local checkpoint taken after the rollback."""
+    rollback = ["--set", 'train.on_anomaly="rollback"', "--set", "debug.nan_at_steps=[7]"]
+    cont, run, local = tmp_path / "continuous", tmp_path / "run", tmp_path / "local"
+    harness(*train(cont, *rollback), check=True)
+    args = train(run, *rollback, *local_tier(local))
+    assert kill_at_step(args, run, 11) != 0
+    harness(*args, check=True)
+    start = starts(run)[-1]
+    assert start["resumed_tier"] == "local" and start["resumed_from"] == 10
+    assert_same_run(cont, run, STEPS)
