@@ -84,7 +84,8 @@ class LocalSource:
 
     def agreed(self) -> int | None:
         """The newest step every rank holds a good local checkpoint of (a collective: every rank
-        calls it). Each rank verifies its own (damaged ones are rejected), then one all-gather."""
+        calls it). Each rank verifies its own (damaged ones are rejected), then one all-gather of
+        (its good steps, its rejections); `rejected` then holds every rank's, each with its rank."""
         good = []
         for ref in self.store.candidates():
             try:
@@ -95,8 +96,10 @@ class LocalSource:
                 self.reject(ref, problems)
             else:
                 good.append(ref.step)
-        held = [set(steps) for steps in distributed.all_gather_object(good)]
-        return max(set.intersection(*held), default=None)
+        # Every rank's rejections travel with its steps: rank 0 alone writes the events.
+        gathered = distributed.all_gather_object((good, self.rejected))
+        self.rejected = [{**r, "rank": rank} for rank, (_, rejected) in enumerate(gathered) for r in rejected]
+        return max(set.intersection(*(set(steps) for steps, _ in gathered)), default=None)
 
     def reject(self, ref: CheckpointRef, problems: list[str]) -> None:
         skipped(ref, problems)

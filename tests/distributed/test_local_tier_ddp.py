@@ -3,7 +3,6 @@ local folder; after a SIGKILL of the whole group the ranks agree on the newest s
 resume from it, bitwise equal to the continuous run (tests/distributed/conftest.py)."""
 
 import json
-import shutil
 
 from launch import kill_tree, run, start, tail, train_args, wait_step
 from procs import assert_same_run
@@ -43,14 +42,21 @@ def test_group_sigkill_resumes_from_the_local_tier_bitwise(tmp_path, continuous)
 
 
 def test_ranks_agree_on_a_step_every_rank_holds(tmp_path, continuous):
-    """Rank 1 loses its newest local checkpoint: both ranks resume from the older step they share."""
+    """Rank 1's newest local checkpoint is damaged (a flipped byte): rank 1 rejects it (reported in
+    rank 0's events) and both ranks resume from the older step they share."""
     run_dir, run_folder, args, log = killed_group(tmp_path)
     rank1 = run_folder / "rank-00001"
     held = steps_of(rank1)
     assert len(held) == 2, held
-    shutil.rmtree(rank1 / "checkpoints" / f"step-{held[-1]:08d}")
+    model = rank1 / "checkpoints" / f"step-{held[-1]:08d}" / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[-9] ^= 0x10
+    model.write_bytes(bytes(data))
     assert run(args, log) == 0, tail(log)
     assert (starts(run_dir)[-1]["resumed_from"], starts(run_dir)[-1]["resumed_tier"]) == (held[0], "local")
+    (rejected,) = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+                   if e["event"] == "checkpoint_rejected"]
+    assert (rejected["rank"], rejected["step"]) == (1, held[-1]) and "model.safetensors" in rejected["problem"]
     assert_same_run(continuous, run_dir, STEPS)
 
 
