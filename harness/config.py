@@ -255,6 +255,21 @@ class TrainSection(Section):
     rollback_window: int = Field(1000, ge=1, description="The span of steps `max_rollbacks` counts in.")
 
 
+class LocalTierSection(Section):
+    """The local checkpoint tier (docs/checkpoint-tiers.md): frequent checkpoints on node-local disk
+    or tmpfs that a restart on the same machine recovers from before the run dir."""
+
+    dir: str = Field(
+        description=(
+            "Local folder of the tier (node-local disk such as /local/nvme/ckpt, or a tmpfs such as /dev/shm for a "
+            "RAM tier: it survives the process, not the node). Checkpoints go to DIR/<run id>/checkpoints/, so one "
+            "run never finds another's."
+        ),
+    )
+    every_steps: int = Field(ge=1, description="Save a local checkpoint every N optimizer steps.")
+    keep: int = Field(2, ge=2, description="Local checkpoints kept (>= 2: the newest may be one a crash cut short).")
+
+
 class CheckpointSection(Section):
     """When and how checkpoints are written; none of these change the math."""
 
@@ -323,6 +338,14 @@ class CheckpointSection(Section):
             "the lease over without --takeover once it has missed 4 heartbeats (4 x this value, judged by the interval "
             "the holder recorded), or at once when the holder's process is gone on the same host. Lower = a lost "
             "node's run is picked up sooner, at one small read and write of the run dir per heartbeat."
+        ),
+    )
+    local: LocalTierSection | None = Field(
+        None,
+        description=(
+            "[checkpoint.local]: a local checkpoint tier with its own cadence, used by `--resume auto` when it holds a "
+            "newer checkpoint of this run that verifies (one process or DDP; not FSDP). Not `local_dir`, which only "
+            "stages uploads."
         ),
     )
     local_dir: str | None = Field(

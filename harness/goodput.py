@@ -6,9 +6,11 @@ the trainer (rank 0 only) unless marked supervisor:
 | event      | fields                                   | when |
 |------------|------------------------------------------|------|
 | start      | resumed_from: int or null,               | once per process, after the state is restored and checked,   |
-|            | previous_reached: int or null,           | just before the first step; previous_reached = the last step |
-|            | startup_s, restore_s, total_steps        | the interrupted process logged to metrics.jsonl (every step  |
-|            |                                          | is logged there), null when it logged none past              |
+|            | resumed_tier: "local", "persistent" or   | just before the first step; resumed_tier = the checkpoint    |
+|            | null, previous_reached: int or null,     | tier resumed from (run/local_tier.py); previous_reached =    |
+|            | startup_s, restore_s, total_steps        | the last step the interrupted process logged to              |
+|            |                                          | metrics.jsonl (every step is logged there), null when it     |
+|            |                                          | logged none past                                             |
 |            |                                          | resumed_from; startup_s = seconds since the process started  |
 |            |                                          | (imports, config, restore); restore_s = the part spent       |
 |            |                                          | finding, verifying, loading and checking the checkpoint      |
@@ -18,6 +20,9 @@ the trainer (rank 0 only) unless marked supervisor:
 |            |                                          | (cumulative, blocking saves excluded)                        |
 | checkpoint | step, blocking_s                         | after each commit; blocking_s = seconds the step loop was    |
 |            |                                          | blocked by this save                                         |
+| local_checkpoint | step, blocking_s, bytes            | after each commit to the local tier (counted as saving)      |
+| checkpoint_rejected | tier, step, url, problem        | a local checkpoint passed over at a resume (damaged, another |
+|            |                                          | run's); before that process's start                          |
 | save_slow  | step, seconds                            | while a background save has been persisting longer than      |
 |            |                                          | expected (checkpoint.save_deadline_s), repeated each slow    |
 |            |                                          | interval                                                     |
@@ -38,7 +43,7 @@ the trainer (rank 0 only) unless marked supervisor:
 Accounting (`account(events)`), with one "process" = the events from one "start" to the next:
 
 - training: the last train_s of each process, summed, minus recomputing (productive time only).
-- saving: the sum of blocking_s (background persistence that overlaps training is free).
+- saving: the sum of blocking_s of both tiers (background persistence that overlaps training is free).
 - restarting: the backoff_s of every restart plus the startup_s of every process but the first.
 - recomputing: steps run twice. When process P is followed by Q, the steps from Q's
   resumed_from (0 if null) up to the last step P is known to have reached (progress,
@@ -48,6 +53,8 @@ Accounting (`account(events)`), with one "process" = the events from one "start"
 - other: wall clock minus the above (evaluation, logging, data stalls, time between a crash and
   the next start that no supervisor accounted for, queueing of a requeued job).
 - wall clock: from the first process's start (its start time minus startup_s) to the last event.
+- resumes: one record per process after the first: the step and tier it resumed from, the steps
+  it lost (the previous process's last step minus that step) and its restore_s.
 """
 
 from __future__ import annotations
@@ -60,6 +67,8 @@ from dataclasses import dataclass, field
 class _Process:
     resumed_from: int | None
     startup_s: float = 0.0
+    tier: str | None = None
+    restore_s: float = 0.0
     train_s: float = 0.0
     train_s_step: int | None = None  # the step at which train_s was last reported
     last_step: int | None = None
@@ -87,6 +96,7 @@ class Goodput:
     last_step: int | None = None
     exit_reason: str | None = None  # of the last process: an "exit" reason, "gave_up" or None
     rollbacks: list[dict] = field(default_factory=list)  # distinct "anomaly" events with action "rollback"
+    resumes: list[dict] = field(default_factory=list)  # step, tier, steps_lost, restore_s per later process
 
     @property
     def other_s(self) -> float:
@@ -110,7 +120,8 @@ def account(events: Iterable[dict]) -> Goodput:
         if kind == "start":
             if procs and isinstance(e.get("previous_reached"), int):
                 procs[-1].reached(e["previous_reached"])
-            procs.append(_Process(e.get("resumed_from"), float(e.get("startup_s", 0.0))))
+            procs.append(_Process(e.get("resumed_from"), float(e.get("startup_s", 0.0)), e.get("resumed_tier"),
+                                  float(e.get("restore_s", 0.0))))
             g.exit_reason = None
             if first_time is None:
                 first_time = t - procs[-1].startup_s
@@ -131,13 +142,13 @@ def account(events: Iterable[dict]) -> Goodput:
                 g.rollbacks.append(e)
             rolled_back += max(0, int(e["step"]) - int(e["to_step"]))
             continue
-        if kind not in ("progress", "checkpoint", "exit"):
+        if kind not in ("progress", "checkpoint", "local_checkpoint", "exit"):
             continue
         if not procs:  # trainer events before any "start": a process that never announced itself
             procs.append(_Process(None))
         p = procs[-1]
         p.reached(int(e["step"]))
-        if kind == "checkpoint":
+        if kind in ("checkpoint", "local_checkpoint"):
             g.saving_s += float(e.get("blocking_s", 0.0))
         if kind == "exit":
             g.exit_reason = e.get("reason")
@@ -157,5 +168,19 @@ def account(events: Iterable[dict]) -> Goodput:
     g.recompute_steps = rolled_back + sum(max(0, (prev.last_step or 0) - nxt.first_step)
                                           for prev, nxt in zip(procs, procs[1:]))
     g.recompute_s = g.recompute_steps * mean_step_s
+    g.resumes = [{"step": nxt.resumed_from, "tier": nxt.tier, "restore_s": nxt.restore_s,
+                  "steps_lost": max(0, (prev.last_step or 0) - nxt.first_step)} for prev, nxt in zip(procs, procs[1:])]
     g.training_s = total_train - g.recompute_s
     return g
+
+
+def describe_resumes(resumes: list[dict]) -> str:
+    """"step 6 from the local tier, 1 step lost, restored in 0.03 s; ..." (a fresh start: "step 0")."""
+    def one(r: dict) -> str:
+        where = f" from the {r['tier']} tier" if r["tier"] else ""
+        lost = r["steps_lost"]
+        return f"step {r['step'] or 0}{where}, {lost} step{'s' if lost != 1 else ''} lost, restored in " \
+               f"{r['restore_s']:.2f} s"
+
+    return "; ".join(one(r) for r in resumes)
+

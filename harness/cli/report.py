@@ -6,7 +6,7 @@ import argparse
 
 from harness.errors import UserError
 from harness.events import read_events
-from harness.goodput import Goodput, account
+from harness.goodput import Goodput, account, describe_resumes
 from harness.run.files import events_url, refuse_a_file
 
 
@@ -45,6 +45,7 @@ def format_report(run_dir: str, g: Goodput) -> str:
         row("wall clock", g.wall_s),
         f"  goodput {100 * g.goodput:.1f} %",
         *([f"  rollbacks: {len(g.rollbacks)} ({describe_rollbacks(g.rollbacks)})"] if g.rollbacks else []),
+        *([f"  resumes: {describe_resumes(g.resumes)}"] if g.resumes else []),
     ])
 
 

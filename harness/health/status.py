@@ -19,7 +19,7 @@ from pathlib import Path
 
 from harness.errors import UserError
 from harness.events import EVENTS_FILE, read_events
-from harness.goodput import account
+from harness.goodput import account, describe_resumes
 from harness.jsonlines import parse_line
 
 METRICS_TAIL_BYTES = 256 * 1024  # the last few hundred steps of metrics.jsonl
@@ -69,6 +69,8 @@ def render(run_dir: str, log_dir: Path, now: float | None = None) -> str:
     else:
         lines.append("  checkpoint  none committed yet")
     lines.append(f"  processes   {g.processes}, {g.restarts} supervisor restart(s); goodput {100 * g.goodput:.1f} %")
+    if g.resumes:
+        lines.append(f"  last resume {describe_resumes(g.resumes[-1:])}")
     anomalies = [e for e in events if e.get("event") == "anomaly"]
     if anomalies:
         a = anomalies[-1]

@@ -67,27 +67,44 @@ def write_run_json(cfg: RunConfig, data_identity: Any, environment: dict[str, An
     """Write the run dir's run.json (resolved config, data identity, environment, run id, and
     `init_from`: `initialised_from` on a `fresh` start, else the one run.json holds) and return
     the run id: the one already in run.json, else a new one (`harness.run_id`)."""
-    # Imported here: the log-dir rule above serves the supervisor and `harness report`, which
-    # need no torch (harness.config and harness.checkpoint import it).
+    # Imported here: harness.config imports torch (see `_previous_run_json`).
     from harness.checkpoint.filesystem import open_filesystem
     from harness.config import public_config
 
     try:
-        # Through the store's filesystem: bounded retries that never draw from the global RNG.
-        fs, path = open_filesystem(cfg.run_dir, cfg.checkpoint.storage_options)
-        url = f"{path.rstrip('/')}/{RUN_JSON}"
-        previous = parse_line(fs.cat_file(url)) if fs.exists(url) else None
+        previous = _previous_run_json(cfg)
         run_id = (previous or {}).get(RUN_ID_KEY) or new_run_id()
         doc = {RUN_ID_KEY: run_id, "config": public_config(cfg), "data": data_identity,
                "environment": environment}
         init = initialised_from if fresh else (previous or {}).get(INIT_KEY)
         if init is not None:
             doc[INIT_KEY] = init
+        fs, path = open_filesystem(cfg.run_dir, cfg.checkpoint.storage_options)
         fs.makedirs(path, exist_ok=True)
-        fs.pipe_file(url, json.dumps(doc, indent=2).encode())
+        fs.pipe_file(f"{path.rstrip('/')}/{RUN_JSON}", json.dumps(doc, indent=2).encode())
     except OSError as e:
         raise UserError(f"cannot write to run dir {cfg.run_dir}: {e}; choose a writable --run-dir") from None
     return run_id
+
+
+def existing_run_id(cfg: RunConfig) -> str | None:
+    """The run id the run dir's run.json holds, or None before the run's first start (what a
+    local checkpoint tier is keyed by, harness/run/local_tier.py)."""
+    try:
+        return (_previous_run_json(cfg) or {}).get(RUN_ID_KEY)
+    except OSError as e:
+        raise UserError(f"cannot read run dir {cfg.run_dir}: {e}; check --run-dir") from None
+
+
+def _previous_run_json(cfg: RunConfig) -> dict[str, Any] | None:
+    # Imported here: the log-dir rule above serves the supervisor and `harness report`, which
+    # need no torch (harness.checkpoint imports it). Through the store's filesystem: bounded
+    # retries that never draw from the global RNG.
+    from harness.checkpoint.filesystem import open_filesystem
+
+    fs, path = open_filesystem(cfg.run_dir, cfg.checkpoint.storage_options)
+    url = f"{path.rstrip('/')}/{RUN_JSON}"
+    return parse_line(fs.cat_file(url)) if fs.exists(url) else None
 
 
 def refuse_a_file(run_dir: str) -> None:

@@ -1,5 +1,6 @@
 """The step loop around the trainer (`Loop`): metrics, evaluation, checkpoints at the cadence
-`CheckpointClock` decides (synchronously, in the background, local-first), preemption within its
+`CheckpointClock` decides (synchronously, in the background, local-first) and to the local tier at
+its own cadence (run/local_tier.py), preemption within its
 deadline, the fault hooks of `[debug]` (crash_at_step, sample_log, step_sleep_s), and the health hooks
 (harness/health: the hang watchdog, rollback on an anomaly, the trackers)."""
 
@@ -29,6 +30,7 @@ from harness.metrics import MetricsLog
 from harness.models.hf import HF_CONFIG_META
 from harness.run.cadence import CheckpointClock
 from harness.run.environment import environment_fingerprint
+from harness.run.local_tier import LocalTier
 from harness.signals import PreemptionWatch, SaveDeadline
 from harness.trainer import Trainer, TrainingDiverged
 
@@ -41,10 +43,12 @@ class Loop:
     rollback on an anomaly (`anomaly`), the trackers next to metrics.jsonl."""
 
     def __init__(self, cfg: RunConfig, trainer: Trainer, store: CheckpointStore, metrics: MetricsLog,
-                 events: EventLog, log_dir: Path, last_committed: int | None = None, trackers: Any = None) -> None:
+                 events: EventLog, log_dir: Path, last_committed: int | None = None, trackers: Any = None,
+                 local_tier: LocalTier | None = None) -> None:
         self.cfg, self.trainer, self.store, self.metrics, self.events = cfg, trainer, store, metrics, events
         self.trackers = trackers if trackers is not None else distributed.Silent()
         self.log_dir = log_dir
+        self.local_tier = local_tier
         c = cfg.checkpoint
         self.clock = CheckpointClock(c.every_steps, c.every_minutes, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
                                      report=self.interval_chosen)
@@ -118,6 +122,9 @@ class Loop:
                     if distributed.rank0_flag(self.clock.due(trainer.step)):
                         with self.watch("save", **self.save_limits()):
                             self.save()
+                    elif self.local_tier is not None and self.local_tier.due(trainer.step):
+                        with self.watch("save"):
+                            self.save_local()
                     if cfg.debug.step_sleep_s:
                         time.sleep(cfg.debug.step_sleep_s)
                 if distributed.all_reduce_flag(watch.requested) and self.last_saved != trainer.step:
@@ -173,6 +180,8 @@ class Loop:
         self.last_saved = step
         self.clock.saved(step)
         self.trackers.rewind(step)
+        if self.local_tier is not None:
+            self.local_tier.drop_after(step)
 
     def hung(self, report: HangReport) -> None:
         """The hang watchdog fires (from its thread, just before it exits the process)."""
@@ -199,11 +208,7 @@ class Loop:
         TrainingDiverged instead (every save goes through here: cadence, final, preemption)."""
         self.trainer.check_finite_state()
         step = self.trainer.step
-        meta = {"config": public_config(self.cfg), "data": self.trainer.data.identity,
-                "environment": environment_fingerprint(self.trainer.device)}
-        if self.trainer.hf_config is not None:
-            meta[HF_CONFIG_META] = self.trainer.hf_config
-        submitted = self.saver.submit(step, self.trainer.state.parts(), meta=meta,
+        submitted = self.saver.submit(step, self.trainer.state.parts(), meta=self.checkpoint_meta(),
                                       must=must or step >= self.cfg.train.steps)
         if submitted is None:
             self.clock.saved(step)
@@ -215,6 +220,23 @@ class Loop:
         self.clock.saved(step, blocking)
         self.events.emit("checkpoint", step=step, blocking_s=blocking, background=self.saver.background)
         self.events.emit("progress", step=step, train_s=self.train_s, save_s=self.save_s)
+
+    def save_local(self) -> None:
+        """Checkpoint the current step to the local tier, in this thread (node-local disk or tmpfs:
+        fast), with the same finite-state check as `save`."""
+        self.trainer.check_finite_state()
+        step = self.trainer.step
+        submitted = self.local_tier.save(step, self.trainer.state.parts(), self.checkpoint_meta())
+        self.save_s += submitted.blocking_s
+        self.events.emit("local_checkpoint", step=step, blocking_s=submitted.blocking_s, bytes=submitted.nbytes)
+
+    def checkpoint_meta(self) -> dict[str, Any]:
+        """What every checkpoint records beside the state: the config, the data's identity, the environment."""
+        meta = {"config": public_config(self.cfg), "data": self.trainer.data.identity,
+                "environment": environment_fingerprint(self.trainer.device)}
+        if self.trainer.hf_config is not None:
+            meta[HF_CONFIG_META] = self.trainer.hf_config
+        return meta
 
     def committed(self, done: Committed) -> None:
         """A checkpoint is committed; called from the persist thread when saving in the background."""

@@ -12,6 +12,11 @@ Contract of `train(cfg, ...)` (what `harness train` does):
   optim/bundle.py) and a `config_changed` event records old -> new per key and any re-planned
   schedule. Warns when the torch version, device type or numerical settings (harness.numerics)
   differ from the checkpoint's (bitwise equality is not promised there).
+- With a local tier (`[checkpoint.local]`, run/local_tier.py; one process or DDP) `--resume auto`
+  also considers this run's local checkpoints and loads the newest step that verifies in either
+  tier (with several ranks: on every rank);
+  a local one that does not verify or is another run's is skipped and reported (a
+  `checkpoint_rejected` event each). The `start` event names the tier resumed from.
 - Resumes at another world size than the checkpoint's (harness/run/elastic.py): the global batch
   is kept (a world size it cannot split is refused before anything is written, naming the valid
   ones) and a `world_size_changed` event records old -> new world size and batch shape.
@@ -42,9 +47,10 @@ from harness.log import get_logger
 from harness.metrics import MetricsLog
 from harness.run.elastic import fingerprint_checks
 from harness.run.environment import environment_fingerprint
-from harness.run.files import METRICS_FILE, log_dir_for, write_run_json
+from harness.run.files import METRICS_FILE, existing_run_id, log_dir_for, write_run_json
+from harness.run.local_tier import LocalTier, local_store
 from harness.run.loop import Loop
-from harness.run.resume import agree_on_checkpoint, resume_newest
+from harness.run.resume import LocalSource, agree_on_checkpoint, resume_newest
 
 log = get_logger(__name__)
 
@@ -66,10 +72,12 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
         raise UserError(f"cannot write to run dir {cfg.run_dir}: {e}; choose a writable --run-dir") from None
     try:
         source, candidates, verify = agree_on_checkpoint(store, cfg, resume)
-        started = resume_newest(cfg, source, candidates, verify, allow_config_change)
+        local = local_source(cfg, resume)
+        started = resume_newest(cfg, source, candidates, verify, allow_config_change, local=local)
         if started is None:
             return exit_codes.FINISHED
-        trainer, ref, restore_s, changes, resized = started
+        trainer, chosen, restore_s, changes, resized = started
+        ref = chosen.ref if chosen else None
         try:
             run_id = distributed.on_rank0(write_run_json, cfg, trainer.data.identity,
                                           environment_fingerprint(trainer.device), fresh=ref is None,
@@ -93,8 +101,13 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
                 trainer.fingerprints.watch(events, [] if allow_config_change else ran_past,
                                            **fingerprint_checks(resized))
             restore_s += time.perf_counter() - t_check
+            for rejected in local.rejected if local else []:
+                events.emit("checkpoint_rejected", **rejected)
+            if chosen is not None:
+                log.info("resumed", step=ref.step, tier=chosen.tier, url=ref.url, restore_s=round(restore_s, 3),
+                         steps_lost=None if reached is None else max(0, reached - ref.step))
             events.emit("start", step=trainer.step, total_steps=cfg.train.steps, resumed_from=ref.step if ref else None,
-                        previous_reached=reached, run_dir=cfg.run_dir,
+                        resumed_tier=chosen.tier if chosen else None, previous_reached=reached, run_dir=cfg.run_dir,
                         host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time(),
                         restore_s=restore_s)
             if resized is not None:
@@ -103,10 +116,12 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
                 events.emit("config_changed", step=trainer.step,
                             changes={k: {"old": a, "new": b} for k, (a, b) in changes.items()},
                             schedule=trainer.sched.replanned)
-            resumed_here = ref is not None and source is store
+            resumed_here = chosen is not None and chosen.store is store
             trackers = open_trackers(cfg.log, log_dir, trainer.step, run_id) if lead else distributed.Silent()
+            tier = cfg.checkpoint.local
+            local_tier = None if tier is None else LocalTier(tier, run_id, trainer.step, trainer.state.per_rank)
             loop = Loop(cfg, trainer, store, metrics, events, log_dir,
-                        last_committed=ref.step if resumed_here else None, trackers=trackers)
+                        last_committed=ref.step if resumed_here else None, trackers=trackers, local_tier=local_tier)
             try:
                 return loop.run()
             except BaseException as e:
@@ -132,10 +147,23 @@ def exit_reason(error: BaseException) -> tuple[str, int]:
     return "crashed", 1
 
 
+def local_source(cfg: RunConfig, resume: str) -> LocalSource | None:
+    """This run's local tier as a source to resume from: with `--resume auto` and a run id already
+    in the run dir's run.json (before the first start no local checkpoint can be this run's)."""
+    run_id = existing_run_id(cfg) if cfg.checkpoint.local is not None and resume == "auto" else None
+    if run_id is None:
+        return None
+    return LocalSource(local_store(cfg.checkpoint.local, run_id, distributed.rank()), run_id)
+
+
 def open_store(cfg: RunConfig) -> CheckpointStore:
     """The run dir's store. `checkpoint.local_dir` (commit there first, upload in the background:
-    checkpoint/local_first.py) is the saver's business, and works with one process only."""
+    checkpoint/local_first.py) is the saver's business, and works with one process only; the
+    local tier (`checkpoint.local`) with one process or DDP, not FSDP."""
     c = cfg.checkpoint
+    if c.local is not None and distributed.is_distributed() and cfg.parallel.strategy == "fsdp":
+        raise UserError("checkpoint.local (the local tier) is not built for parallel.strategy = \"fsdp\" (sharded "
+                        "parts); remove [checkpoint.local] or use ddp")
     if c.local_dir is not None and distributed.is_distributed():
         raise UserError("checkpoint.local_dir works with one process only; with several ranks unset it "
                         "(every rank then writes its part straight to the run dir)")

@@ -3,7 +3,14 @@
 `choose_checkpoint` turns `--resume auto|never|CKPT_URL` into candidates; `agree_on_checkpoint`
 makes every rank of a group load the one rank 0 verified; `resume_newest` tries the candidates
 newest first, verifying each while it loads, and refuses (`all_damaged`) a run dir whose every
-checkpoint is damaged. `check_compatible` refuses a changed math key or other data unless
+checkpoint is damaged. With a local tier (`LocalSource`, run/local_tier.py) its checkpoints join
+the candidates by step (local first at an equal step: it reads faster); each is verified in full
+and checked to be this run's and this rank's *before* it is loaded, and one that is not is
+skipped, logged and recorded in `LocalSource.rejected` (the caller emits `checkpoint_rejected`
+events). With several ranks every rank verifies its own local checkpoints and one all-gather of
+the steps each verified gives the newest step every rank holds (`LocalSource.agreed`); else the
+persistent checkpoint rank 0 chose.
+`check_compatible` refuses a changed math key or other data unless
 `--allow-config-change`, and warns about another environment.
 """
 
@@ -11,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from harness import distributed
@@ -25,20 +33,91 @@ from harness.errors import UserError
 from harness.log import get_logger
 from harness.run.elastic import WorldChange, after_load
 from harness.run.environment import warn_if_changed
+from harness.run.local_tier import LOCAL, PERSISTENT, not_mine
 from harness.trainer import Trainer, resolve_device
 
 log = get_logger(__name__)
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """A checkpoint to resume from: its store, its ref, and the tier it is in (`LOCAL`/`PERSISTENT`)."""
+
+    store: CheckpointStore
+    ref: CheckpointRef
+    tier: str
+
+    @property
+    def step(self) -> int:
+        return self.ref.step
+
+
+@dataclass
+class LocalSource:
+    """This rank's local tier of the run `run_id` as a source of checkpoints to resume from;
+    `rejected` collects one record (tier, step, url, problem) per local checkpoint passed over."""
+
+    store: CheckpointStore
+    run_id: str
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    verified: set[int] = field(default_factory=set)
+
+    def problems(self, ref: CheckpointRef, state: dict[str, Any]) -> list[str]:
+        """Why the local checkpoint `ref` (its state.json `state` already read) must not be loaded
+        here (`not_mine`), else every file that does not match its manifest (reads every byte, once
+        per step). Empty when good."""
+        other = not_mine(state, self.run_id, distributed.rank(), distributed.world())
+        if other:
+            return [other]
+        problems = [] if ref.step in self.verified else self.store.verify(ref)
+        if not problems:
+            self.verified.add(ref.step)
+        return problems
+
+    def candidates(self) -> list[CheckpointRef]:
+        """The local checkpoints to try, newest first: all of them with one process; with several
+        ranks the newest step that every rank verified (`agreed`), or none."""
+        if not distributed.is_distributed():
+            return self.store.candidates()
+        step = self.agreed()
+        return [] if step is None else [self.store.ref(step)]
+
+    def agreed(self) -> int | None:
+        """The newest step every rank holds a good local checkpoint of (a collective: every rank
+        calls it). Each rank verifies its own (damaged ones are rejected), then one all-gather of
+        (its good steps, its rejections); `rejected` then holds every rank's, each with its rank."""
+        good = []
+        for ref in self.store.candidates():
+            try:
+                problems = self.problems(ref, self.store.open(ref).state)
+            except CheckpointCorrupt as e:
+                problems = [str(e)]
+            if problems:
+                self.reject(ref, problems)
+            else:
+                good.append(ref.step)
+        # Every rank's rejections travel with its steps: rank 0 alone writes the events.
+        gathered = distributed.all_gather_object((good, self.rejected))
+        self.rejected = [{**r, "rank": rank} for rank, (_, rejected) in enumerate(gathered) for r in rejected]
+        return max(set.intersection(*(set(steps) for steps, _ in gathered)), default=None)
+
+    def reject(self, ref: CheckpointRef, problems: list[str]) -> None:
+        skipped(ref, problems)
+        self.rejected.append({"tier": LOCAL, "step": ref.step, "url": ref.url, "problem": problems[0][:300]})
+
+
 def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[CheckpointRef], verify: Verify,
-                  allow_config_change: bool) -> tuple[Trainer, CheckpointRef | None, float, dict,
-                                                      WorldChange | None] | None:
+                  allow_config_change: bool, local: LocalSource | None = None
+                  ) -> tuple[Trainer, Candidate | None, float, dict, WorldChange | None] | None:
     """(trainer, the checkpoint it was restored from or None for a fresh start, seconds spent
     reading, loading and verifying checkpoints, the config changes since that checkpoint as
     `config_changes` gives them, the world-size change since it or None), or None when the
     newest good checkpoint is of a finished run (it says so on stderr; with `Verify.WHILE` that
     checkpoint is verified first, since it is not loaded). At another world size than
     the checkpoint's, every rank's random streams are restarted (harness/run/elastic.py).
+
+    `local`: a local tier whose checkpoints are tried too, newest step first across both tiers
+    (module docstring); none of them is loaded before it is found whole and this run's.
 
     `candidates` are tried newest first, each read once (`source.open`: manifest and state.json)
     and passed down. With `Verify.WHILE` each is hashed as it loads (one read of every byte); one
@@ -48,12 +127,25 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
     restore_s = 0.0
     # Read once: every candidate is checked against it.
     data = open_data(cfg.data, cfg.train.seed, distributed.rank(), distributed.world())
-    for ref in candidates:
+    tried = [Candidate(source, ref, PERSISTENT) for ref in candidates]
+    if local is not None:
+        t0 = time.perf_counter()  # with several ranks the local copies are verified here, before agreeing
+        tried = sorted([Candidate(local.store, ref, LOCAL) for ref in local.candidates()] + tried,
+                       key=lambda c: -c.step)  # stable: local first at an equal step
+        restore_s += time.perf_counter() - t0
+    for chosen in tried:
+        source, ref = chosen.store, chosen.ref
         t0 = time.perf_counter()
         trainer = None
         try:
             checkpoint = source.open(ref)
             saved = checkpoint.state
+            if chosen.tier == LOCAL:
+                problems = local.problems(ref, saved)
+                if problems:
+                    local.reject(ref, problems)
+                    restore_s += time.perf_counter() - t0
+                    continue
             changes = check_compatible(saved["meta"], cfg, allow_config_change, data.identity)
             # Whether the run finished is the trainer part's (state.TrainerCounters), nowhere else.
             if saved["parts"]["trainer"]["finished"] and ref.step >= cfg.train.steps:
@@ -72,16 +164,22 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             t0 = time.perf_counter()
             if trainer.sharded or METADATA_FILE in checkpoint.records:
                 trainer.materialize_optimizer_state()  # read into live tensors of the right sharding
-            load_checkpoint(source, checkpoint, trainer.state.parts(), verify=verify,
-                            kept_on_new_rank=trainer.state.kept_on_new_rank)
+            if chosen.tier == LOCAL:  # verified above; this rank's own copy: its state.json holds its per-rank parts
+                source.restore(checkpoint, trainer.state.parts())
+            else:
+                load_checkpoint(source, checkpoint, trainer.state.parts(), verify=verify,
+                                kept_on_new_rank=trainer.state.kept_on_new_rank)
             resized = after_load(saved, cfg, ref.step, trainer.state.sharded)
-            return trainer, ref, restore_s + time.perf_counter() - t0, changes, resized
+            return trainer, chosen, restore_s + time.perf_counter() - t0, changes, resized
         except BaseException as e:
             if trainer is not None:
                 trainer.close()
-            if verify is not Verify.WHILE or not isinstance(e, CheckpointCorrupt):
+            if not isinstance(e, CheckpointCorrupt) or (verify is not Verify.WHILE and chosen.tier != LOCAL):
                 raise  # an intact checkpoint that does not fit: the error is about the setup
-            skipped(ref, [str(e)])
+            if chosen.tier == LOCAL:
+                local.reject(ref, [str(e)])
+            else:
+                skipped(ref, [str(e)])
             restore_s += time.perf_counter() - t0
     if candidates:
         raise all_damaged(cfg, candidates)

@@ -1,0 +1,70 @@
+"""The local checkpoint tier under torchrun, world size 2 (DDP, gloo): each rank keeps its own
+local folder; after a SIGKILL of the whole group the ranks agree on the newest step both hold and
+resume from it, bitwise equal to the continuous run (tests/distributed/conftest.py)."""
+
+import json
+
+from launch import kill_tree, run, start, tail, train_args, wait_step
+from procs import assert_same_run
+
+STEPS = 12
+
+
+def starts(run_dir) -> list[dict]:
+    return [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["event"] == "start"]
+
+
+def killed_group(tmp_path) -> tuple:
+    """A world-size-2 run with local checkpoints every 2 steps (persistent at 10 and 12), its
+    whole group SIGKILLed after step 7: (run dir, local folder of the run, its args, log)."""
+    run_dir, local, log = tmp_path / "run", tmp_path / "local", tmp_path / "torchrun.log"
+    args = train_args(run_dir, "--set", "checkpoint.every_steps=10", "--set", f"checkpoint.local.dir='{local}'",
+                      "--set", "checkpoint.local.every_steps=2")
+    proc = start(args, log)
+    wait_step(proc, run_dir, 7, log)
+    kill_tree(proc.pid)
+    proc.wait(60)
+    (run_folder,) = local.iterdir()
+    return run_dir, run_folder, args, log
+
+
+def steps_of(rank_folder) -> list[int]:
+    return sorted(int(p.name.removeprefix("step-")) for p in (rank_folder / "checkpoints").glob("step-*"))
+
+
+def test_group_sigkill_resumes_from_the_local_tier_bitwise(tmp_path, continuous):
+    run_dir, run_folder, args, log = killed_group(tmp_path)
+    newest = min(steps_of(run_folder / "rank-00000")[-1], steps_of(run_folder / "rank-00001")[-1])
+    assert run(args, log) == 0, tail(log)
+    assert (starts(run_dir)[-1]["resumed_from"], starts(run_dir)[-1]["resumed_tier"]) == (newest, "local")
+    assert newest >= 6
+    assert_same_run(continuous, run_dir, STEPS)
+
+
+def test_ranks_agree_on_a_step_every_rank_holds(tmp_path, continuous):
+    """Rank 1's newest local checkpoint is damaged (a flipped byte): rank 1 rejects it (reported in
+    rank 0's events) and both ranks resume from the older step they share."""
+    run_dir, run_folder, args, log = killed_group(tmp_path)
+    rank1 = run_folder / "rank-00001"
+    held = steps_of(rank1)
+    assert len(held) == 2, held
+    model = rank1 / "checkpoints" / f"step-{held[-1]:08d}" / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[-9] ^= 0x10
+    model.write_bytes(bytes(data))
+    assert run(args, log) == 0, tail(log)
+    assert (starts(run_dir)[-1]["resumed_from"], starts(run_dir)[-1]["resumed_tier"]) == (held[0], "local")
+    (rejected,) = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+                   if e["event"] == "checkpoint_rejected"]
+    assert (rejected["rank"], rejected["step"]) == (1, held[-1]) and "model.safetensors" in rejected["problem"]
+    assert_same_run(continuous, run_dir, STEPS)
+
+
+def test_fsdp_with_a_local_tier_is_refused_in_one_line(tmp_path):
+    log = tmp_path / "torchrun.log"
+    local = tmp_path / "local"
+    args = train_args(tmp_path / "run", "--set", "parallel.strategy='fsdp'",
+                      "--set", f"checkpoint.local.dir='{local}'", "--set", "checkpoint.local.every_steps=2")
+    assert run(args, log) != 0
+    assert "error: checkpoint.local (the local tier) is not built for parallel.strategy" in tail(log)
+    assert not local.exists()

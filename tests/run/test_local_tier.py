@@ -1,0 +1,128 @@
+"""The local checkpoint tier (harness/run/local_tier.py) with real processes: a crash resumes from
+the newest local checkpoint and ends bitwise equal to an uninterrupted run; a damaged local copy,
+or another run's, is skipped and reported, never loaded."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from procs import TINY, assert_one_line_error, assert_same_run, events, harness, kill_at_step
+
+STEPS = 12  # TINY's train.steps
+
+
+def local_tier(folder: Path, every: int = 2) -> list[str]:
+    return ["--set", f"checkpoint.local.dir='{folder}'", "--set", f"checkpoint.local.every_steps={every}"]
+
+
+def train(run: Path, *args: str) -> list[str]:
+    return ["train", str(TINY), "--run-dir", str(run), *args]
+
+
+def local_steps(folder: Path) -> dict[int, Path]:
+    """step -> checkpoint folder of the local tier's one run under `folder` (one process: rank 0)."""
+    (run_folder,) = folder.iterdir()
+    return {int(p.name.removeprefix("step-")): p for p in (run_folder / "rank-00000" / "checkpoints").glob("step-*")}
+
+
+def starts(run: Path) -> list[dict]:
+    return [e for e in events(run) if e["event"] == "start"]
+
+
+@pytest.fixture(scope="module")
+def continuous(tmp_path_factory) -> Path:
+    """TINY uninterrupted, without a local tier (the tier must not change the math)."""
+    run = tmp_path_factory.mktemp("continuous") / "run"
+    harness(*train(run), check=True)
+    return run
+
+
+def test_sigkill_resumes_from_the_local_tier_bitwise(tmp_path, continuous):
+    run, local = tmp_path / "run", tmp_path / "local"
+    args = train(run, "--set", "checkpoint.every_steps=10", *local_tier(local))
+    assert kill_at_step(args, run, 7) != 0
+    assert not (run / "checkpoints").exists() or not list((run / "checkpoints").glob("step-*"))
+    harness(*args, check=True)
+    start = starts(run)[-1]
+    newest_local = start["previous_reached"] - start["previous_reached"] % 2
+    assert start["resumed_tier"] == "local" and start["resumed_from"] == newest_local >= 6
+    assert_same_run(run, continuous, STEPS)
+    lost = start["previous_reached"] - newest_local
+    said = f"step {newest_local} from the local tier, {lost} step{'s' if lost != 1 else ''} lost"
+    assert said in harness("report", str(run), check=True).stdout
+    assert said in harness("status", str(run), check=True).stdout
+
+
+@pytest.mark.parametrize("damage", ["flip", "missing"])
+def test_a_damaged_local_copy_is_skipped_and_reported(tmp_path, continuous, damage):
+    """Local every 2 steps (not where the persistent tier saves: 4, 8), crash after step 7: local 2
+    and 6, persistent 4. Local 6 damaged -> rejected, resumed from persistent 4."""
+    run, local = tmp_path / "run", tmp_path / "local"
+    args = train(run, "--set", "checkpoint.async_save=false", *local_tier(local))
+    assert harness(*args, "--set", "debug.crash_at_step=7").returncode != 0
+    step6 = local_steps(local)[6]
+    model = step6 / "model.safetensors"
+    if damage == "flip":
+        data = bytearray(model.read_bytes())
+        data[-9] ^= 0x10
+        model.write_bytes(bytes(data))
+    else:
+        model.unlink()
+    harness(*args, check=True)
+    (rejected,) = [e for e in events(run) if e["event"] == "checkpoint_rejected"]
+    assert rejected["tier"] == "local" and rejected["step"] == 6 and "model.safetensors" in rejected["problem"]
+    start = starts(run)[-1]
+    assert (start["resumed_from"], start["resumed_tier"]) == (4, "persistent")
+    assert_same_run(run, continuous, STEPS)
+
+
+def test_another_runs_local_checkpoint_is_not_used(tmp_path, continuous):
+    """Run `other` (another seed) and this run share the local folder. A copy of other's step 6
+    placed among this run's local checkpoints is rejected (its meta names another run id); this
+    run resumes from its own local step 2."""
+    local = tmp_path / "local"
+    other, run = tmp_path / "other", tmp_path / "run"
+    common = ["--set", "checkpoint.every_steps=10", *local_tier(local)]
+    assert harness(*train(other, *common, "--set", "train.seed=2", "--set", "debug.crash_at_step=7")).returncode != 0
+    (other_folder,) = local.iterdir()
+    assert harness(*train(run, *common, "--set", "debug.crash_at_step=3")).returncode != 0
+    (mine,) = [p for p in local.iterdir() if p != other_folder]
+    copied = "rank-00000/checkpoints/step-00000006"
+    shutil.copytree(other_folder / copied, mine / copied)
+    harness(*train(run, *common), check=True)
+    (rejected,) = [e for e in events(run) if e["event"] == "checkpoint_rejected"]
+    assert rejected["step"] == 6 and other_folder.name in rejected["problem"]
+    start = starts(run)[-1]
+    assert (start["resumed_from"], start["resumed_tier"]) == (2, "local")
+    assert_same_run(run, continuous, STEPS)
+
+
+def test_supervisor_restart_resumes_from_the_local_tier(tmp_path, continuous):
+    run, local = tmp_path / "run", tmp_path / "local"
+    harness(*train(run, "--max-restarts", "1", "--set", "checkpoint.every_steps=10", *local_tier(local),
+                   "--set", "debug.crash_at_step=7"), check=True)
+    first, second = starts(run)
+    assert first["resumed_from"] is None
+    assert (second["resumed_from"], second["resumed_tier"]) == (6, "local")
+    assert_same_run(run, continuous, STEPS)
+
+
+def test_a_bad_local_tier_setting_is_a_one_line_error(tmp_path):
+    proc = harness(*train(tmp_path / "run", *local_tier(tmp_path / "local", every=0)))
+    assert_one_line_error(proc, "checkpoint.local.every_steps")
+
+
+def test_a_rollback_then_a_kill_resumes_from_the_local_tier_bitwise(tmp_path):
+    """A NaN at step 7 rolls back to persistent 4 (local 6 is dropped: the state went back); a
+    SIGKILL after step 11 (local 10 is committed before step 11 runs: local saves are synchronous)
+    resumes from the local checkpoint taken after the rollback."""
+    rollback = ["--set", 'train.on_anomaly="rollback"', "--set", "debug.nan_at_steps=[7]"]
+    cont, run, local = tmp_path / "continuous", tmp_path / "run", tmp_path / "local"
+    harness(*train(cont, *rollback), check=True)
+    args = train(run, *rollback, *local_tier(local))
+    assert kill_at_step(args, run, 11) != 0
+    harness(*args, check=True)
+    start = starts(run)[-1]
+    assert start["resumed_tier"] == "local" and start["resumed_from"] == 10
+    assert_same_run(cont, run, STEPS)
