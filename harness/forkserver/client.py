@@ -7,9 +7,14 @@ with the options `ForkServer.popen` takes. Its child is a child of the server, n
 caller: its exit code comes from the server, which reaps it, and signals go through a pidfd, so
 they cannot reach another process that took its pid. A command line of another form, or a
 request the server refuses (an environment it cannot honour: harness/forkserver/environment.py),
-starts a fresh interpreter through Popen's own code: the same object, the same behaviour.
-A server that found it cannot fork safely (server.UNSERVABLE) likewise gives fresh interpreters;
-one gone otherwise raises `ForkServerError` (a bug, not a reason to fall back quietly).
+starts a fresh interpreter through Popen's own code: the same object, the same behaviour. So does
+a server that found it cannot fork safely (server.UNSERVABLE); one gone otherwise raises
+`ForkServerError` (a bug, not a reason to fall back quietly).
+
+What a child inherits from its server, not from the caller at the time of the call: umask,
+resource limits, CPU affinity, user and groups (the caller's when the server started), and its
+parent (the server: the children of `harness supervise` still die with the supervisor, whose
+PR_SET_PDEATHSIG names it). A caller that changes those between calls needs fresh interpreters.
 """
 
 from __future__ import annotations
@@ -114,6 +119,13 @@ class ForkedPopen(subprocess.Popen):
             protocol.send(conn, {"args": args, "env": dict(os.environ if env is None else env),
                                  "cwd": os.path.abspath(os.getcwd() if cwd is None else os.fspath(cwd)),
                                  "new_session": self._new_session}, fds)
+        except protocol.TooLarge:
+            conn.close()
+            return None
+        except OSError as e:
+            conn.close()
+            return self._gone(e)
+        try:
             conn.settimeout(REPLY_TIMEOUT_S)
             reply, pidfds = protocol.receive(conn, max_fds=1)
         except OSError as e:

@@ -14,16 +14,20 @@ import json
 import socket
 from typing import Any
 
-# A request carries the child's environment: far below this on any machine seen; a larger one is
-# refused rather than cut.
-MAX_MESSAGE = 1 << 20
+# A request carries the child's environment: far below this on any machine seen. A datagram must
+# fit the socket's send buffer (about 200 KiB by default); a larger request is not sent at all.
+MAX_MESSAGE = 64 << 10
+
+
+class TooLarge(ValueError):
+    pass
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: list[int] = ()) -> None:
     data = json.dumps(message).encode()
     if len(data) > MAX_MESSAGE:
-        raise ValueError(f"fork server message of {len(data)} bytes (at most {MAX_MESSAGE})")
-    socket.send_fds(sock, [data], list(fds)) if fds else sock.sendall(data)
+        raise TooLarge(f"fork server message of {len(data)} bytes (at most {MAX_MESSAGE})")
+    socket.send_fds(sock, [data], list(fds))
 
 
 def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:

@@ -4,19 +4,19 @@
 the CLI does, and runs no torch operation: forking is safe only while the process has one
 thread, so no OpenMP or intra-op pool, no MKL state and no CUDA context exists yet; it checks
 that (a server with more threads exits with `UNSERVABLE`: its clients start fresh
-interpreters). `serve()` then answers requests (the
-messages: harness/forkserver/protocol.py) until its lifeline (stdin, a pipe from the process that
-started it) closes. It never installs a signal handler, nor prints once serving, so a child starts with the
-interpreter's own start-up signal dispositions and empty stdio buffers.
+interpreters). `serve()` then answers requests (the messages: harness/forkserver/protocol.py)
+until its lifeline (stdin, a pipe from the process that started it) closes. It never installs a
+signal handler, nor prints once serving, so a child starts with the interpreter's own start-up
+signal dispositions and empty stdio buffers.
 
 Per request: a child whose environment (before the imports) differs from the server's in its
 `environment.signature` or in a variable the imports set, or one whose working folder holds a
 module of the name of one the server has imported (a fresh interpreter puts that folder first on
-sys.path and would import that one), is refused. Otherwise
-the server forks; in the child `serve()` returns the request (every fd of the server's own
-closed), in the server the child's pidfd goes to the client and, when the child ends, the
-server reaps it and sends its exit code. A client that went away leaves its child running,
-as a Popen child outlives its parent; the server still reaps it.
+sys.path and would import that one), is refused. Otherwise the server forks; in the child
+`serve()` returns the request (every fd of the server's own closed), in the server the child's
+pidfd goes to the client and, when the child ends, the server reaps it and sends its exit code.
+A client that went away leaves its child running, as a Popen child outlives its parent; the
+server still reaps it.
 """
 
 from __future__ import annotations
@@ -99,7 +99,14 @@ def serve(listener: socket.socket, preloaded: Preloaded) -> Request | None:
                 request = _receive(conn, preloaded, home)
                 if request is None:
                     continue
-                pid = os.fork()
+                try:
+                    pid = os.fork()
+                except OSError as e:  # out of processes or memory: the client tries a fresh interpreter
+                    for fd in request.fds:
+                        os.close(fd)
+                    _tell(conn, {"refused": f"fork: {e}"})
+                    conn.close()
+                    continue
                 if pid == 0:
                     selector.close()
                     listener.close()
