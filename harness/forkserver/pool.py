@@ -6,7 +6,7 @@ Contract: `ForkServers.popen(args, env=..., ...)` returns a Popen for the comman
 at most `limit` servers, each holds some 400 MiB until its children share it), or a plain Popen
 (a fresh interpreter) when the command line is not `python -m harness.cli ...`, the server
 found it cannot fork safely there (OMP_NUM_THREADS other than 1: server.py), or every server's
-place is taken by another signature. `close()` ends the servers and removes their
+place is taken by another signature, or elsewhere than on Linux. `close()` ends the servers and removes their
 sockets; processes they started run on.
 """
 
@@ -16,12 +16,17 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 from harness.forkserver.client import ForkServer, served
 from harness.forkserver.environment import signature
+
+# Linux only: pidfds (Linux 5.3, Python 3.9) and SOCK_SEQPACKET unix sockets; elsewhere every
+# process starts fresh.
+SUPPORTED = sys.platform.startswith("linux") and hasattr(os, "pidfd_open")
 
 
 class ForkServers:
@@ -34,7 +39,7 @@ class ForkServers:
 
     def popen(self, args, *, env: Mapping[str, str] | None = None, **kwargs) -> subprocess.Popen:
         env = dict(os.environ if env is None else env)
-        server = self._server_for(env) if served(args) is not None else None
+        server = self._server_for(env) if SUPPORTED and served(args) is not None else None
         if server is None:
             return subprocess.Popen(args, env=env, **kwargs)
         return server.popen(args, env=env, **kwargs)
