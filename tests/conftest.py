@@ -15,6 +15,23 @@ import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 
+import procs  # noqa: E402
+from harness.forkserver import ForkServers  # noqa: E402
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_servers():
+    """This session's (xdist worker's) fork servers for the `harness` processes tests/procs.py
+    starts: torch imported once per server instead of once per process, about 6 CPU-seconds each
+    (docs/bench-runs.md). HARNESS_TESTS_FRESH=1 starts every process as a fresh interpreter."""
+    if os.environ.get("HARNESS_TESTS_FRESH") == "1":
+        yield None
+        return
+    procs.SERVERS = servers = ForkServers(procs.ROOT)
+    yield servers
+    procs.SERVERS = None
+    servers.close()
+
 
 @pytest.fixture
 def tmpfs(tmp_path):

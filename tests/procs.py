@@ -1,4 +1,9 @@
-"""Real `harness` processes for tests: start, wait for a step, kill, compare finished runs."""
+"""Real `harness` processes for tests: start, wait for a step, kill, compare finished runs.
+
+They start through the session's fork server (`SERVERS`, set by tests/conftest.py: torch is
+imported once per server, not once per process; harness/forkserver), which starts a fresh
+interpreter for an environment it cannot honour; with HARNESS_TESTS_FRESH=1 every one is fresh.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from pathlib import Path
 from harness import numerics
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.diff import diff_checkpoints
+from harness.forkserver import ForkServers
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "data" / "tiny.toml"
@@ -35,11 +41,22 @@ MKL_BITWISE_ON_INTEL = dict(condition=not INTEL_CPU, strict=False,
                                    "(tests/procs.py)")
 
 
+# The test session's fork servers (tests/conftest.py), or None: every process a fresh interpreter.
+SERVERS: ForkServers | None = None
+
+
 def harness(*args: str, timeout: float = 300, check: bool = False,
             env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run `harness ARGS` to completion; returns the completed process (text output)."""
-    proc = subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True, text=True,
-                          env=env or ENV, timeout=timeout, cwd=ROOT)
+    """Run `harness ARGS` to completion; returns the completed process (text output). Past
+    `timeout` seconds it is killed and TimeoutExpired raised, as subprocess.run does."""
+    with start(*args, env=env) as running:
+        try:
+            out, err = running.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            running.kill()
+            running.wait()
+            raise
+    proc = subprocess.CompletedProcess(running.args, running.returncode, out, err)
     if check and proc.returncode != 0:
         raise AssertionError(f"harness {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
     return proc
@@ -55,8 +72,10 @@ def assert_one_line_error(proc, needle: str) -> None:
 
 
 def start(*args: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "harness.cli", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env or ENV, cwd=ROOT)
+    """`harness ARGS` started with stdout and stderr piped (text), in ROOT."""
+    popen = SERVERS.popen if SERVERS is not None else subprocess.Popen
+    return popen([sys.executable, "-m", "harness.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 text=True, env=env or ENV, cwd=ROOT)
 
 
 def last_step(log_dir: Path) -> int:

@@ -1,0 +1,194 @@
+"""The client side of one fork server: `ForkServer` starts and ends the server process,
+`ForkedPopen` is a subprocess.Popen whose child the server forks.
+
+`ForkedPopen` is a Popen (pipes, text mode, communicate, wait and poll with timeouts, `with`,
+send_signal/terminate/kill, pid, returncode) for `[sys.executable, "-m", "harness.cli", ...]`
+with the options `ForkServer.popen` takes. Its child is a child of the server, not of the
+caller: its exit code comes from the server, which reaps it, and signals go through a pidfd, so
+they cannot reach another process that took its pid. A command line of another form, or a
+request the server refuses (an environment it cannot honour: harness/forkserver/environment.py),
+starts a fresh interpreter through Popen's own code: the same object, the same behaviour. So does
+a server that found it cannot fork safely (server.UNSERVABLE); one gone otherwise raises
+`ForkServerError` (a bug, not a reason to fall back quietly).
+
+What a child inherits from its server, not from the caller at the time of the call: umask,
+resource limits, CPU affinity, user and groups (the caller's when the server started), and its
+parent (the server: the children of `harness supervise` still die with the supervisor, whose
+PR_SET_PDEATHSIG names it). A caller that changes those between calls needs fresh interpreters.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from harness.forkserver import protocol
+from harness.forkserver.server import UNSERVABLE
+
+REPLY_TIMEOUT_S = 300  # a server answers once its imports are done: seconds, minutes on a loaded machine
+
+
+class ForkServerError(RuntimeError):
+    pass
+
+
+def served(args) -> list[str] | None:
+    """The CLI arguments of a command line a server runs (`python -m harness.cli ...` with this
+    interpreter), or None."""
+    if isinstance(args, (list, tuple)) and list(args[:3]) == [sys.executable, "-m", "harness.cli"]:
+        return [str(a) for a in args[3:]]
+    return None
+
+
+class ForkServer:
+    """A server process started with `env` in `cwd` (its socket and log in `folder`)."""
+
+    def __init__(self, env: Mapping[str, str], cwd: str | Path, folder: str | Path, name: str = "server"):
+        self.socket_path = str(Path(folder) / f"{name}.sock")
+        self.log_path = Path(folder) / f"{name}.log"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            listener.bind(self.socket_path)
+            listener.listen(128)
+            with open(self.log_path, "wb") as log:
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "harness.forkserver", str(listener.fileno())],
+                    stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=log, env=dict(env), cwd=cwd,
+                    pass_fds=[listener.fileno()])
+        finally:
+            listener.close()  # the server holds it now: requests queue there while it imports
+
+    def popen(self, args, *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
+              stdin=None, stdout=None, stderr=None, text: bool | None = None,
+              start_new_session: bool = False) -> subprocess.Popen:
+        return ForkedPopen(self, args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
+                           start_new_session=start_new_session)
+
+    def unservable(self) -> bool:
+        """Whether the server found it cannot fork safely in its environment (and exited)."""
+        return self.process.poll() == UNSERVABLE
+
+    def failure(self) -> str:
+        """Why the server is gone (its exit code and the end of its log)."""
+        code = self.process.poll()
+        return f"fork server exited {code}: {self.log_path.read_text(errors='replace')[-3000:]}"
+
+    def close(self, timeout: float = 30) -> None:
+        """End the server (its children run on, as Popen children outlive their parent)."""
+        if self.process.stdin is not None:
+            self.process.stdin.close()  # the lifeline
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+class ForkedPopen(subprocess.Popen):
+    def __init__(self, server: ForkServer, args, *, start_new_session: bool = False, **kwargs):
+        self._server = server
+        self._new_session = start_new_session
+        self.forked = False  # whether the server forked the child (else Popen started a fresh interpreter)
+        self._conn: socket.socket | None = None  # open until the exit code came
+        self._pidfd: int | None = None  # likewise
+        super().__init__(args, start_new_session=start_new_session, **kwargs)
+
+    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                       creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
+        cli_args = served(args) if executable is None and not shell else None
+        reply = None if cli_args is None else self._request(cli_args, env, cwd, [
+            p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2])
+        if reply is None:
+            return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
+                                          creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,
+                                          errwrite, *rest)
+        self.pid, self._pidfd = reply
+        self.forked = self._child_created = True
+        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+
+    def _request(self, args: list[str], env, cwd, fds: list[int]) -> tuple[int, int] | None:
+        """(pid, pidfd) of the forked child, or None when the server refused the request."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            conn.connect(self._server.socket_path)
+            protocol.send(conn, {"args": args, "env": dict(os.environ if env is None else env),
+                                 "cwd": os.path.abspath(os.getcwd() if cwd is None else os.fspath(cwd)),
+                                 "new_session": self._new_session}, fds)
+        except protocol.TooLarge:
+            conn.close()
+            return None
+        except OSError as e:
+            conn.close()
+            return self._gone(e)
+        try:
+            conn.settimeout(REPLY_TIMEOUT_S)
+            reply, pidfds = protocol.receive(conn, max_fds=1)
+        except OSError as e:
+            conn.close()
+            return self._gone(e)
+        if reply is None or ("pid" in reply and len(pidfds) != 1):
+            conn.close()
+            return self._gone(None)
+        if "refused" in reply:
+            conn.close()
+            return None
+        self._conn = conn
+        return reply["pid"], pidfds[0]
+
+    def _gone(self, error: OSError | None) -> None:
+        """The server did not answer: None (a fresh interpreter) if it found it cannot serve, else raise."""
+        try:
+            self._server.process.wait(REPLY_TIMEOUT_S)  # it is exiting, or has
+        except subprocess.TimeoutExpired:
+            pass
+        if self._server.unservable():
+            return None
+        raise ForkServerError(f"{error or 'no reply'}; {self._server.failure()}") from error
+
+    def _internal_poll(self, _deadstate=None, **kwargs):
+        if not self.forked:
+            return super()._internal_poll(_deadstate=_deadstate, **kwargs)
+        if self.returncode is None:
+            self._conn.setblocking(False)
+            try:
+                self._receive_exit(_deadstate)
+            except BlockingIOError:
+                pass
+        return self.returncode
+
+    def _wait(self, timeout):
+        if not self.forked:
+            return super()._wait(timeout)
+        if self.returncode is None:
+            self._conn.settimeout(timeout)
+            try:
+                self._receive_exit(None)
+            except TimeoutError:
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+        return self.returncode
+
+    def _receive_exit(self, deadstate: int | None) -> None:
+        """The exit code from the server; `deadstate` stands for it if the server is gone (Popen's
+        finalizer), else that raises."""
+        message, _ = protocol.receive(self._conn)
+        if message is None and deadstate is None:
+            raise ForkServerError(f"pid {self.pid}: no exit code; {self._server.failure()}")
+        self.returncode = deadstate if message is None else message["returncode"]
+        self._conn.close()
+        os.close(self._pidfd)
+        self._conn = self._pidfd = None
+
+    def send_signal(self, sig):
+        if not self.forked:
+            return super().send_signal(sig)
+        self.poll()
+        if self.returncode is None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, sig)
+            except ProcessLookupError:
+                pass  # it ended since the poll (Popen ignores this too)

@@ -1,0 +1,58 @@
+"""Fork servers for whoever starts many `harness` processes (a test session, verify-resume): one
+per environment signature, each started when a process first needs it.
+
+Contract: `ForkServers.popen(args, env=..., ...)` returns a Popen for the command line: a
+`ForkedPopen` from the server whose signature matches `env` (started then if it is not yet;
+at most `limit` servers, each holds some 400 MiB until its children share it), or a plain Popen
+(a fresh interpreter) when the command line is not `python -m harness.cli ...`, the server
+found it cannot fork safely there (OMP_NUM_THREADS other than 1: server.py), or every server's
+place is taken by another signature, or elsewhere than on Linux. `close()` ends the servers and removes their
+sockets; processes they started run on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+from harness.forkserver.client import ForkServer, served
+from harness.forkserver.environment import signature
+
+# Linux only: pidfds (Linux 5.3, Python 3.9) and SOCK_SEQPACKET unix sockets; elsewhere every
+# process starts fresh.
+SUPPORTED = sys.platform.startswith("linux") and hasattr(os, "pidfd_open")
+
+
+class ForkServers:
+    def __init__(self, cwd: str | Path, limit: int = 2):
+        self.cwd = Path(cwd)
+        self.limit = limit
+        self._servers: dict[str, ForkServer] = {}
+        # Short: a unix socket's path has at most 107 bytes.
+        self.folder = Path(tempfile.mkdtemp(prefix="harness-fs-"))
+
+    def popen(self, args, *, env: Mapping[str, str] | None = None, **kwargs) -> subprocess.Popen:
+        env = dict(os.environ if env is None else env)
+        server = self._server_for(env) if SUPPORTED and served(args) is not None else None
+        if server is None:
+            return subprocess.Popen(args, env=env, **kwargs)
+        return server.popen(args, env=env, **kwargs)
+
+    def _server_for(self, env: dict[str, str]) -> ForkServer | None:
+        key = json.dumps(signature(env))
+        if key not in self._servers and len(self._servers) < self.limit:
+            self._servers[key] = ForkServer(env, self.cwd, self.folder, name=str(len(self._servers)))
+        server = self._servers.get(key)
+        return None if server is None or server.unservable() else server
+
+    def close(self) -> None:
+        for server in self._servers.values():
+            server.close()
+        self._servers.clear()
+        shutil.rmtree(self.folder, ignore_errors=True)

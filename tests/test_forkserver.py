@@ -1,0 +1,118 @@
+"""The fork server (harness/forkserver): its children are `harness` processes that neither the
+numerics nor the process tree can tell from fresh interpreters, and what it cannot honour starts
+fresh. Each test has a pool of its own (not the session's), so it knows which server it uses."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+from harness.forkserver import ForkServer, ForkServers
+from procs import DEFAULT_THREADS_ENV, ENV, ROOT, TINY, assert_same_run, wait_for_step
+
+
+@pytest.fixture
+def servers():
+    pool = ForkServers(ROOT)
+    yield pool
+    pool.close()
+
+
+def launch(popen, *args: str, env: dict = ENV, cwd=ROOT, **kwargs) -> subprocess.Popen:
+    return popen([sys.executable, "-m", "harness.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 text=True, env=env, cwd=cwd, **kwargs)
+
+
+def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def numerics_recorded(run_dir) -> dict:
+    return json.loads((run_dir / "run.json").read_text())["environment"]["numerics"]
+
+
+@pytest.mark.parametrize("threads", [[], ["--set", "train.cpu_threads=2"]], ids=["default", "pinned-2"])
+def test_a_forked_run_is_bitwise_a_fresh_one(tmp_path, servers, threads):
+    """Same checkpoint bytes and losses, and the same numerics settings in force (threads, MKL's
+    strict mode, the environment prepare_environment fixes): with the thread count the
+    environment gives, and pinned to two by the config (an intra-op pool the child starts)."""
+    args = ["train", str(TINY), "--set", "optim.type=muon", *threads]
+    forked = launch(servers.popen, *args, "--run-dir", str(tmp_path / "forked"))
+    assert forked.forked
+    assert finish(forked)[0] == 0, forked.stderr
+    fresh = launch(subprocess.Popen, *args, "--run-dir", str(tmp_path / "fresh"))
+    assert finish(fresh)[0] == 0
+    assert_same_run(tmp_path / "forked", tmp_path / "fresh", 12)
+    assert numerics_recorded(tmp_path / "forked") == numerics_recorded(tmp_path / "fresh")
+    assert numerics_recorded(tmp_path / "forked")["cpu_threads"] == (2 if threads else 1)
+
+
+def test_an_environment_a_server_cannot_honour_starts_fresh(tmp_path):
+    """A server started with ENV, asked for another value where the libraries read it at
+    start-up (MKL's mode), starts a fresh interpreter, which runs with the value asked for."""
+    folder = tempfile.mkdtemp(prefix="harness-fs-")
+    server = ForkServer(ENV, ROOT, folder)
+    try:
+        assert launch(server.popen, "--help").forked
+        own_mode = launch(server.popen, "train", str(TINY), "--run-dir", str(tmp_path / "strict-off"),
+                          "--set", "train.steps=1", env={**ENV, "MKL_CBWR": "AUTO"})
+        assert not own_mode.forked
+        code, _, err = finish(own_mode)
+    finally:
+        server.close()
+        shutil.rmtree(folder)
+    assert code == 0 and "MKL_CBWR in the environment is not strict" in err, err
+    assert numerics_recorded(tmp_path / "strict-off")["env"]["MKL_CBWR"] == "AUTO"
+
+
+def test_default_threads_start_fresh(tmp_path, servers):
+    """With torch's default thread count its import starts an OpenMP pool: no server can fork
+    safely there (it exits UNSERVABLE), and runs start fresh, on that thread count."""
+    default_threads = launch(servers.popen, "train", str(TINY), "--run-dir", str(tmp_path / "threads"),
+                             "--set", "train.steps=1", env=DEFAULT_THREADS_ENV)
+    assert not default_threads.forked
+    assert finish(default_threads)[0] == 0
+    torch_default = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                                   capture_output=True, text=True, env=DEFAULT_THREADS_ENV, check=True).stdout
+    assert numerics_recorded(tmp_path / "threads")["cpu_threads"] == int(torch_default)
+
+
+def test_a_working_folder_that_would_shadow_an_import_starts_fresh(tmp_path, servers):
+    (tmp_path / "optim").mkdir()  # `python -m` in this folder would import this `optim`, not the harness's
+    assert not launch(servers.popen, "--help", cwd=tmp_path).forked
+
+
+def test_outputs_and_exit_codes_are_a_fresh_interpreters(tmp_path, servers):
+    for args in (["--help"], ["nosuch"], ["train", str(TINY), "--set", "optim.lrr=1"]):
+        forked = launch(servers.popen, *args)
+        assert forked.forked
+        assert finish(forked) == finish(launch(subprocess.Popen, *args)), args
+
+
+def test_a_forked_child_is_a_real_process(tmp_path, servers):
+    """In the caller's process group (as a Popen child), or a session of its own when asked; a
+    relative path resolves in its own working folder; SIGKILL ends it with -9, SIGTERM to its
+    process group is a preemption (exit 75) as for any `harness train`."""
+    run = tmp_path / "run"
+    proc = launch(servers.popen, "train", str(TINY), "--run-dir", "run", "--set", "train.steps=400", cwd=tmp_path)
+    assert proc.forked
+    wait_for_step(proc, run, 2)
+    assert os.getpgid(proc.pid) == os.getpgid(0) and os.getsid(proc.pid) == os.getsid(0)
+    proc.send_signal(signal.SIGKILL)
+    assert finish(proc)[0] == -signal.SIGKILL
+    proc.send_signal(signal.SIGKILL)  # gone and reaped: nothing to signal, as for a Popen child
+    alone = launch(servers.popen, "train", str(TINY), "--run-dir", str(tmp_path / "alone"), "--set",
+                   "train.steps=400", start_new_session=True)
+    wait_for_step(alone, tmp_path / "alone", 1)
+    assert os.getsid(alone.pid) == alone.pid and os.getpgid(alone.pid) == alone.pid
+    os.killpg(alone.pid, signal.SIGTERM)
+    code, _, err = finish(alone)
+    assert code == 75, err
