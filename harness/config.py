@@ -262,7 +262,7 @@ class LocalTierSection(Section):
     dir: str = Field(
         description=(
             "Local folder of the tier (node-local disk such as /local/nvme/ckpt, or a tmpfs such as /dev/shm for a "
-            "RAM tier: it survives the process, not the node). Checkpoints go to DIR/<run id>/checkpoints/, so one "
+            "RAM tier: it survives the process, not the node). Checkpoints go to DIR/<run id>/rank-NNNNN/, so one "
             "run never finds another's."
         ),
     )

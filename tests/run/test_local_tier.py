@@ -126,3 +126,27 @@ def test_a_rollback_then_a_kill_resumes_from_the_local_tier_bitwise(tmp_path):
     start = starts(run)[-1]
     assert start["resumed_tier"] == "local" and start["resumed_from"] == 10
     assert_same_run(cont, run, STEPS)
+
+
+def test_a_resume_or_a_rollback_deletes_the_local_checkpoints_past_its_step(tmp_path):
+    """Local checkpoints past the step the live state went back to belong to an abandoned future:
+    a LocalTier made at a resume from step 4 deletes 6 and 8, and a rollback to 2 deletes 4."""
+    import torch
+
+    from harness.config import LocalTierSection
+    from harness.run.local_tier import LocalTier
+
+    section = LocalTierSection(dir=str(tmp_path), every_steps=2, keep=10)
+    tier = LocalTier(section, "run-a", resumed_step=0)
+    for step in (2, 4, 6, 8):
+        tier.save(step, {"model": torch.nn.Linear(2, 2)}, {})
+
+    def steps() -> list[int]:
+        return [ref.step for ref in tier.store.list()]
+
+    assert steps() == [2, 4, 6, 8]
+    LocalTier(section, "run-a", resumed_step=4)
+    assert steps() == [2, 4]
+    tier.drop_after(2)
+    assert steps() == [2]
+
