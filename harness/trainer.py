@@ -266,16 +266,22 @@ class Trainer:
                 self.scaler.scale(loss / accum).backward()
             total += loss.detach().float()
             tokens += x.numel()
-        if self.cfg.debug.nan_rank == self.rank:  # debug: a poisoned batch; the all-reduce spreads it
-            if batch_no in self.cfg.debug.nan_at_steps:
-                total = total * math.nan
-            elif batch_no in self.cfg.debug.spike_at_steps:
-                total = total * 100.0
+        total = self._poisoned(total, batch_no)  # the all-reduce spreads it
         if self.world_size > 1:  # every rank logs, digests and checks the mean over all ranks
             torch.distributed.all_reduce(total)
             tokens *= self.world_size
         loss_value = float(total) / (accum * self.world_size)
         return loss_value, tokens, sample_ids, data_s
+
+    def _poisoned(self, losses: torch.Tensor, batch_no: int) -> torch.Tensor:
+        """`losses` as `[debug]` asks on this rank for batch `batch_no`: NaN (nan_at_steps) or 100x
+        (spike_at_steps) on debug.nan_rank, unchanged elsewhere."""
+        if self.cfg.debug.nan_rank == self.rank:
+            if batch_no in self.cfg.debug.nan_at_steps:
+                return losses * math.nan
+            if batch_no in self.cfg.debug.spike_at_steps:
+                return losses * 100.0
+        return losses
 
     def _exact_micro_batches(self, batch_no: int) -> tuple[float, int, list[torch.Tensor], float]:
         """`_micro_batches` of `parallel.exact_elastic` (harness/exact.py): this rank's contiguous
@@ -307,11 +313,7 @@ class Trainer:
             tree.push(exact.flat_gradients(params, take))
             losses.append(loss.detach())
         block_losses = torch.stack(losses)
-        if self.cfg.debug.nan_rank == self.rank:  # debug: a poisoned batch (as in _micro_batches)
-            if batch_no in self.cfg.debug.nan_at_steps:
-                block_losses = block_losses * math.nan
-            elif batch_no in self.cfg.debug.spike_at_steps:
-                block_losses = block_losses * 100.0
+        block_losses = self._poisoned(block_losses, batch_no)
         if self.sharded:
             exact_fsdp.reduce_scatter_blocks(tree.result(), exact_fsdp.ShardLayout(params, self.world_size, self.rank))
         else:
