@@ -12,7 +12,7 @@ values (`MAX_DEPTH` levels, and the whole module tree of every `nn.Module`), and
   part owns its insides: its `state_dict` is trusted to hold them) -- except an `nn.Module`,
   whose `state_dict` is known to hold only parameters and buffers, so a module's other attributes
   (a `torch.Generator` its dropout draws from) are still looked at; a module whose parameters and
-  buffers all belong to registered modules (a submodule, a DDP or compile wrapper); what a
+  buffers all belong to registered modules (a submodule, a DDP or compile wrapper) or that has none; what a
   registered part lists in `saved_members` (objects its `state_dict` holds the state of: the
   user's data iterator in the `data` part), wherever else it is reachable from; the process's
   default generators (python, numpy, torch CPU/CUDA) when an `RNGState` part is registered.
@@ -100,8 +100,10 @@ def find_unregistered(roots: Mapping[str, Any], parts: Mapping[str, Any]) -> lis
     found: list[str] = []
 
     def module_covered(m: torch.nn.Module) -> bool:
-        tensors = [*m.parameters(), *m.buffers()]
-        return id(m) in covered or (bool(tensors) and all(id(t) in covered for t in tensors))
+        # A module without parameters or buffers (a stateless wrapper such as the kernel
+        # dispatchers transformers keeps in a plain dict) has nothing a state dict would save;
+        # its other attributes are still walked.
+        return id(m) in covered or all(id(t) in covered for t in (*m.parameters(), *m.buffers()))
 
     def walk(obj: Any, path: str, depth: int) -> None:
         if isinstance(obj, _LEAF_TYPES) or isinstance(obj, _Config) or id(obj) in seen:

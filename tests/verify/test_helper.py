@@ -57,6 +57,22 @@ def test_generator_inside_a_registered_model_is_reported():
         trainer.close()
 
 
+def test_a_module_without_tensors_in_a_plain_dict_is_walked_not_reported():
+    """transformers >= 5.25 keeps parameterless kernel-dispatch modules in a plain dict on each
+    attention layer: they have nothing a state dict would save, but what they hold is still looked at."""
+    trainer = Trainer(quickstart())
+    try:
+        trainer.model._kernel_funcs = {"rotary": torch.nn.Identity()}
+        assert find_unregistered({"trainer": trainer}, trainer.state.parts()) == []
+        trainer.model._kernel_funcs["rotary"].gen = torch.Generator()
+        trainer.model._kernel_funcs["scaled"] = torch.nn.Linear(2, 2)
+        found = find_unregistered({"trainer": trainer}, trainer.state.parts())
+        assert found == ["trainer.model._kernel_funcs['rotary'].gen (Generator)",
+                         "trainer.model._kernel_funcs['scaled'] (Linear, parameters no state part saves)"]
+    finally:
+        trainer.close()
+
+
 def test_trainer_refuses_unregistered_state_by_config():
     class WithScaler(Trainer):
         def __init__(self, cfg):
