@@ -179,8 +179,8 @@ class TrainSection(Section):
         None, gt=0,
         description=(
             "torch's intra-op CPU threads, fixed for the run and recorded in run.json and every checkpoint "
-            "(harness/numerics.py); unset = torch's default for this machine. A resume with another count warns: some "
-            "kernels split their sums by it."
+            "(harness/repro/numerics.py); unset = torch's default for this machine. A resume with another count "
+            "warns: some kernels split their sums by it."
         ),
     )
     eval_every: int = Field(
@@ -403,9 +403,9 @@ class ParallelSection(Section):
     exact_elastic: bool = Field(
         False,
         description=(
-            "Make every step independent of the world size, bit for bit (harness/exact.py; docs/distributed.md, "
-            "\"Exact elastic\"): the step's train.global_batch samples are cut into V = global_batch / "
-            "data.batch_size canonical micro-batches in sample order, rank r of W takes the contiguous block "
+            "Make every step independent of the world size, bit for bit (harness/parallel/exact.py; "
+            "docs/distributed.md, \"Exact elastic\"): the step's train.global_batch samples are cut into "
+            "V = global_batch / data.batch_size canonical micro-batches in sample order, rank r of W takes the contiguous block "
             "r*V/W..(r+1)*V/W-1, each micro-batch draws its random numbers from (seed, step, micro-batch), and "
             "the gradients are summed over one fixed tree of the V micro-batches. Needs train.global_batch and "
             "data.batch_size set (train.grad_accum unset: it is V / W), and train.cpu_threads set on a CPU; DDP "
@@ -453,7 +453,7 @@ class LogSection(Section):
             "'harness[tensorboard]'; event files in LOG_DIR/tensorboard, re-run steps replace the old points), "
             "\"wandb\" (pip install 'harness[wandb]'; one W&B run per harness run, its id the run id, continued by "
             "every restart), \"mlflow\" (pip install 'harness[mlflow]'; one MLflow run per harness run, found again by "
-            "its tag harness.run_id). A tracker that fails warns and never stops training."
+            "its tag harness.records.run_id). A tracker that fails warns and never stops training."
         ),
     )
     wandb_mode: Literal["offline", "online"] = Field(
@@ -678,7 +678,7 @@ def exact_shape(cfg: RunConfig, world_size: int) -> tuple[int, int]:
 def exact_world_sizes(micro_batches: int) -> list[int]:
     """The world sizes at which `parallel.exact_elastic` is exact for V = `micro_batches`: 1 (one
     rank sums the whole tree), and every W dividing V whose block V / W is a power of two (a block
-    is then one aligned subtree of the binary-counter tree, harness/exact.py)."""
+    is then one aligned subtree of the binary-counter tree, harness/parallel/exact.py)."""
     return [w for w in range(1, micro_batches + 1)
             if w == 1 or (micro_batches % w == 0 and (micro_batches // w) & (micro_batches // w - 1) == 0)]
 

@@ -1,7 +1,7 @@
 """Structured logging: human-readable console lines on stderr.
 
 `configure()` is called once by the CLI; library code only calls `get_logger(__name__)`.
-Run events (`events.jsonl`) are written by `harness.events.EventLog`.
+Run events (`events.jsonl`) are written by `harness.records.events.EventLog`.
 
 In a launch of several ranks (torchrun), every rank runs the same steps, so rank 0 alone prints
 the info lines (steps, checkpoints, the finish); any other rank prints its warnings and errors

@@ -15,14 +15,14 @@
 process. An interruption is what a restart does: the state parts are saved through the real
 checkpoint store into a scratch folder, every object is dropped, the process RNGs are re-seeded,
 `build()` makes everything anew, the checkpoint is loaded into it and training continues. Every
-step is fingerprinted (`harness.fingerprint`: loss, batch hash, lr, hash of every part's live
+step is fingerprinted (`harness.repro.fingerprint`: loss, batch hash, lr, hash of every part's live
 state), B's steps are compared with A's, and right after each load the restored parts are
 compared with what was saved. At the first difference both runs are checkpointed at that step
 and compared tensor by tensor (`harness.checkpoint.diff`) to name the tensor and its max
-difference. Before training, the completeness check (`harness.completeness`) refuses a task
+difference. Before training, the completeness check (`harness.repro.completeness`) refuses a task
 with stateful objects (an extra optimizer, a scheduler, a generator, ...) that are not parts,
 and after the first step of each build one whose model keeps state in a non-persistent buffer
-(`harness.buffer_probe`); with `unregistered="warn"` such a buffer takes the blame.
+(`harness.repro.buffer_probe`); with `unregistered="warn"` such a buffer takes the blame.
 
 What a checkpoint holds is `Task.state`; by default the model (`model`), the optimizer(s)
 (`optim`, `optim1`, ...), the scheduler(s) (`sched`, ...), the data iterator when it has
@@ -40,13 +40,13 @@ from typing import Any
 
 import torch
 
-from harness.buffer_probe import BufferProbe, non_persistent_buffers
 from harness.checkpoint.diff import compare_checkpoints
 from harness.checkpoint.store import CheckpointStore
-from harness.completeness import check_buffers, check_registered
-from harness.fingerprint import FingerprintLog, diagnose, part_hashes, record, state_digests
-from harness.resume_equivalence import Verdict, blame, describe_fields, first_divergence
-from harness.rng import RNGState, seed_everything
+from harness.repro.buffer_probe import BufferProbe, non_persistent_buffers
+from harness.repro.completeness import check_buffers, check_registered
+from harness.repro.fingerprint import FingerprintLog, diagnose, part_hashes, record, state_digests
+from harness.repro.rng import RNGState, seed_everything
+from harness.verify.resume_equivalence import Verdict, blame, describe_fields, first_divergence
 
 _OPTIM_HINT = "an optimizer buffer (momentum, second moment) must be in the optimizer's state_dict"
 
@@ -281,7 +281,7 @@ def assert_resumes_exactly(build: Callable[[], Task], **kwargs: Any) -> Verdict:
 
 def trainer_task(cfg: Any) -> Task:
     """The built-in trainer for a `RunConfig` as a Task (its own parts, its own step)."""
-    from harness.trainer import Trainer
+    from harness.run.trainer import Trainer
 
     trainer = Trainer(cfg, fresh=True)  # a restore into it replaces what model.init_from loaded
 

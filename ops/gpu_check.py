@@ -5,7 +5,7 @@ then again with a SIGKILL at a random step after the first checkpoint and a rest
 compares the final checkpoints (`harness ckpt diff`) and the per-step losses. Deterministic
 cuBLAS (CUBLAS_WORKSPACE_CONFIG) and the CUDA RNG of every device are part of what is checked.
 Then it runs the first case a second time from scratch (two fresh runs must agree bit for bit)
-and checks the numerical settings the harness recorded in run.json (harness/numerics.py).
+and checks the numerical settings the harness recorded in run.json (harness/repro/numerics.py).
 Then, with two or more GPUs, FSDP (`parallel.strategy = "fsdp"`, torchrun, NCCL, 2 ranks) in
 fp32 and with bf16 gathered parameters: the whole group SIGKILLed after the first checkpoint and
 the same command again, against a continuous run (skipped, and said so, on one GPU: NCCL needs a

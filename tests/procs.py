@@ -15,17 +15,17 @@ import sys
 import time
 from pathlib import Path
 
-from harness import numerics
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.diff import diff_checkpoints
 from harness.forkserver import ForkServers
+from harness.repro import numerics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "tests" / "data" / "tiny.toml"
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # As users run `harness train`: torch's default thread count and no reproducibility settings from
-# outside (the harness sets its own, harness/numerics.py).
+# outside (the harness sets its own, harness/repro/numerics.py).
 DEFAULT_THREADS_ENV = {k: v for k, v in ENV.items()
                        if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "MKL_CBWR", "MKL_DYNAMIC", "OMP_DYNAMIC")}
 

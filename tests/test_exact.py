@@ -1,5 +1,5 @@
-"""Exact elastic mode in one process: the summation tree (harness/exact.py), the exact world sizes
-and the configs refused (harness/config.py), the per-micro-batch streams (harness/rng.py). The
+"""Exact elastic mode in one process: the summation tree (harness/parallel/exact.py), the exact world sizes
+and the configs refused (harness/config.py), the per-micro-batch streams (harness/repro/rng.py). The
 runs across world sizes: tests/distributed/test_exact_elastic.py."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 from harness.config import exact_world_sizes, load_config
 from harness.errors import UserError
-from harness.exact import SumTree
-from harness.rng import micro_batch_streams
+from harness.parallel.exact import SumTree
+from harness.repro.rng import micro_batch_streams
 from procs import ROOT, assert_one_line_error, harness
 
 EXACT = ROOT / "tests" / "data" / "exact.toml"

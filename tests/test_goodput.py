@@ -11,9 +11,9 @@ import pytest
 
 from harness.cli.report import run as report
 from harness.errors import UserError
-from harness.events import EventLog
-from harness.goodput import account
-from harness.run.files import events_url
+from harness.records.events import EventLog
+from harness.records.goodput import account
+from harness.records.run_files import events_url
 
 REPO = str(Path(__file__).resolve().parents[1])
 
@@ -100,7 +100,7 @@ def test_processes_appending_at_once_never_tear_a_line(tmp_path):
     writer = textwrap.dedent(
         """
         import sys
-        from harness.events import EventLog
+        from harness.records.events import EventLog
         log = EventLog(sys.argv[1])
         for i in range(300):
             log.emit("progress", step=i, writer=sys.argv[2], pad="x" * 200)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness.errors import UserError
-from harness.rng import RNGState, seed_everything
+from harness.repro.rng import RNGState, seed_everything
 
 
 def to_checkpoint(tree, tensors: dict[str, torch.Tensor], path: str = "rng"):

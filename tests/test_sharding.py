@@ -7,7 +7,7 @@ import pytest
 
 from harness.config import load_config
 from harness.models.contract import build_model
-from harness.sharding import shard_units
+from harness.parallel.sharding import shard_units
 from procs import TINY, assert_one_line_error, harness
 
 

@@ -19,7 +19,7 @@ import pytest
 
 from harness.errors import UserError
 from harness.exit_codes import PREEMPTED, SAVE_DEADLINE_MISSED
-from harness.signals import PreemptionWatch, SaveDeadline
+from harness.process.signals import PreemptionWatch, SaveDeadline
 
 # Children import harness from this checkout, installed or not.
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -29,7 +29,7 @@ CHILD = textwrap.dedent(
     import json, os, sys, time
     from harness.exit_codes import PREEMPTED
     from harness.log import configure
-    from harness.signals import PreemptionWatch, SaveDeadline
+    from harness.process.signals import PreemptionWatch, SaveDeadline
 
     configure()  # as the CLI does: log lines on stderr
     path, step_s, save_s, deadline_s = sys.argv[1], *map(float, sys.argv[2:5])

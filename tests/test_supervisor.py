@@ -21,9 +21,9 @@ import psutil
 import pytest
 
 from harness.cli import main
-from harness.events import EventLog
 from harness.exit_codes import FINISHED, GAVE_UP, PREEMPTED, STORAGE_UNAVAILABLE, USER_ERROR
-from harness.supervisor import Supervisor, describe_exit, strip_flags
+from harness.process.supervisor import Supervisor, describe_exit, strip_flags
+from harness.records.events import EventLog
 
 ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
 
@@ -32,7 +32,7 @@ TRAINER = textwrap.dedent(
     import hashlib, json, os, signal, sys, time
     from harness.exit_codes import PREEMPTED, STORAGE_UNAVAILABLE, USER_ERROR
     from harness.log import configure
-    from harness.signals import PreemptionWatch, SaveDeadline
+    from harness.process.signals import PreemptionWatch, SaveDeadline
 
     configure()
     run_dir, steps, every, step_s = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
@@ -98,9 +98,9 @@ TRAINER = textwrap.dedent(
 DRIVER = textwrap.dedent(
     """
     import json, os, sys
-    from harness.events import EventLog
+    from harness.records.events import EventLog
     from harness.log import configure
-    from harness.supervisor import Supervisor
+    from harness.process.supervisor import Supervisor
 
     configure()
     run_dir, cmd = sys.argv[1], sys.argv[2:]
@@ -130,9 +130,9 @@ class Run:
 
     def __init__(self, root: Path, steps=12, every=4, step_s=0.01) -> None:
         self.dir = root
-        (root / "trainer.py").write_text(TRAINER)
+        (root / "run/trainer.py").write_text(TRAINER)
         (root / "driver.py").write_text(DRIVER)
-        self.cmd = [sys.executable, str(root / "trainer.py"), str(root), str(steps), str(every), str(step_s)]
+        self.cmd = [sys.executable, str(root / "run/trainer.py"), str(root), str(steps), str(every), str(step_s)]
         self.steps = steps
         self.events = EventLog(root / "events.jsonl")
 
@@ -258,7 +258,7 @@ def test_the_progress_probe_finds_the_newest_committed_step_without_torch(tmp_pa
     store = CheckpointStore(str(tmp_path))
     for step in (1, 2):
         store.save(step, {"model": torch.nn.Linear(4, 4)})
-    probe = ("import sys\nfrom harness.supervisor import checkpoint_progress\n"
+    probe = ("import sys\nfrom harness.process.supervisor import checkpoint_progress\n"
              "print(checkpoint_progress(sys.argv[1])(), 'torch' in sys.modules)")
 
     def probed() -> str:

@@ -7,7 +7,7 @@ sharding the checkpoint was written with, readable by the safetensors library an
 
 Streaming: the header is written from the shapes alone, then one full tensor at a time is
 assembled from its stored chunks (a sharded checkpoint: the DCP metadata says which chunk lies
-where, checkpoint/sharded.py) and written; peak memory is the largest tensor, never the model.
+where, checkpoint/dcp.py) and written; peak memory is the largest tensor, never the model.
 An unsharded checkpoint's tensors are read one at a time from its `model.safetensors` likewise.
 `whole_tensors` is that reading for any part (verify-resume compares the optimizer state whole too);
 `harness ckpt export --format hf` (export_hf.py) writes the model's tensors through it as well.
@@ -24,10 +24,10 @@ import torch
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.format import tensor_refs
 from harness.checkpoint.loading import Checkpoint, open_tensors, read_listed
-from harness.checkpoint.location import output_folder, write_stream
 from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE, SHARDED
 from harness.checkpoint.store import CheckpointRef, CheckpointStore
 from harness.checkpoint.tensorfile import read_tensor, stream
+from harness.storage.location import output_folder, write_stream
 
 MODEL_PART = "model"
 MODEL_FILE = "model.safetensors"
@@ -104,7 +104,7 @@ def _unsharded(refs: dict, file):
 
 
 def _sharded(store: CheckpointStore, checkpoint, refs: dict, file):
-    from harness.checkpoint.sharded import metadata_from_json  # DCP: only sharded checkpoints load it
+    from harness.checkpoint.dcp import metadata_from_json  # DCP: only sharded checkpoints load it
 
     meta_bytes = read_listed(store.loc, checkpoint.ref, checkpoint.manifest, METADATA_FILE, MAX_METADATA_BYTES)
     metadata = metadata_from_json(meta_bytes, f"{checkpoint.ref.url}/{METADATA_FILE}")

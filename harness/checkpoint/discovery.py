@@ -21,9 +21,9 @@ from contextlib import suppress
 from dataclasses import dataclass
 
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
-from harness.checkpoint.location import Location, folder_name, read_bytes
 from harness.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_manifest
 from harness.log import get_logger
+from harness.storage.location import Location, folder_name, read_bytes
 
 log = get_logger(__name__)
 

@@ -10,12 +10,12 @@ File layout (one folder per checkpoint):
   `optim.safetensors`; tensor names are the key paths joined by "/" (`layer.weight`,
   `state/0/exp_avg`), so a model file can be read by any safetensors reader.
 * `rank-NNNNN.safetensors` for the per-rank parts (the ones `capture` is told are per rank: the
-  trainer registers its RNG streams and data cursor so, harness/state.py); here names carry the
+  trainer registers its RNG streams and data cursor so, harness/run/state.py); here names carry the
   part as their first component (`rng/torch_cpu`). The format knows no part names.
 * Sharded parts (FSDP2: `model` and `optim` hold DTensors; the caller names them, as it names
   the per-rank ones) go to no file of their own: their tensors are kept in the snapshot under the
   pseudo file `sharded.SHARDED` by key path (`model/h.0.attn.weight`), each rank writes its shards
-  through DCP (checkpoint/sharded.py), and state.json refers to them as `{"$tensor": ["$dcp", name]}`.
+  through DCP (checkpoint/dcp.py), and state.json refers to them as `{"$tensor": ["$dcp", name]}`.
 * Tied tensors (one tensor at several key paths of a file's parts, e.g. an embedding shared
   with the output head) are stored once, under the first path's name; every path's reference
   in `state.json` names that entry, and loading reads it once and restores the tie (restore.py).
@@ -75,7 +75,7 @@ class Snapshot:
     `parts`: part name -> JSON tree with tensor references (see the module docstring).
     `per_rank`: the names of the parts each rank writes for itself (in `rank_file(rank)`).
     `tensors[SHARDED]`: the sharded parts' tensors (DTensors under FSDP), which every rank writes
-    its shards of (checkpoint/sharded.py).
+    its shards of (checkpoint/dcp.py).
     """
 
     tensors: Mapping[str, Mapping[str, torch.Tensor]]

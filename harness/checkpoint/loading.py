@@ -32,16 +32,16 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from harness.checkpoint.digest import hexdigest
 from harness.checkpoint.discovery import CheckpointRef, read_manifest, size_problem
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.format import parse_state
-from harness.checkpoint.location import HashingReader, Location, check_small, hash_file, open_read, read_bytes
 from harness.checkpoint.manifest import STATE_FILE, FileRecord, Manifest
 from harness.checkpoint.restore import restore_parts
 from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE
 from harness.checkpoint.tensorfile import TensorEntry, read_header
 from harness.log import get_logger
+from harness.storage.digest import hexdigest
+from harness.storage.location import HashingReader, Location, check_small, hash_file, open_read, read_bytes
 
 log = get_logger(__name__)
 
@@ -152,7 +152,7 @@ def _check_content(reader: HashingReader, rec: FileRecord, where: str) -> None:
         check_small(where, rec.size, MAX_STATE_BYTES)
         parse_state(reader.read(rec.size), where)
     elif rec.name == METADATA_FILE:
-        from harness.checkpoint.sharded import metadata_from_json  # DCP: only sharded checkpoints load it
+        from harness.checkpoint.dcp import metadata_from_json  # DCP: only sharded checkpoints load it
 
         check_small(where, rec.size, MAX_METADATA_BYTES)
         metadata_from_json(reader.read(rec.size), where)

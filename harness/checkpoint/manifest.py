@@ -18,8 +18,8 @@ import re
 import time
 from dataclasses import dataclass
 
-from harness.checkpoint.digest import ALGORITHMS, DEFAULT_ALGORITHM, HEX_DIGITS
 from harness.checkpoint.errors import CheckpointError
+from harness.storage.digest import ALGORITHMS, DEFAULT_ALGORITHM, HEX_DIGITS
 
 MANIFEST_FILE = "manifest.json"
 # Every checkpoint's state file (format.py writes it): named here, where a manifest that does not

@@ -1,4 +1,4 @@
-"""The names a sharded checkpoint uses (checkpoint/sharded.py writes and reads it through DCP),
+"""The names a sharded checkpoint uses (checkpoint/dcp.py writes and reads it through DCP),
 apart from DCP itself: every checkpoint path knows these, while only a sharded run or load
 imports torch.distributed.checkpoint (about a second at process start; optim/dtensor.py)."""
 

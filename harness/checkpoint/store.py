@@ -65,7 +65,13 @@ from harness.checkpoint.loading import (
     restore,
     verify_files,
 )
-from harness.checkpoint.location import (
+from harness.checkpoint.manifest import MANIFEST_FILE, STATE_FILE, FileRecord, Manifest
+from harness.checkpoint.retention import check_policy, steps_to_keep
+from harness.checkpoint.shard_files import SHARDED
+from harness.checkpoint.tensorfile import TensorEntry, serialize
+from harness.errors import Unavailable
+from harness.log import get_logger
+from harness.storage.location import (
     Location,
     folder_name,
     fsync_dir,
@@ -74,12 +80,6 @@ from harness.checkpoint.location import (
     write_small,
     write_stream,
 )
-from harness.checkpoint.manifest import MANIFEST_FILE, STATE_FILE, FileRecord, Manifest
-from harness.checkpoint.retention import check_policy, steps_to_keep
-from harness.checkpoint.shard_files import SHARDED
-from harness.checkpoint.tensorfile import TensorEntry, serialize
-from harness.errors import Unavailable
-from harness.log import get_logger
 
 log = get_logger(__name__)
 
@@ -202,7 +202,7 @@ class CheckpointStore:
         return ref
 
     # The steps of `commit_files`, public for file writers that run in other processes
-    # (checkpoint/distributed_commit.py: every rank writes its files into `work`).
+    # (checkpoint/save/group_commit.py: every rank writes its files into `work`).
 
     def begin(self, step: int) -> tuple[CheckpointRef, str]:
         """Start a commit of `step`: (its ref, the folder its files are written into). Local disk:

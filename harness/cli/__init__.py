@@ -1,7 +1,7 @@
 """`harness ...`: the command line, one module per command.
 
 The code a command drives lives in the library (harness/...), which never imports from here,
-except the torture sweep's check of what `harness ckpt verify` says (harness.torture, lazily).
+except the torture sweep's check of what `harness ckpt verify` says (harness.verify.torture, lazily).
 
 Every command module exposes `register(subparsers)`, which adds its parser and sets
 `func(args) -> int` (the exit code); arguments several commands share are declared once, in
@@ -15,7 +15,7 @@ outage past its retry deadline) one line and exit code 69; anything else is a bu
 traceback. The exit code is recorded for launchers that cannot see it (`exit_codes.record`). A
 process that joined a process group ends through `process_end.end`, without the interpreter's
 finalization (see there why). Under torchrun a process dies with the agent that started it
-(harness/parent_death.py), and one that torchrun restarted after an attempt that stopped (exit 2
+(harness/process/parent_death.py), and one that torchrun restarted after an attempt that stopped (exit 2
 or 3) exits with that code at once (`exit_codes.earlier_stop`). `--log-level` is accepted
 before the command and after it (`harness train C --log-level debug`); on a rank other than 0
 the error line starts with its rank (`rank 1: error: ...`, harness/log.py).
@@ -32,9 +32,11 @@ import importlib
 import os
 import sys
 
-from harness import exit_codes, numerics, parent_death, process_end
+from harness import exit_codes
 from harness.errors import Unavailable, UserError
 from harness.log import configure, rank_prefix
+from harness.process import parent_death, process_end
+from harness.repro import numerics
 from harness.topology import topology_from_env
 
 # Modules that contribute commands, in the order `harness --help` lists them.

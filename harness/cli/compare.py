@@ -1,16 +1,16 @@
 """`harness compare RUN_DIR... [--plot out.png]`: a table of arms and a plot of their loss curves,
 or, for runs over seeds and lrs, mean and spread per arm and lr and each arm's best lr (the
-columns and the plots: harness/compare.py, harness/sweep_report.py)."""
+columns and the plots: harness/experiments/comparison.py, harness/experiments/sweep_report.py)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from harness.compare import __doc__ as compare_doc, format_table, run_dirs_of, summarize, write_plot
 from harness.errors import UserError
-from harness.seed_groups import group_runs
-from harness.sweep_report import format_best, format_by_lr, write_sweep_plot
+from harness.experiments.comparison import __doc__ as compare_doc, format_table, run_dirs_of, summarize, write_plot
+from harness.experiments.seed_groups import group_runs
+from harness.experiments.sweep_report import format_best, format_by_lr, write_sweep_plot
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

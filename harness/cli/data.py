@@ -15,13 +15,13 @@ import argparse
 import hashlib
 import sys
 
-from harness.checkpoint.location import output_folder
 from harness.cli.args import storage_option_parser, storage_options_of
 from harness.data.integrity import shard_problem
 from harness.data.prepare import PrepareSpec, prepare
 from harness.data.shard_index import TOKENIZER_NAME, read_index
 from harness.data.tokenizers_spec import EOD_TOKEN
 from harness.errors import UserError
+from harness.storage.location import output_folder
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 
 from harness.errors import UserError
-from harness.events import read_events
-from harness.goodput import Goodput, account, describe_resumes
-from harness.run.files import events_url, refuse_a_file
+from harness.records.events import read_events
+from harness.records.goodput import Goodput, account, describe_resumes
+from harness.records.run_files import events_url, refuse_a_file
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,5 +1,5 @@
 """`harness status RUN_DIR [--watch [SECONDS]]`: one screen on a running or stopped run
-(harness/health/status.py renders it from the run's logs).
+(harness/health/run_status.py renders it from the run's logs).
 
 `--watch` started before the run has written its first event waits for it (saying so once on
 stderr). On a terminal each refresh redraws the screen in place; into a pipe or file each is
@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 
 from harness.errors import UserError
-from harness.events import EVENTS_FILE
-from harness.health.status import render
-from harness.run.files import log_dir_for, refuse_a_file
+from harness.health.run_status import render
+from harness.records.events import EVENTS_FILE
+from harness.records.run_files import log_dir_for, refuse_a_file
 
 CLEAR = "\033[H\033[2J"  # cursor home, clear the screen
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 
 from harness.errors import UserError
-from harness.events import EventLog
-from harness.run.files import events_url
-from harness.supervisor import Supervisor, checkpoint_progress
+from harness.process.supervisor import Supervisor, checkpoint_progress
+from harness.records.events import EventLog
+from harness.records.run_files import events_url
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

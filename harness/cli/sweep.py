@@ -1,14 +1,22 @@
 """`harness sweep CONFIG... [--grid KEY=V1,V2] [--seeds S1,S2]`: train arms and grids of runs one
-after another, or print them for a cluster (how: harness/arms.py, harness/grid.py)."""
+after another, or print them for a cluster (how: harness/experiments/arms.py, harness/experiments/grid.py)."""
 
 from __future__ import annotations
 
 import argparse
 
-from harness.arms import __doc__ as arms_doc, command_lines, exit_code, format_summary, plan, slurm_array, sweep
 from harness.cli.args import add_overrides, add_restart_args
 from harness.errors import UserError
-from harness.grid import parse_axes
+from harness.experiments.arms import (
+    __doc__ as arms_doc,
+    command_lines,
+    exit_code,
+    format_summary,
+    plan,
+    slurm_array,
+    sweep,
+)
+from harness.experiments.grid import parse_axes
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,15 +1,22 @@
 """`harness torture RUN_DIR_URL`: crash-consistency torture of the checkpoint store (the sweep
-itself and what it checks: harness/torture.py)."""
+itself and what it checks: harness/verify/torture.py)."""
 
 from __future__ import annotations
 
 import argparse
 
 from harness.checkpoint.errors import CheckpointError
-from harness.checkpoint.location import output_folder
 from harness.cli.args import storage_option_parser, storage_options_of
 from harness.log import configure
-from harness.torture import ALL_MODES, DEFAULT_MODES, Torture, __doc__ as torture_doc, corruption_sweep, format_table
+from harness.storage.location import output_folder
+from harness.verify.torture import (
+    ALL_MODES,
+    DEFAULT_MODES,
+    Torture,
+    __doc__ as torture_doc,
+    corruption_sweep,
+    format_table,
+)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,7 +1,7 @@
 """`harness train CONFIG`: train, auto-resuming from the newest good checkpoint of the run dir.
 
 With `--max-restarts N` the command supervises itself: it runs the same command without that flag
-as a child process and restarts it after transient crashes (see harness/supervisor.py).
+as a child process and restarts it after transient crashes (see harness/process/supervisor.py).
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-restarts supervises one process, but this is rank {topology.rank} of "
                         f"{topology.world_size}: let the launcher restart the group (torchrun --max-restarts N)")
     if args.max_restarts > 0:
-        from harness.supervisor import supervise_self
+        from harness.process.supervisor import supervise_self
 
         return supervise_self(sys.argv[1:], args.max_restarts, args.crash_loop_limit, cfg.run_dir,
                               cfg.checkpoint.storage_options, log_dir=cfg.log_dir)
-    from harness.distributed import process_group
-    from harness.run.process import train
+    from harness.parallel.distributed import process_group
+    from harness.run.train import train
 
     try:
         with process_group():  # under torchrun with WORLD_SIZE > 1; otherwise nothing

@@ -1,5 +1,5 @@
 """`harness verify-resume CONFIG`: check that interrupting and resuming a run changes nothing
-(the two runs and the verdict: harness/resume_equivalence.py)."""
+(the two runs and the verdict: harness/verify/resume_equivalence.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import signal
 import tempfile
 from pathlib import Path
 
-from harness.checkpoint.location import output_folder
 from harness.cli.args import add_config_args
 from harness.config import RunConfig, batch_shape, load_config
 from harness.errors import UserError
-from harness.resume_equivalence import __doc__ as equivalence_doc, run_pair
-from harness.world_equivalence import (
+from harness.storage.location import output_folder
+from harness.verify.resume_equivalence import __doc__ as equivalence_doc, run_pair
+from harness.verify.world_equivalence import (
     DEFAULT_TOLERANCE,
     EXACT_TOLERANCE,
     even_points,
@@ -95,7 +95,7 @@ def register(commands: argparse._SubParsersAction) -> None:
                    help="state hash every N steps (default 1: the divergent step and part are exact)")
     p.add_argument("--world-sizes", type=parse_world_sizes, metavar="N,M[,K]",
                    help="run A at world size N and B at N, then resumed at M (and K...): the batches must be "
-                        "identical, the losses and state within --tolerance (world_equivalence.py); one "
+                        "identical, the losses and state within --tolerance (verify/world_equivalence.py); one "
                         "interruption per size after the first (--interrupt-at, default evenly spaced)")
     p.add_argument("--tolerance", type=float, metavar="X",
                    help=f"with --world-sizes: the largest deviation accepted (default {DEFAULT_TOLERANCE:g}; 0 under "

@@ -25,8 +25,8 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from harness.checkpoint.filesystem import open_filesystem
 from harness.errors import UserError
+from harness.storage.filesystem import open_filesystem
 
 PARQUET_SUFFIX = ".parquet"
 ARROW_SUFFIX = ".arrow"

@@ -19,9 +19,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from harness.checkpoint.filesystem import open_filesystem
 from harness.data.corpus import default_corpus
 from harness.errors import UserError
+from harness.storage.filesystem import open_filesystem
 
 VOCAB_SIZE = 256
 

@@ -28,11 +28,11 @@ import json
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from harness.checkpoint.filesystem import open_filesystem
 from harness.data import columnar
 from harness.data.corpus import default_corpus
 from harness.data.identity import data_identity, file_identity
 from harness.errors import UserError
+from harness.storage.filesystem import open_filesystem
 
 BUILTIN_CORPUS = "builtin:corpus"
 TextSplit = Literal["file", "line"]

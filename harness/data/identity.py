@@ -17,9 +17,9 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from harness.checkpoint.filesystem import open_filesystem
 from harness.data.corpus import default_corpus
 from harness.data.dataset import data_errors
+from harness.storage.filesystem import open_filesystem
 
 BLOCK = 1 << 20
 

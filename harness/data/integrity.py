@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from harness.checkpoint.location import HashingReader, Location, hash_file, open_read
 from harness.data.shard_index import ShardEntry
+from harness.storage.location import HashingReader, Location, hash_file, open_read
 
 _CHUNK = 8 << 20
 

@@ -45,7 +45,7 @@ class IteratorStream:
 
     @property
     def saved_members(self) -> tuple[Any, ...]:
-        """The iterator, whose state this part saves (harness/completeness.py: covered wherever held)."""
+        """The iterator, whose state this part saves (harness/repro/completeness.py: covered wherever held)."""
         return (self.source,)
 
     def __iter__(self) -> IteratorStream:

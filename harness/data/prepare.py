@@ -43,13 +43,13 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 from tqdm import tqdm
 
-from harness.checkpoint.location import Location, fsync_dir, open_location, rename, write_stream
 from harness.data import tokenize_worker
 from harness.data.documents import TextSplit, check_inputs, input_identity, iter_documents
 from harness.data.shard_index import INDEX_NAME, TOKENIZER_NAME, ShardEntry, ShardIndex, dtype_for, shard_name
 from harness.data.tokenizers_spec import EOD_TOKEN, TokenizerInfo, is_trained, resolve_tokenizer
 from harness.errors import UserError
 from harness.log import get_logger
+from harness.storage.location import Location, fsync_dir, open_location, rename, write_stream
 
 log = get_logger(__name__)
 

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.checkpoint.errors import CheckpointError
-from harness.checkpoint.location import Location, open_location, read_bytes
 from harness.errors import UserError
+from harness.storage.location import Location, open_location, read_bytes
 
 FORMAT_VERSION = 1
 INDEX_NAME = "index.json"

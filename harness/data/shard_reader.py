@@ -28,10 +28,10 @@ from typing import Literal
 
 import numpy as np
 
-from harness.checkpoint.location import Location, open_location
 from harness.data.integrity import shard_problem
 from harness.data.shard_index import ShardIndex, read_index
 from harness.errors import UserError
+from harness.storage.location import Location, open_location
 
 HashCheck = Literal["off", "first-open", "always"]
 OPEN_FILES = 128

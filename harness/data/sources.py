@@ -27,17 +27,17 @@ from typing import Any
 
 import torch
 
-from harness.checkpoint.location import open_location
 from harness.data.dataset import SampleSource, TokenDataset
 from harness.data.document_split import split_by_document
 from harness.data.factory import build_user_data
 from harness.data.identity import data_identity
 from harness.data.mixture import Mixture
 from harness.data.order import epoch_permutation
-from harness.data.prng import derive_seed
 from harness.data.shard_index import read_index
 from harness.data.shard_reader import ShardReader
 from harness.errors import UserError
+from harness.repro.prng import derive_seed
+from harness.storage.location import open_location
 
 _EVAL_ORDER_SALT = 0x4556414C  # "EVAL"
 

@@ -30,8 +30,8 @@ from torch.utils.data import DataLoader, Dataset
 from harness.data.batch import Batch, fetch_samples
 from harness.data.dataset import SampleSource
 from harness.data.order import batches_left, epoch_permutation, rank_batch, rank_block
-from harness.data.prng import derive_seed
 from harness.errors import UserError
+from harness.repro.prng import derive_seed
 
 EPOCHS_AHEAD = 1 << 20  # epochs one loader serves before the stream opens another (at its cursor)
 

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from harness.checkpoint.filesystem import open_filesystem
 from harness.errors import UserError
 from harness.log import get_logger
+from harness.storage.filesystem import open_filesystem
 
 log = get_logger(__name__)
 

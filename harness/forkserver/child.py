@@ -11,7 +11,7 @@ a request whose environment differs there (harness/forkserver/environment.py).
 Randomness: Python's `random` reseeds itself in a forked child; numpy's global generator is
 reseeded here from the OS as a fresh import would seed it; torch's default generator was never
 used in the server, so it holds torch's fixed default seed as in a fresh interpreter (the harness
-seeds every generator itself before training: harness/rng.py). The str hash seed is the server's
+seeds every generator itself before training: harness/repro/rng.py). The str hash seed is the server's
 (one per server), as any single interpreter's is.
 
 Exit: `run()` runs harness.cli as `-m` does; its SystemExit (or an uncaught exception) ends the

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from harness import numerics
+from harness.repro import numerics
 
 # Prefixes (and whole names) of variables read at interpreter start or at import of torch, its
 # math libraries, numpy, tokenizers or transformers: a difference in one of them is refused.

@@ -29,12 +29,12 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from harness import numerics
 from harness.forkserver import environment, protocol
+from harness.repro import numerics
 
 # What `harness train` imports besides its command module (torch._dynamo comes with torch's
 # optimizers): about 6 CPU-seconds per process that every child is spared.
-PRELOAD = ("torch", "torch._dynamo", "harness.cli", "harness.run.process", "harness.trainer",
+PRELOAD = ("torch", "torch._dynamo", "harness.cli", "harness.run.train", "harness.run.trainer",
            "harness.models.gpt", "optim")
 
 UNSERVABLE = 3  # the server's exit code when it cannot fork safely: its clients start fresh interpreters

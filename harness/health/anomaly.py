@@ -9,7 +9,7 @@ spikes they are meant to find), called only once half the window is seen.
 
 Batches are counted in *step-batches*: the micro-batches of one optimizer step. Step-batch `b`
 is the b-th such group the data stream delivers; without skips step `n` trains on step-batch
-`n`. A rollback (harness/health/rollback.py) adds the step-batches that caused an anomaly to
+`n`. A rollback (harness/run/rollback.py) adds the step-batches that caused an anomaly to
 `AnomalyLedger.skip`; the trainer then draws and discards them when it meets them again, so
 the run goes on with the batches after them.
 

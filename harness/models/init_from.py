@@ -25,9 +25,9 @@ from torch import nn
 
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import tensor_view
-from harness.checkpoint.location import HashingReader, Location, open_location, open_read
 from harness.checkpoint.tensorfile import read_header, read_tensor
 from harness.errors import UserError
+from harness.storage.location import HashingReader, Location, open_location, open_read
 
 SETTING = "model.init_from"
 WEIGHTS_FILE = "model.safetensors"

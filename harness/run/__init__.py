@@ -8,6 +8,6 @@ cadence.py      when to save (`CheckpointClock`)
 files.py        run.json and the one rule for where a run's logs live (`log_dir_for`)
 environment.py  the environment recorded with a run and compared on resume
 
-Kept light on purpose (no imports here): `harness.run.files` serves the supervisor and
+Kept light on purpose (no imports here): `harness.records.run_files` serves the supervisor and
 `harness report`, which need no torch.
 """

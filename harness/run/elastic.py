@@ -15,7 +15,7 @@ none = one process) and the config, so a sharded strategy plugs in by recording 
   for every rank layout the checkpoint came from. Dropout masks are drawn per rank over that
   rank's micro-batch, so they depend on the world size (deriving them from the global sample id
   would need every model's dropout to draw per sample). Under `parallel.exact_elastic` nothing
-  is restarted: training draws only from per-micro-batch streams (harness/exact.py), so every
+  is restarted: training draws only from per-micro-batch streams (harness/parallel/exact.py), so every
   rank's own streams are the run seed's at any world size, and the resumed run is the
   uninterrupted one bit for bit: its re-run steps are checked in full, but for the hashes of
   resharded parts (`fingerprint_checks`).
@@ -33,14 +33,14 @@ from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
-from harness import distributed
-from harness.checkpoint.distributed_commit import WORLD_SIZE_KEY
 from harness.checkpoint.format import sharded_parts
+from harness.checkpoint.save.group_commit import WORLD_SIZE_KEY
 from harness.config import RunConfig, batch_shape
-from harness.data.prng import derive_seed
 from harness.errors import UserError
 from harness.log import get_logger
-from harness.rng import seed_everything
+from harness.parallel import distributed
+from harness.repro.prng import derive_seed
+from harness.repro.rng import seed_everything
 
 log = get_logger(__name__)
 

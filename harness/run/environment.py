@@ -7,15 +7,15 @@ from typing import Any
 
 import torch
 
-from harness import numerics
 from harness.log import get_logger
+from harness.repro import numerics
 
 log = get_logger(__name__)
 
 
 def environment_fingerprint(device: torch.device) -> dict[str, Any]:
     """What exact resume is promised for: library versions, the device type and the numerical
-    reproducibility settings in force (harness.numerics)."""
+    reproducibility settings in force (harness.repro.numerics)."""
     import platform
 
     import safetensors

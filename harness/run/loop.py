@@ -1,6 +1,6 @@
 """The step loop around the trainer (`Loop`): metrics, evaluation, checkpoints at the cadence
 `CheckpointClock` decides (synchronously, in the background, local-first) and to the local tier at
-its own cadence (run/local_tier.py), preemption within its
+its own cadence (checkpoint/save/local_tier.py), preemption within its
 deadline, the fault hooks of `[debug]` (crash_at_step, sample_log, step_sleep_s), and the health hooks
 (harness/health: the hang watchdog, rollback on an anomaly, the trackers)."""
 
@@ -15,24 +15,25 @@ from typing import Any
 
 from tqdm import tqdm
 
-from harness import distributed, exit_codes
+from harness import exit_codes
 from harness.checkpoint import CheckpointStore
-from harness.checkpoint.commit import Committed
-from harness.checkpoint.saver import open_saver
+from harness.checkpoint.save.commit import Committed
+from harness.checkpoint.save.local_tier import LocalTier
+from harness.checkpoint.save.saver import open_saver
 from harness.config import RunConfig, public_config
-from harness.events import EventLog
-from harness.fingerprint import fingerprint_fields
-from harness.health import faults
-from harness.health.rollback import roll_back
+from harness.health import debug_hooks
 from harness.health.watchdog import HangReport, HangWatchdog
 from harness.log import get_logger
-from harness.metrics import MetricsLog
 from harness.models.hf import HF_CONFIG_META
+from harness.parallel import distributed
+from harness.process.signals import PreemptionWatch, SaveDeadline
+from harness.records.events import EventLog
+from harness.records.metrics import MetricsLog
+from harness.repro.fingerprint import fingerprint_fields
 from harness.run.cadence import CheckpointClock
 from harness.run.environment import environment_fingerprint
-from harness.run.local_tier import LocalTier
-from harness.signals import PreemptionWatch, SaveDeadline
-from harness.trainer import Trainer, TrainingDiverged
+from harness.run.rollback import roll_back
+from harness.run.trainer import Trainer, TrainingDiverged
 
 log = get_logger(__name__)
 
@@ -66,7 +67,7 @@ class Loop:
         self.watchdog = HangWatchdog(log_dir, factor=h.hang_factor, floor_s=h.hang_floor_s, first_step_s=h.first_step_s,
                                      rank=distributed.rank(), on_hang=self.hung) if h.hang_watchdog else None
         if cfg.debug.hang_at_step is not None and cfg.debug.hang_in == "data":
-            trainer.stream.dataset = faults.StallingSource(trainer.stream.dataset, log_dir, cfg.debug)
+            trainer.stream.dataset = debug_hooks.StallingSource(trainer.stream.dataset, log_dir, cfg.debug)
 
     def watch(self, phase: str, **limits: float) -> contextlib.AbstractContextManager:
         """The hang watchdog's deadline around one blocking phase of the next step (or nothing)."""
@@ -95,10 +96,10 @@ class Loop:
                         stop = distributed.all_reduce_flag(watch.requested)  # one rank's signal stops all at this step
                     if stop:
                         return self.preempt(watch)
-                    faults.arm_data_hang(cfg.debug, self.log_dir, distributed.rank(), trainer.step + 1)
+                    debug_hooks.arm_data_hang(cfg.debug, self.log_dir, distributed.rank(), trainer.step + 1)
                     try:
                         with self.watch("step"):
-                            faults.hang_in_step(cfg.debug, self.log_dir, distributed.rank(), trainer.step + 1)
+                            debug_hooks.hang_in_step(cfg.debug, self.log_dir, distributed.rank(), trainer.step + 1)
                             result = trainer.train_step()
                     except TrainingDiverged as e:
                         self.anomaly(e)
@@ -162,7 +163,7 @@ class Loop:
 
     def anomaly(self, error: TrainingDiverged) -> None:
         """A step stopped on an anomaly: roll back past it (`train.on_anomaly = "rollback"`,
-        harness/health/rollback.py), or record it and raise `error` (a poisoned state, "stop", or
+        harness/run/rollback.py), or record it and raise `error` (a poisoned state, "stop", or
         past the rollback cap)."""
         a = error.anomaly
         try:
@@ -176,7 +177,7 @@ class Loop:
             raise
 
     def rolled_back(self, step: int) -> None:
-        """The live state is the checkpoint of `step` again (harness/health/rollback.py)."""
+        """The live state is the checkpoint of `step` again (harness/run/rollback.py)."""
         self.last_saved = step
         self.clock.saved(step)
         self.trackers.rewind(step)

@@ -3,7 +3,7 @@
 `choose_checkpoint` turns `--resume auto|never|CKPT_URL` into candidates; `agree_on_checkpoint`
 makes every rank of a group load the one rank 0 verified; `resume_newest` tries the candidates
 newest first, verifying each while it loads, and refuses (`all_damaged`) a run dir whose every
-checkpoint is damaged. With a local tier (`LocalSource`, run/local_tier.py) its checkpoints join
+checkpoint is damaged. With a local tier (`LocalSource`, checkpoint/save/local_tier.py) its checkpoints join
 the candidates by step (local first at an equal step: it reads faster); each is verified in full
 and checked to be this run's and this rank's *before* it is loaded, and one that is not is
 skipped, logged and recorded in `LocalSource.rejected` (the caller emits `checkpoint_rejected`
@@ -21,20 +21,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness import distributed
 from harness.checkpoint import CheckpointCorrupt, CheckpointRef, CheckpointStore, Verify
 from harness.checkpoint.discovery import CHECKPOINTS_DIR, STEP_DIR, skipped
-from harness.checkpoint.distributed_commit import load_checkpoint
-from harness.checkpoint.location import folder_name
+from harness.checkpoint.save.group_commit import load_checkpoint
+from harness.checkpoint.save.local_tier import LOCAL, PERSISTENT, not_mine
 from harness.checkpoint.shard_files import METADATA_FILE
 from harness.config import RunConfig, config_changes
 from harness.data.sources import identity_changes, open_data
 from harness.errors import UserError
 from harness.log import get_logger
+from harness.parallel import distributed
 from harness.run.elastic import WorldChange, after_load
 from harness.run.environment import warn_if_changed
-from harness.run.local_tier import LOCAL, PERSISTENT, not_mine
-from harness.trainer import Trainer, resolve_device
+from harness.run.trainer import Trainer, resolve_device
+from harness.storage.location import folder_name
 
 log = get_logger(__name__)
 

@@ -44,11 +44,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from harness import distributed  # noqa: E402
 from harness.checkpoint import CheckpointStore, capture  # noqa: E402
-from harness.checkpoint.async_save import AsyncSaver  # noqa: E402
-from harness.checkpoint.distributed_commit import GroupCommit  # noqa: E402
+from harness.checkpoint.save.async_saver import AsyncSaver  # noqa: E402
+from harness.checkpoint.save.group_commit import GroupCommit  # noqa: E402
 from harness.log import configure  # noqa: E402
+from harness.parallel import distributed  # noqa: E402
 
 PER_RANK = {"rng"}  # as the trainer registers it: each rank saves its own
 

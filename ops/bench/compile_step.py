@@ -7,7 +7,7 @@ Then `--rounds` rounds each time `--steps` steps of one trainer and then of the 
 place swapping each round) on two clocks: process CPU time and wall time. The figure is the
 median over rounds of compiled / eager per-step time (below 1: compiled is faster).
 `--inductor-random` compiles with torch's default options instead of the harness's (on a CPU
-the harness keeps ATen's dropout kernels, `compile_options` in harness/trainer.py), to measure
+the harness keeps ATen's dropout kernels, `compile_options` in harness/run/trainer.py), to measure
 what that choice is worth.
 
     python ops/bench/compile_step.py --rounds 7 --steps 10
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def build(compiled: bool, threads: int):
     from harness.config import load_config
-    from harness.trainer import Trainer
+    from harness.run.trainer import Trainer
 
     return Trainer(load_config(ROOT / "configs" / "quickstart.toml",
                                [f"train.cpu_threads={threads}", f"train.compile={str(compiled).lower()}"]))

@@ -2,7 +2,7 @@
 `next(batches)`, for the quickstart and the tokens example, with 0 and 2 loader workers.
 
 The trainer times the wait for every micro-batch and records it per step in metrics.jsonl as
-`data_s` (harness/trainer.py: `StepResult.data_seconds`); the step's own time is
+`data_s` (harness/run/trainer.py: `StepResult.data_seconds`); the step's own time is
 tokens / `tokens_per_s`. Each contender is a fresh `harness train` process of `--steps` steps
 (evaluation off, no checkpoint inside the timed steps); the figures are over the steps after
 `--warmup` (the first batches open the epoch: the permutation, the loader's worker start-up, the

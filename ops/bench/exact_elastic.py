@@ -8,16 +8,16 @@ one thread per rank; each pair differs in `parallel.exact_elastic` only:
 * ddp: DistributedDataParallel, accumulation under no_sync, one bucketed all-reduce per step;
   exact-ddp: per-micro-batch RNG streams, every micro-batch's gradient flattened and summed over
   the fixed tree, the hand reduce-scatter (all-to-all, local tree sum) and an all-gather, the
-  clipping norm from exactly summed row sums (harness/exact.py);
+  clipping norm from exactly summed row sums (harness/parallel/exact.py);
 * fsdp: FSDP2, its reduce-scatter on the last micro-batch; exact-fsdp: the same tree, the
-  all-to-all into FSDP's row shards, no all-gather (harness/exact_fsdp.py), the row sums of the
+  all-to-all into FSDP's row shards, no all-gather (harness/parallel/exact_fsdp.py), the row sums of the
   clipping norm all-gathered.
 Each round builds a fresh trainer per contender, the order reversed every round, runs 2 warm-up
 steps, then `--steps` timed ones; a contender's figure is the median step time of the round (a
 step as `StepResult.seconds` counts it: data, forward, backward, reduction, optimizer), and each
 ratio exact / default is taken within a round (the shared machine's load moves between minutes).
 Bytes are what one rank sends per step through the gradient and loss collectives, counted by
-wrapping them (exact mode's in harness.exact and harness.exact_fsdp, FSDP's reduce-scatter in
+wrapping them (exact mode's in harness.parallel.exact and harness.parallel.exact_fsdp, FSDP's reduce-scatter in
 its collectives module, DDP's with a comm hook around its all-reduce), as the algorithms gloo
 uses move them: a ring all-reduce sends 2 (W - 1) / W of its buffer, a ring all-gather (W - 1)
 times its input, an all-to-all and a reduce-scatter (W - 1) / W of theirs. Not counted, the same
@@ -63,7 +63,8 @@ def main() -> int:
 def worker(args: argparse.Namespace) -> int:
     import tempfile
 
-    from harness import distributed, numerics
+    from harness.parallel import distributed
+    from harness.repro import numerics
 
     numerics.prepare_environment()
     with distributed.process_group() as topo, tempfile.TemporaryDirectory() as tmp:
@@ -92,7 +93,7 @@ def worker(args: argparse.Namespace) -> int:
 def measure(name: str, args: argparse.Namespace, topo, run_dir: Path, sent: Counter) -> tuple[float, int]:
     """(median step seconds, bytes this rank sent per step) of one contender's fresh trainer."""
     from harness.config import load_config
-    from harness.trainer import Trainer
+    from harness.run.trainer import Trainer
 
     exact, strategy = name.startswith("exact-"), name.removeprefix("exact-")
     cfg = load_config(CONFIG, [*SETS, f"parallel.exact_elastic={str(exact).lower()}", f"parallel.strategy={strategy}",
@@ -121,8 +122,8 @@ class Counter:
         import torch.distributed as real
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-        import harness.exact as exact
-        import harness.exact_fsdp as exact_fsdp
+        import harness.parallel.exact as exact
+        import harness.parallel.exact_fsdp as exact_fsdp
 
         counter = self
 

@@ -21,7 +21,7 @@ steps after `--warmup` (a mean, so periodic costs such as the state hash count).
 waits dominate). The contenders alternate, the first place swapping each round, each a fresh
 process; the ratio harness / bare is taken within each round. Target: <= 1.03.
 `--bare-numerics` gives the bare loop the harness's reproducibility settings too
-(`harness.numerics.apply`: MKL strict CNR, deterministic algorithms): the ratio is then the tax
+(`harness.repro.numerics.apply`: MKL strict CNR, deterministic algorithms): the ratio is then the tax
 of everything else, and the two runs together split the price of bitwise repeatability from it.
 `--contender strict-cnr` puts the bare loop against itself with `MKL_CBWR=AUTO,STRICT` set
 before torch loads (the harness's MKL setting, nothing else): the price of that setting alone.
@@ -121,7 +121,7 @@ def child(mode: str, steps: int, threads: int, work: str, bare_numerics: bool) -
         harness_loop(steps, clock, tempfile.mkdtemp(prefix="run-", dir=work))
     else:
         if bare_numerics:
-            from harness import numerics
+            from harness.repro import numerics
 
             numerics.apply(threads)
         bare_loop(steps, clock)

@@ -90,7 +90,7 @@ def start_server(cpus: set[int] | None) -> tuple[subprocess.Popen, str]:
 
 def boto3_client(endpoint: str):
     """boto3 with the store's S3 settings where they change the work per byte: bodies unsigned,
-    checksummed (what both do over https anyway; see checkpoint/s3.py)."""
+    checksummed (what both do over https anyway; see storage/s3.py)."""
     return boto3.client("s3", endpoint_url=endpoint, config=Config(s3={"payload_signing_enabled": False}))
 
 

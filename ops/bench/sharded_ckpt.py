@@ -89,12 +89,12 @@ def worker(size_mib: int, repeat: int, base: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch import nn
 
-    from harness import distributed
     from harness.checkpoint import CheckpointStore, Verify
-    from harness.checkpoint.distributed_commit import GroupCommit
     from harness.checkpoint.format import capture
+    from harness.checkpoint.save.group_commit import GroupCommit
     from harness.config import ParallelSection
-    from harness.sharding import materialize_optimizer_state, shard_model
+    from harness.parallel import distributed
+    from harness.parallel.sharding import materialize_optimizer_state, shard_model
 
     with distributed.process_group() as topo:
         width = 1024
@@ -158,9 +158,9 @@ def measure_async(store, parts: dict, flat: dict, base: Path, rank: int, repeat:
     """Best (blocking seconds, seconds until committed) of a background save, ours and DCP's."""
     import torch.distributed.checkpoint as dcp
 
-    from harness import distributed
-    from harness.checkpoint.async_save import AsyncSaver
-    from harness.checkpoint.distributed_commit import GroupCommit
+    from harness.checkpoint.save.async_saver import AsyncSaver
+    from harness.checkpoint.save.group_commit import GroupCommit
+    from harness.parallel import distributed
 
     side = distributed.new_side_group(600)
     saver = AsyncSaver(GroupCommit(store, group=side), rank=rank, sharded={"model", "optim"})

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from harness.checkpoint import CheckpointRef
-from harness.checkpoint.digest import hexdigest
+from harness.storage.digest import hexdigest
 
 
 class Tiny(nn.Module):

@@ -13,12 +13,12 @@ import torch
 
 from harness import exit_codes
 from harness.checkpoint import CheckpointError, CheckpointStore, capture
-from harness.checkpoint.async_save import AsyncSaver, BackgroundSaveError, SaveStalled, StagingBuffers
-from harness.checkpoint.commit import Committer
-from harness.checkpoint.retry import StorageUnavailable
+from harness.checkpoint.save.async_saver import AsyncSaver, BackgroundSaveError, SaveStalled, StagingBuffers
+from harness.checkpoint.save.commit import Committer
 from harness.config import load_config
 from harness.run.cadence import CheckpointClock
-from harness.trainer import Trainer
+from harness.run.trainer import Trainer
+from harness.storage.retry import StorageUnavailable
 
 from .conftest import torch_state
 

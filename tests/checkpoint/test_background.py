@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from harness.checkpoint.background import BackgroundJob
+from harness.checkpoint.save.background import BackgroundJob
 
 
 class Wrapped(Exception):

@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.diff import compare_checkpoints
-from harness.checkpoint.distributed_commit import GroupCommit
 from harness.checkpoint.format import capture
+from harness.checkpoint.save.group_commit import GroupCommit
 from harness.cli import main
 
 NUMERIC = ("model", "optim")

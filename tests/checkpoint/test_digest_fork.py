@@ -12,7 +12,7 @@ from procs import ENV, ROOT
 PARENT_THEN_CHILD = textwrap.dedent("""
     import os, signal, sys, time
     import blake3
-    from harness.checkpoint.digest import new_hasher
+    from harness.storage.digest import new_hasher
 
     data = os.urandom(32 << 20)
     # Over blake3's process-wide pool (its AUTO), which is where the hang was; the harness's own

@@ -18,7 +18,7 @@ import pytest
 import procs
 from harness.checkpoint import CheckpointError, CheckpointStore
 from harness.checkpoint.lease import ALIVE, DYING, DYING_GRACE_S, GONE, MISSED_HEARTBEATS, Lease, process_state
-from harness.checkpoint.location import open_location
+from harness.storage.location import open_location
 
 HEARTBEAT_S = 150.0  # stale after 600 s
 

@@ -14,8 +14,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from harness.checkpoint import location
-from harness.checkpoint.digest import ALGORITHMS, DEFAULT_ALGORITHM, hexdigest, new_hasher
-from harness.checkpoint.location import HashingReader, hash_file, open_location, write_stream
+from harness.storage.digest import ALGORITHMS, DEFAULT_ALGORITHM, hexdigest, new_hasher
+from harness.storage.location import HashingReader, hash_file, open_location, write_stream
 from procs import ENV, ROOT
 
 # Reference digests straight from the libraries, not through digest.py.
@@ -101,7 +101,7 @@ def test_a_digest_does_not_depend_on_the_threads_that_computed_it(threads):
 
 
 SHOW_HASH_THREADS = "import os, sys; os.sched_setaffinity(0, set(map(int, sys.argv[1:]))); " \
-                    "from harness.checkpoint.digest import hash_threads; print(hash_threads())"
+                    "from harness.storage.digest import hash_threads; print(hash_threads())"
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")

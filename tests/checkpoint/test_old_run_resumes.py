@@ -25,7 +25,7 @@ import torch
 
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.diff import diff_checkpoints
-from harness.numerics import cpu
+from harness.repro.numerics import cpu
 from tests.procs import ROOT, harness
 
 OLD_RUN = Path(__file__).parent / "data" / "run-7d7774c"

@@ -6,8 +6,8 @@ storage operation with its path (HARNESS_FAULTS_TRACE)."""
 
 from __future__ import annotations
 
-from harness.checkpoint.faults import TRACE_ENV
-from harness.checkpoint.filesystem import FAULTS_ENV
+from harness.storage.faults import TRACE_ENV
+from harness.storage.filesystem import FAULTS_ENV
 from procs import ENV, TINY, harness
 
 

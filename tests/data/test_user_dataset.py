@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.completeness import IncompleteState
 from harness.config import load_config
 from harness.errors import UserError
-from harness.trainer import Trainer
+from harness.repro.completeness import IncompleteState
+from harness.run.trainer import Trainer
 from procs import TINY
 
 sys.path.insert(0, str(Path(__file__).parent))

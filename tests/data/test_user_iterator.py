@@ -14,7 +14,7 @@ import torch
 from harness.config import load_config
 from harness.data.iterator_stream import IteratorStream
 from harness.errors import UserError
-from harness.trainer import Trainer
+from harness.run.trainer import Trainer
 from procs import ENV, ROOT, TINY, assert_one_line_error, assert_same_run, harness, kill_at_step
 from shard_data import batch_hashes
 

@@ -1,4 +1,4 @@
-"""Run under torchrun (world size 2) by test_ddp.py: the collectives of harness.distributed, and
+"""Run under torchrun (world size 2) by test_ddp.py: the collectives of harness.parallel.distributed, and
 Muon under DDP: the orthogonalisation runs after the gradient all-reduce, so every rank applies
 the same update (parameters bitwise equal across ranks), and that update is the one a single
 process computes on the same global batch (equal up to float rounding)."""
@@ -7,10 +7,11 @@ import sys
 
 import torch
 
-from harness import distributed, process_end
 from harness.config import load_config
 from harness.errors import UserError
-from harness.trainer import Trainer
+from harness.parallel import distributed
+from harness.process import process_end
+from harness.run.trainer import Trainer
 
 TINY, STEPS = sys.argv[1], 3
 
@@ -59,4 +60,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    process_end.end(0)  # as `harness` does after a process group (harness/process_end.py)
+    process_end.end(0)  # as `harness` does after a process group (harness/process/process_end.py)

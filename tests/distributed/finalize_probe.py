@@ -1,6 +1,6 @@
 """A model factory for test_process_end.py: the harness's GPT, plus a module-level object whose
 finalizer writes "interpreter finalized" to stderr when the interpreter frees it at exit. A
-process that ends with os._exit (harness/process_end.py) never frees it, so never writes it."""
+process that ends with os._exit (harness/process/process_end.py) never frees it, so never writes it."""
 
 import os
 

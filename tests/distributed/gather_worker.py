@@ -15,16 +15,17 @@ checkpoint) and rank 0 writes them to the safetensors file OUT, named `model/NAM
 import sys
 from pathlib import Path
 
-from harness import numerics
+from harness.repro import numerics
 
 numerics.prepare_environment()  # as `harness train` does, before torch loads
 
-from harness import distributed, process_end  # noqa: E402
 from harness.checkpoint import CheckpointStore  # noqa: E402
 from harness.checkpoint.tensorfile import serialize  # noqa: E402
 from harness.config import load_config  # noqa: E402
+from harness.parallel import distributed  # noqa: E402
+from harness.parallel.sharding import full_value  # noqa: E402
+from harness.process import process_end  # noqa: E402
 from harness.run.resume import agree_on_checkpoint, resume_newest  # noqa: E402
-from harness.sharding import full_value  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[1] / "data" / "tiny.toml"
 
@@ -59,4 +60,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    process_end.end(0)  # as `harness` does after a process group (harness/process_end.py)
+    process_end.end(0)  # as `harness` does after a process group (harness/process/process_end.py)

@@ -1,4 +1,4 @@
-"""The collectives of harness.distributed and Muon under DDP, in two real gloo processes."""
+"""The collectives of harness.parallel.distributed and Muon under DDP, in two real gloo processes."""
 
 from pathlib import Path
 

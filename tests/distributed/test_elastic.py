@@ -18,7 +18,7 @@ import pytest
 
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.diff import compare_checkpoints
-from harness.world_equivalence import DEFAULT_TOLERANCE, NUMERIC_PARTS
+from harness.verify.world_equivalence import DEFAULT_TOLERANCE, NUMERIC_PARTS
 from launch import kill_tree, run, start, tail, wait_step
 from procs import ROOT, harness
 

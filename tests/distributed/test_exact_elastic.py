@@ -1,4 +1,4 @@
-"""Exact elastic mode (`parallel.exact_elastic`, harness/exact.py) with real processes (gloo,
+"""Exact elastic mode (`parallel.exact_elastic`, harness/parallel/exact.py) with real processes (gloo,
 torchrun), dropout on: one process accumulating the step's 4 micro-batches ends bit for bit where
 two ranks of 2 (and four of 1) end, and a run killed at world size 2, resumed at 1, killed, resumed at 2 ends bit
 for bit where the uninterrupted run at 2 ends (docs/distributed.md, "Exact elastic"). Without the

@@ -137,7 +137,7 @@ def test_damaged_shard_falls_back_to_the_previous_checkpoint(fsdp_run, tmp_path)
 
 def _match_manifest(ckpt: Path) -> None:
     """Make the manifest list what the files now hold, so the content checks are what refuses."""
-    from harness.checkpoint.digest import hexdigest
+    from harness.storage.digest import hexdigest
 
     doc = json.loads((ckpt / "manifest.json").read_text())
     for f in doc["files"]:
@@ -154,7 +154,7 @@ def test_hostile_shard_files_are_refused_without_running_code(fsdp_run, tmp_path
 
     from harness.checkpoint import CheckpointCorrupt, CheckpointError, Verify
     from harness.config import load_config
-    from harness.trainer import Trainer
+    from harness.run.trainer import Trainer
 
     _, continuous = fsdp_run
     sentinel = tmp_path / "sentinel"

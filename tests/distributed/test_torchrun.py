@@ -72,7 +72,7 @@ def test_lost_node_then_the_same_command_again(tmp_path, continuous):
 
 def test_sigkill_of_the_agent_alone_ends_its_ranks_and_the_same_command_resumes(tmp_path, continuous):
     """torchrun starts its workers in sessions of their own, so a SIGKILL of torchrun's process
-    group reaches the agent alone: the ranks must die with it (harness/parent_death.py) instead of
+    group reaches the agent alone: the ranks must die with it (harness/process/parent_death.py) instead of
     training on without it, and the same command started again at once takes the run dir's lease
     over from them and finishes as the continuous run did."""
     run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"

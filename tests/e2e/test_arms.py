@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from harness import cli
-from harness.compare import summarize
 from harness.config import load_config
 from harness.errors import UserError
+from harness.experiments.comparison import summarize
 from png import png_size
 
 REPO = Path(__file__).resolve().parents[2]

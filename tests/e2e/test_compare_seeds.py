@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from harness import cli
-from harness.compare import summarize
-from harness.seed_groups import group_runs, steps_to
+from harness.experiments.comparison import summarize
+from harness.experiments.seed_groups import group_runs, steps_to
 from png import png_size
 
 STEPS = 4

@@ -35,10 +35,10 @@ def test_a_compiled_run_killed_and_resumed_is_bitwise_equal_and_eager_reads_its_
 
 def test_a_compiled_trainer_on_a_cpu_keeps_atens_dropout(monkeypatch):
     """On a CPU the model is compiled with `fallback_random` (inductor's own random numbers made
-    the compiled step 1.23-1.42x the eager one's CPU time, harness/trainer.py); elsewhere with
+    the compiled step 1.23-1.42x the eager one's CPU time, harness/run/trainer.py); elsewhere with
     torch's defaults."""
-    from harness import trainer as trainer_module
     from harness.config import load_config
+    from harness.run import trainer as trainer_module
 
     seen = []
     monkeypatch.setattr(trainer_module.torch, "compile", lambda net, **kw: seen.append(kw) or net)

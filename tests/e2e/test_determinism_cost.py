@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import numerics
 from harness.config import load_config
-from harness.trainer import Trainer
+from harness.repro import numerics
+from harness.run.trainer import Trainer
 
 TINY = "tests/data/tiny.toml"
 

@@ -11,7 +11,7 @@ import pytest
 
 from harness.config import load_config
 from harness.errors import UserError
-from harness.trainer import Trainer
+from harness.run.trainer import Trainer
 from procs import TINY, assert_same_run, harness, kill_at_step
 from shard_data import batch_hashes, make_sources, sources_args
 

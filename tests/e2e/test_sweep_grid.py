@@ -13,10 +13,10 @@ import pytest
 
 import procs
 from harness import cli
-from harness.arms import plan
 from harness.config import load_config
 from harness.errors import UserError
-from harness.grid import expand, parse_axes
+from harness.experiments.arms import plan
+from harness.experiments.grid import expand, parse_axes
 
 TINY = procs.TINY
 

@@ -3,7 +3,7 @@
 import math
 
 from harness.health.anomaly import Anomaly, AnomalyLedger, detect
-from harness.state import TrainerCounters
+from harness.run.state import TrainerCounters
 
 SPIKES = {"spike_threshold": 6.0, "spike_window": 20}
 

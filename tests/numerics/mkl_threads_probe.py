@@ -8,14 +8,14 @@ import json
 import sys
 from pathlib import Path
 
-from harness import numerics
+from harness.repro import numerics
 
 settings = numerics.apply(2)  # first: MKL's mode is fixed at its first computation
 
 import torch  # noqa: E402
 
 from harness.config import load_config  # noqa: E402
-from harness.trainer import Trainer  # noqa: E402
+from harness.run.trainer import Trainer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

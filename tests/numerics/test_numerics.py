@@ -4,7 +4,7 @@
 The cause found: torch's CPU build multiplies matrices with oneMKL, whose default mode lets it
 run a product on fewer threads than asked when the machine is busy ("dynamic" threads), which
 changes the summation order. The harness puts MKL in strict conditional-numerical-reproducibility
-mode, where its matrix products give the same bits on any thread count (harness/numerics.py).
+mode, where its matrix products give the same bits on any thread count (harness/repro/numerics.py).
 """
 
 import json
@@ -15,10 +15,10 @@ import sys
 import pytest
 import torch
 
-from harness import numerics
 from harness.config import load_config
+from harness.repro import numerics
 from harness.run.environment import environment_fingerprint, warn_if_changed
-from harness.trainer import Trainer
+from harness.run.trainer import Trainer
 from procs import DEFAULT_THREADS_ENV, MKL_BITWISE_ON_INTEL, ROOT, TINY, assert_same_run, harness, kill_at_step, start
 
 PROBE = ROOT / "tests" / "numerics" / "mkl_threads_probe.py"

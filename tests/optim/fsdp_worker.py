@@ -27,7 +27,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 import optim.sharded
-from harness import distributed, process_end
+from harness.parallel import distributed
+from harness.process import process_end
 from optim.build import build_bundle
 from optim.config import parse_optim_config
 from optim.muon import Muon
@@ -192,4 +193,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    process_end.end(0)  # without finalization, as `harness` ends after a process group (harness/process_end.py)
+    process_end.end(0)  # without finalization, as `harness` ends after a process group (harness/process/process_end.py)

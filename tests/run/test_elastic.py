@@ -13,7 +13,7 @@ import torch
 from harness.config import RunConfig, batch_shape, load_config, valid_world_sizes
 from harness.errors import UserError
 from harness.run.elastic import after_load, fingerprint_checks, reseed, world_change
-from harness.world_equivalence import WorldVerdict, compare_worlds, even_points, refuse_what_cannot_pass
+from harness.verify.world_equivalence import WorldVerdict, compare_worlds, even_points, refuse_what_cannot_pass
 from procs import ROOT, TINY, assert_one_line_error, harness
 
 ELASTIC = ROOT / "tests" / "data" / "elastic.toml"

@@ -10,7 +10,7 @@ FAST = ["--set", "train.steps=2", "--set", "checkpoint.every_steps=1"]
 
 
 def test_remote_run_dirs_never_share_a_log_folder():
-    from harness.run.files import log_dir_for
+    from harness.records.run_files import log_dir_for
 
     dirs = [log_dir_for(url) for url in ("s3://harness-runs/quickstart", "s3://other-bucket/quickstart",
                                          "gs://harness-runs/quickstart", "s3://harness-runs/quickstart/")]

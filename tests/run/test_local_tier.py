@@ -1,4 +1,4 @@
-"""The local checkpoint tier (harness/run/local_tier.py) with real processes: a crash resumes from
+"""The local checkpoint tier (harness/checkpoint/save/local_tier.py) with real processes: a crash resumes from
 the newest local checkpoint and ends bitwise equal to an uninterrupted run; a damaged local copy,
 or another run's, is skipped and reported, never loaded."""
 
@@ -133,8 +133,8 @@ def test_a_resume_or_a_rollback_deletes_the_local_checkpoints_past_its_step(tmp_
     a LocalTier made at a resume from step 4 deletes 6 and 8, and a rollback to 2 deletes 4."""
     import torch
 
+    from harness.checkpoint.save.local_tier import LocalTier
     from harness.config import LocalTierSection
-    from harness.run.local_tier import LocalTier
 
     section = LocalTierSection(dir=str(tmp_path), every_steps=2, keep=10)
     tier = LocalTier(section, "run-a", resumed_step=0)

@@ -1,4 +1,4 @@
-"""Local-first persistence (checkpoint/local_first.py) against the moto S3 server: a commit returns once
+"""Local-first persistence (checkpoint/save/local_first.py) against the moto S3 server: a commit returns once
 it is on local disk, the remote manifest is written only after every uploaded object was read back
 and matched, a failed upload leaves the previous remote checkpoint the newest good one and is raised
 at the next call, and `harness train` with checkpoint.local_dir ends with its final checkpoint
@@ -13,7 +13,7 @@ from torch import nn
 import procs
 from harness.checkpoint import CheckpointStore, capture, local_first
 from harness.checkpoint.errors import CheckpointError
-from harness.checkpoint.local_first import LocalFirst, UploadError
+from harness.checkpoint.save.local_first import LocalFirst, UploadError
 from procs import TINY, harness
 from s3proxy import FaultPlan
 from s3server import FAKE_ENV

@@ -20,9 +20,9 @@ from botocore.exceptions import (
 )
 from s3fs.errors import translate_boto_error
 
-from harness.checkpoint.filesystem import open_filesystem
-from harness.checkpoint.retry import RetryPolicy, StorageError, StorageUnavailable, is_transient
 from harness.errors import UserError
+from harness.storage.filesystem import open_filesystem
+from harness.storage.retry import RetryPolicy, StorageError, StorageUnavailable, is_transient
 from s3proxy import FaultPlan
 
 from .conftest import options

@@ -8,9 +8,9 @@ import os
 import pytest
 
 from harness.checkpoint import CheckpointStore
-from harness.checkpoint.faults import FaultPlan, FaultyFileSystem, SimulatedCrash, wrap_filesystem
-from harness.checkpoint.filesystem import LocalDiskFileSystem, open_filesystem
-from harness.torture import tiny_state
+from harness.storage.faults import FaultPlan, FaultyFileSystem, SimulatedCrash, wrap_filesystem
+from harness.storage.filesystem import LocalDiskFileSystem, open_filesystem
+from harness.verify.torture import tiny_state
 
 
 def test_plan_parse_and_refusal():

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from harness.buffer_probe import BufferProbe, non_persistent_buffers
+from harness.repro.buffer_probe import BufferProbe, non_persistent_buffers
 
 
 class Buffers(nn.Module):

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.completeness import IncompleteState
+from harness.repro.completeness import IncompleteState
 from harness.testing import Task, assert_resumes_exactly, check_resume
 
 STEPS, CUT = 10, 4  # interrupted after step 4: step 5 is the first resumed step

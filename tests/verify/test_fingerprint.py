@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import fingerprint
 from harness.checkpoint import CheckpointStore, Verify
-from harness.fingerprint import FingerprintLog, ResumeDiverged, batch_hash, diagnose, part_hashes, state_digests
-from harness.metrics import MetricsLog
+from harness.records.metrics import MetricsLog
+from harness.repro import fingerprint
+from harness.repro.fingerprint import FingerprintLog, ResumeDiverged, batch_hash, diagnose, part_hashes, state_digests
 
 
 class Events:

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.completeness import IncompleteState, check_registered, find_unregistered
 from harness.config import load_config
+from harness.repro.completeness import IncompleteState, check_registered, find_unregistered
+from harness.run.trainer import Trainer
 from harness.testing import assert_resumes_exactly, trainer_task
-from harness.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 # The quickstart model and optimizer arm (muon + adamw, warmup-cosine schedules), shortened.

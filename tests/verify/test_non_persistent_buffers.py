@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from harness.cli import main
-from harness.completeness import IncompleteState
+from harness.repro.completeness import IncompleteState
 from harness.testing import Task, check_resume
 from procs import TINY, assert_one_line_error, harness
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main, verify_resume
-from harness.resume_equivalence import Verdict
+from harness.verify.resume_equivalence import Verdict
 from procs import events
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,7 +1,7 @@
 """Weights & Biases: one W&B run per harness run, continued by every restart.
 
 The W&B run id is the harness run id (created once by the run's first process and kept in
-run.json, harness/run_id.py), and every process calls `wandb.init(id=run_id, resume="allow")`,
+run.json, harness/records/run_id.py), and every process calls `wandb.init(id=run_id, resume="allow")`,
 so restarts and requeues continue the same run instead of starting new ones. `log.wandb_mode`
 "offline" (the default) writes to `LOG_DIR/wandb` without any network (`wandb sync` uploads it
 later); "online" streams. W&B keeps a run's steps increasing: the steps a crash re-runs were

@@ -1,0 +1,280 @@
+"""Asynchronous checkpointing: snapshot at the step boundary, persist in the background.
+
+    saver = AsyncSaver(Committer(store), when_busy="wait")
+    ...after step N:
+    saver.submit(N, trainer.state.parts(), meta=meta)   # blocks only for the copy
+    ...each later step:
+    saver.poll()                                         # raises a background failure
+    ...at the end or on preemption:
+    saver.finish()                                       # waits until the commit is done
+
+A `Saver` (saver.py) whose commit runs in the background. What the step loop pays is the
+*snapshot*: `capture(parts)` (references, no copies), then a copy of every tensor into CPU
+staging buffers. The *persist* (the committer: serialize, hash, write, fsync, atomic rename,
+retention through `store.commit_files`) runs in a `BackgroundJob` (background.py) over those
+buffers while training continues. The files are byte-identical to a synchronous `store.save` of the same state: the
+same `commit` writes them from tensors with the same names, shapes, dtypes and bytes.
+
+Trade-offs, stated before the code:
+* A thread, not a process: the persist is file I/O and hashing, both of which release the GIL, and
+  a thread shares the staging buffers without a second copy or any pickling. The cost is that
+  the persist competes with the training step for CPU cores (measured in docs/bench-async.md).
+* One save in flight, and one set of staging buffers, allocated at the first save and reused
+  (reallocated only for a tensor whose shape or dtype changed): memory does not grow with the
+  number of saves. The buffers are owned by the in-flight persist until it ends, so a new
+  snapshot first waits for it (`when_busy="wait"`) or is not taken at all (`"skip"`); this is
+  what makes reusing them safe.
+* GPU state is copied into pinned buffers on a side stream; the training stream then waits on an
+  event recorded after the copies, so the next step's in-place optimizer update cannot overwrite
+  a tensor before its copy is done, while the CPU returns to the step loop at once. The persist
+  thread waits for the same event before it reads the buffers.
+* The JSON half of a snapshot is plain data built fresh by `capture` (new dicts and lists, immutable
+  scalars), so it is already detached from the live objects and needs no copy.
+* A failure in the background is kept and raised by the next `poll`/`submit`/`finish` the step
+  loop makes, wrapped in an error that names the step; it never passes silently. A storage
+  outage stays an outage (`Unavailable`: the retryable exit 69), never a user error.
+* A persist that is slow is reported while it runs: `poll` and every wait log a warning (and
+  call `on_slow`) once it has run `slow_after_s` (the larger of 30 s and twice the previous
+  persist), and again each such interval. Nothing waits for it past `save_deadline_s` from its
+  start: then `SaveStalled` (an `Unavailable`) names the step, and the step loop exits with the
+  retryable code instead of waiting on a storage that does not answer. A kill during
+  the persist leaves at worst an uncommitted temporary folder (the commit is atomic), so the
+  previous checkpoint stays the newest good one.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Mapping
+from typing import Any, Literal
+
+import torch
+
+from harness.checkpoint.errors import CheckpointError, failed_save, still_committed
+from harness.checkpoint.format import Snapshot, capture
+from harness.checkpoint.save.background import BackgroundJob
+from harness.checkpoint.save.commit import Committed, Committer
+from harness.checkpoint.save.saver import Saver, Submitted
+from harness.errors import Unavailable, UserError
+from harness.log import get_logger
+from optim.dtensor import local
+
+log = get_logger(__name__)
+
+
+class BackgroundSaveError(RuntimeError):
+    """A background persist failed with an unexpected error (a bug or an infrastructure fault);
+    the original exception is its `__cause__`."""
+
+
+class SaveStalled(Unavailable):
+    """A background persist did not commit within the save deadline (storage not answering)."""
+
+
+# A persist is "slow" after this long at least (and after twice the previous one's time).
+SLOW_FLOOR_S = 30.0
+
+
+class StagingBuffers:
+    """CPU copies of a snapshot's tensors, kept across saves and keyed by (file, tensor name).
+
+    `stage(snapshot)` copies every tensor into its buffer and returns the snapshot over the
+    buffers plus the CUDA events the copies finish at (empty for CPU state). A buffer is pinned
+    when its source lives on a GPU (so the device-to-host copy can run asynchronously) and is
+    reallocated only when the source's shape or dtype changed; buffers of tensors that no longer
+    exist are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def buffer(self, file: str, name: str) -> torch.Tensor:
+        return self._buffers[(file, name)]
+
+    def stage(self, snapshot: Snapshot) -> tuple[Snapshot, list[torch.cuda.Event]]:
+        staged: dict[str, dict[str, torch.Tensor]] = {}
+        on_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        wanted = set()
+        for file, named in snapshot.tensors.items():
+            out = staged.setdefault(file, {})
+            for name, whole in named.items():
+                key = (file, name)
+                wanted.add(key)
+                src = local(whole)  # a DTensor's own shard: each rank stages only what it holds
+                buf = self._buffers.get(key)
+                if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                    buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
+                    self._buffers[key] = buf
+                # A DTensor's buffer keeps its spec (mesh, placements, global shape), on the CPU:
+                # `DTensor.from_local` would move it back to the mesh's device (as DCP's own
+                # staging does, the local tensor is swapped, never moved). `type(whole)` is DTensor,
+                # named without importing it (optim/dtensor.py).
+                out[name] = buf if src is whole else type(whole)(buf, whole._spec, requires_grad=False)
+                if src.is_cuda:
+                    on_gpu.setdefault(src.device, []).append((buf, src))
+                else:
+                    buf.copy_(src.detach())
+        for key in self._buffers.keys() - wanted:
+            del self._buffers[key]
+        events = [self._copy_from_gpu(device, pairs) for device, pairs in on_gpu.items()]
+        return snapshot.with_tensors(staged), events
+
+    def _copy_from_gpu(self, device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = torch.cuda.Stream(device)
+        main = torch.cuda.current_stream(device)
+        side.wait_stream(main)  # the copies see every kernel queued up to the step boundary
+        with torch.cuda.stream(side):
+            for buf, src in pairs:
+                buf.copy_(src.detach(), non_blocking=True)
+                src.record_stream(side)  # the allocator must not reuse src's memory before the copy ran
+        done = torch.cuda.Event()
+        done.record(side)
+        main.wait_event(done)  # the next step's in-place updates run after the copies
+        return done
+
+
+class AsyncSaver(Saver):
+    """Snapshot-then-persist through the committer `commit`, at most one persist in flight.
+
+    `when_busy`: what `submit` does while the previous persist still runs: "wait" for it, or
+    "skip" this save (logged; `submit` returns None). `must=True` always waits (final and
+    preemption saves). `on_commit(Committed)` runs in the background thread after each commit.
+    `persist_delay_s` sleeps before each persist: a test hook that widens the window in which a
+    save is in flight (config `debug.persist_delay_s`). `save_deadline_s` bounds every wait for a
+    persist (counted from its start; None = unbounded) and `on_slow(step, seconds)` is told about
+    a slow one (see the module docstring); `slow_floor_s` is the least time that counts as slow.
+    `rank`, `per_rank`: the snapshot's (saver.py); each rank stages `commit.mine(snapshot)`.
+    `agree(busy) -> bool` makes the ranks of a group decide alike whether a persist is still in
+    flight (any rank's: `distributed.all_reduce_flag`), so every rank skips a save or every rank
+    takes it and their commits stay paired; every rank must then call `submit` at the same steps.
+    """
+
+    background = True
+
+    def __init__(self, commit: Committer, *, when_busy: Literal["wait", "skip"] = "wait",
+                 on_commit: Callable[[Committed], None] | None = None, persist_delay_s: float = 0.0,
+                 save_deadline_s: float | None = None, on_slow: Callable[[int, float], None] | None = None,
+                 slow_floor_s: float = SLOW_FLOOR_S, rank: int = 0, per_rank: Collection[str] = (),
+                 sharded: Collection[str] = (),
+                 agree: Callable[[bool], bool] = bool, last_committed: int | None = None) -> None:
+        if when_busy not in ("wait", "skip"):
+            raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
+        super().__init__(commit, rank=rank, per_rank=per_rank, sharded=sharded, on_commit=on_commit,
+                         last_committed=last_committed)
+        self.when_busy, self.agree, self.persist_delay_s = when_busy, agree, persist_delay_s
+        self.save_deadline_s, self.on_slow, self.slow_floor_s = save_deadline_s, on_slow, slow_floor_s
+        self.buffers = StagingBuffers()
+        self.job = BackgroundJob("ckpt-persist", "the background save", failed=self._failed, watch=self._watch)
+        self._last_persist_s = 0.0
+        self._next_warning = 0.0
+
+    @property
+    def busy(self) -> bool:
+        """Whether a persist is in flight (the staging buffers belong to it)."""
+        return self.job.busy
+
+    def submit(self, step: int, parts: Mapping[str, Any], *, meta: Mapping[str, Any] | None = None,
+               must: bool = False) -> Submitted | None:
+        """Snapshot `parts` as `step` and start persisting it; returns once the snapshot is taken.
+
+        Raises the failure of an earlier persist (see `poll`) before taking a new snapshot.
+        Returns None when the save was skipped (`when_busy="skip"`, a persist in flight, not `must`).
+        """
+        self.poll()
+        waited = 0.0
+        if self.agree(self.busy):
+            if self.when_busy == "skip" and not must:
+                log.warning("checkpoint skipped: the previous save is still being persisted",
+                            step=step, persisting_step=self.job.step)
+                return None
+            t0 = time.perf_counter()
+            self.job.wait_bounded()
+            waited = time.perf_counter() - t0
+            log.info("waited for the previous save before snapshotting", step=step,
+                     persisting_step=self.job.step, waited_s=round(waited, 3))
+            self.poll()
+        t0 = time.perf_counter()
+        snapshot, copied = self.buffers.stage(self.commit.mine(capture(parts, rank=self.rank, per_rank=self.per_rank,
+                                                                      sharded=self.sharded)))
+        self._next_warning = time.monotonic() + max(self.slow_floor_s, 2 * self._last_persist_s)
+        self.job.start(step, self._persist, step, snapshot, dict(meta or {}), copied)
+        return Submitted(step, waited + time.perf_counter() - t0, waited, snapshot.nbytes)
+
+    def _persist(self, step: int, snapshot: Snapshot, meta: dict[str, Any], copied: list) -> None:
+        t0 = time.perf_counter()
+        for event in copied:
+            event.synchronize()
+        if self.persist_delay_s:
+            time.sleep(self.persist_delay_s)
+        ref = self.commit(step, snapshot, meta=meta)
+        self._last_persist_s = time.perf_counter() - t0
+        self.last_committed = step
+        if self.on_commit is not None:
+            self.on_commit(Committed(ref, self._last_persist_s, snapshot.nbytes))
+
+    def _failed(self, step: int, e: BaseException) -> Exception:
+        """A failed persist as the step loop raises it: `CheckpointError` (a `UserError`) when the
+        store raised one or a person must fix the storage, the same `Unavailable` kind for a
+        storage outage, else `BackgroundSaveError`; each names the step."""
+        fixable = failed_save(step, e, self.last_committed, self.commit.url)
+        if fixable is not None:
+            return fixable
+        still = still_committed(self.last_committed)
+        message = f"the background save of the checkpoint at step {step} failed: {e}"
+        if isinstance(e, Unavailable):
+            return type(e)(f"{message}; {still}")
+        if isinstance(e, UserError):
+            return CheckpointError(f"{message}; {still}")
+        return BackgroundSaveError(f"{message} ({type(e).__name__}); {still}")
+
+    def _watch(self, step: int, elapsed: float) -> float:
+        """A running persist: warn each slow interval, `SaveStalled` past the save deadline;
+        returns the seconds until the next check."""
+        if self.save_deadline_s is not None and elapsed >= self.save_deadline_s:
+            raise SaveStalled(
+                f"the background save of the checkpoint at step {step} has not committed after "
+                f"{elapsed:.0f}s (checkpoint.save_deadline_s = {self.save_deadline_s:g}): the storage at "
+                f"{self.commit.url} is not answering; {still_committed(self.last_committed)}")
+        now = time.monotonic()
+        if now >= self._next_warning:
+            log.warning("the background save is slow: still persisting", step=step,
+                        seconds=round(elapsed, 1), url=self.commit.url)
+            if self.on_slow is not None:
+                self.on_slow(step, elapsed)
+            self._next_warning = now + max(self.slow_floor_s, 2 * self._last_persist_s)
+        until = self._next_warning - now
+        if self.save_deadline_s is not None:
+            until = min(until, self.save_deadline_s - elapsed)
+        return until
+
+    def poll(self) -> None:
+        """Raise the failure of a finished persist, once (see `_failed`), then one of work the
+        committer left running (an upload). While a persist runs: warn if it is slow, raise
+        `SaveStalled` once it has run past the save deadline."""
+        self.job.poll()
+        self.commit.poll()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the in-flight persist, at most `timeout` seconds; True when none is left."""
+        return self.job.wait(timeout)
+
+    def finish(self, timeout: float | None = None) -> None:
+        """Wait until the in-flight persist is committed, then raise its failure if it failed;
+        then the same for the committer's work (a local-first upload). Raises `TimeoutError` if
+        the persist is still running after `timeout` seconds, `SaveStalled` at the save deadline."""
+        self.job.finish(timeout)
+        self.commit.finish(timeout)
+
+    def close(self) -> None:
+        """On an error exit: let a good in-flight save commit (within the save deadline), and
+        log (not raise) its failure, so the error already propagating stays the one reported;
+        then the committer's work."""
+        self.job.close()
+        self.commit.close()

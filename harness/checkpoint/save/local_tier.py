@@ -1,0 +1,94 @@
+"""The local checkpoint tier: frequent checkpoints on node-local disk or tmpfs, for fast recovery.
+
+A crash loses the steps since the last checkpoint; checkpoints to the run dir (S3, a shared file
+system) are too slow to take every few steps. `[checkpoint.local]` adds a second tier with its own
+cadence, `every_steps`, in a local folder: `DIR/<run id>/rank-NNNNN/` is an ordinary
+`CheckpointStore` (the same files, the same atomic commit and BLAKE3 manifest, retention keeping
+`keep`), written by each training process itself, synchronously, at the steps where no persistent
+save is due. A tmpfs folder (`/dev/shm`) makes it a RAM tier: no other code.
+
+Several ranks (DDP). Each rank keeps a whole checkpoint of its own in its own folder (the
+replicated parts, its per-rank parts, its rank and the world size in state.json): what it needs to
+resume without any other rank's files, so a node-local disk per node is enough. At a resume the
+ranks agree, with one all-gather of the steps each can verify, on the newest step every rank holds
+(run/resume.py). FSDP (sharded parts) is not built: refused before anything is written.
+
+Trust. The run dir stays the source of truth; a local checkpoint is used only when it is newer,
+belongs to this run and verifies byte for byte (run/resume.py). Keying the folder by the run id
+keeps another run's files out of sight, and every local checkpoint also records the run id in its
+meta (`RUN_ID_KEY`, inside state.json, which the manifest hashes), so a copy of another run's
+checkpoint put in this run's folder is rejected too (`not_mine`).
+
+Timeline. After a resume or a rollback (harness/run/rollback.py) to step S, local checkpoints
+past S belong to an abandoned future (a resume from an older tier, `--resume URL`, the steps
+before an anomaly) and are deleted before training goes on (`drop_after`), as local-first staging
+does (checkpoint/save/local_first.py).
+
+Not built: peer copies (a rank's local files also kept on another node), so a node that is gone
+with its disk falls back to the persistent tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from harness.checkpoint import CheckpointStore
+from harness.checkpoint.save.commit import Committer
+from harness.checkpoint.save.group_commit import WORLD_SIZE_KEY
+from harness.checkpoint.save.saver import Saver, Submitted
+from harness.config import LocalTierSection
+from harness.parallel import distributed
+from harness.records.run_id import RUN_ID_KEY
+
+LOCAL = "local"
+PERSISTENT = "persistent"
+
+
+def local_store(section: LocalTierSection, run_id: str, rank: int) -> CheckpointStore:
+    """The local tier's store of rank `rank` of the run `run_id` (`DIR/<run id>/rank-NNNNN`)."""
+    return CheckpointStore(f"{section.dir.rstrip('/')}/{run_id}/rank-{rank:05d}", keep_last=section.keep)
+
+
+def not_mine(state: Mapping[str, Any], run_id: str, rank: int, world: int) -> str | None:
+    """Why a local checkpoint whose state.json is `state` may not be loaded by rank `rank` of a
+    world of `world` in the run `run_id` (None when it may): another run's, another rank's, or
+    saved at another world size (a rank's copy holds its own per-rank state only)."""
+    meta = state["meta"]
+    if meta.get(RUN_ID_KEY) != run_id:
+        return f"it was written by run {meta.get(RUN_ID_KEY)}, not by this run {run_id}"
+    if state.get("rank") != rank or meta.get(WORLD_SIZE_KEY) != world:
+        return (f"it holds rank {state.get('rank')} of world size {meta.get(WORLD_SIZE_KEY)}, this process is rank "
+                f"{rank} of {world}")
+    return None
+
+
+class LocalTier:
+    """Saves the live state every `section.every_steps` steps into the local tier of run `run_id`.
+
+    `resumed_step`: the step the state was restored from (0 when fresh); local checkpoints past it
+    are deleted now (module docstring). `per_rank`: as `Saver`'s."""
+
+    def __init__(self, section: LocalTierSection, run_id: str, resumed_step: int,
+                 per_rank: Collection[str] = ()) -> None:
+        self.every, self.run_id = section.every_steps, run_id
+        self.store = local_store(section, run_id, distributed.rank())
+        self.drop_after(resumed_step)
+        self.saver = Saver(Committer(self.store), rank=distributed.rank(), per_rank=per_rank)
+
+    def drop_after(self, step: int) -> None:
+        """Delete the local checkpoints past `step`: the live state went back to `step`."""
+        for ref in self.store.list():
+            if ref.step > step:
+                self.store.delete(ref)
+
+    def due(self, step: int) -> bool:
+        return step % self.every == 0
+
+    def save(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any]) -> Submitted:
+        """Commit `parts` as `step` in this rank's local folder, its meta stamped with the run id and
+        the world size; returns when committed (retention applied)."""
+        meta = {**meta, RUN_ID_KEY: self.run_id, WORLD_SIZE_KEY: distributed.world()}
+        submitted = self.saver.submit(step, parts, meta=meta)
+        assert submitted is not None  # a synchronous saver never skips
+        return submitted

@@ -1,0 +1,187 @@
+"""Goodput: where a run's wall-clock time went, computed from its events file alone.
+
+Event schema (every line also has "time": unix seconds, "event": the kind, "pid"). Emitted by
+the trainer (rank 0 only) unless marked supervisor:
+
+| event      | fields                                   | when |
+|------------|------------------------------------------|------|
+| start      | resumed_from: int or null,               | once per process, after the state is restored and checked,   |
+|            | resumed_tier: "local", "persistent" or   | just before the first step; resumed_tier = the checkpoint    |
+|            | null, previous_reached: int or null,     | tier resumed from (checkpoint/save/local_tier.py);           |
+|            | startup_s, restore_s, total_steps        | previous_reached = the last step the interrupted process     |
+|            |                                          | logged to                                                    |
+|            |                                          | metrics.jsonl (every step is logged there), null when it     |
+|            |                                          | logged none past                                             |
+|            |                                          | resumed_from; startup_s = seconds since the process started  |
+|            |                                          | (imports, config, restore); restore_s = the part spent       |
+|            |                                          | finding, verifying, loading and checking the checkpoint      |
+| progress   | step, train_s                            | every few steps (e.g. each console log line) and after each  |
+|            |                                          | checkpoint; step = steps completed so far; train_s = seconds |
+|            |                                          | this process has spent inside training steps so far          |
+|            |                                          | (cumulative, blocking saves excluded)                        |
+| checkpoint | step, blocking_s                         | after each commit; blocking_s = seconds the step loop was    |
+|            |                                          | blocked by this save                                         |
+| local_checkpoint | step, blocking_s, bytes            | after each commit to the local tier (counted as saving)      |
+| checkpoint_rejected | tier, step, url, problem        | a local checkpoint passed over at a resume (damaged, another |
+|            |                                          | run's); before that process's start                          |
+| save_slow  | step, seconds                            | while a background save has been persisting longer than      |
+|            |                                          | expected (checkpoint.save_deadline_s), repeated each slow    |
+|            |                                          | interval                                                     |
+| exit       | reason, step, train_s, exit_code, error  | when the process ends by itself: "finished" (0), "preempted" |
+|            |                                          | (75), "save_deadline_missed" (76, from the deadline          |
+|            |                                          | watchdog), "user_error" (2) or "crashed" (an exception;      |
+|            |                                          | error = its type and message); train_s as in progress. A     |
+|            |                                          | process that is killed writes none                           |
+| restart    | cause, exit_code, step, restart,         | supervisor, before each restart; step = newest committed     |
+|            | backoff_s                                | checkpoint                                                   |
+| anomaly    | action, step, batch, cause, value,       | an anomaly (harness/health/anomaly.py) at `step` (not        |
+|            | to_step, skip, error                     | applied): action "rollback" (back to checkpoint `to_step`,   |
+|            |                                          | step-batches `skip` skipped) or "stop" (error = the message) |
+| hang       | phase, step, limit_s, waited_s, stacks,  | the hang watchdog fired (harness/health/watchdog.py),        |
+|            | nccl_trace                               | followed by exit reason "hung" (79)                          |
+| gave_up    | cause, step, restarts, streak, stderr_tail | supervisor, when it stops retrying |
+
+Accounting (`account(events)`), with one "process" = the events from one "start" to the next:
+
+- training: the last train_s of each process, summed, minus recomputing (productive time only).
+- saving: the sum of blocking_s of both tiers (background persistence that overlaps training is free).
+- restarting: the backoff_s of every restart plus the startup_s of every process but the first.
+- recomputing: steps run twice. When process P is followed by Q, the steps from Q's
+  resumed_from (0 if null) up to the last step P is known to have reached (progress,
+  checkpoint or exit events, and Q's previous_reached, read from every step P logged) were
+  lost and re-run; so were the steps from a rollback's `to_step` to its anomaly's step. They
+  are costed at the run's mean step time (training time / steps it covered).
+- other: wall clock minus the above (evaluation, logging, data stalls, time between a crash and
+  the next start that no supervisor accounted for, queueing of a requeued job).
+- wall clock: from the first process's start (its start time minus startup_s) to the last event.
+- resumes: one record per process after the first: the step and tier it resumed from, the steps
+  it lost (the previous process's last step minus that step) and its restore_s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Process:
+    resumed_from: int | None
+    startup_s: float = 0.0
+    tier: str | None = None
+    restore_s: float = 0.0
+    train_s: float = 0.0
+    train_s_step: int | None = None  # the step at which train_s was last reported
+    last_step: int | None = None
+
+    @property
+    def first_step(self) -> int:
+        return self.resumed_from or 0
+
+    def reached(self, step: int) -> None:
+        self.last_step = step if self.last_step is None else max(self.last_step, step)
+
+
+@dataclass
+class Goodput:
+    """Seconds per category (see the module docstring) and a few counts."""
+
+    wall_s: float = 0.0
+    training_s: float = 0.0
+    saving_s: float = 0.0
+    restarting_s: float = 0.0
+    recompute_s: float = 0.0
+    recompute_steps: int = 0
+    processes: int = 0
+    restarts: int = 0
+    last_step: int | None = None
+    exit_reason: str | None = None  # of the last process: an "exit" reason, "gave_up" or None
+    rollbacks: list[dict] = field(default_factory=list)  # distinct "anomaly" events with action "rollback"
+    resumes: list[dict] = field(default_factory=list)  # step, tier, steps_lost, restore_s per later process
+
+    @property
+    def other_s(self) -> float:
+        return self.wall_s - self.training_s - self.saving_s - self.restarting_s - self.recompute_s
+
+    @property
+    def goodput(self) -> float:
+        """Productive training time as a fraction of wall clock (0 for an empty run)."""
+        return self.training_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def account(events: Iterable[dict]) -> Goodput:
+    """Fold a run's events (in file order) into a `Goodput`; unknown kinds are ignored."""
+    g = Goodput()
+    procs: list[_Process] = []
+    first_time = last_time = None
+    rolled_back = 0  # steps computed again after rollbacks
+    for e in events:
+        kind, t = e.get("event"), float(e.get("time", 0.0))
+        last_time = t
+        if kind == "start":
+            if procs and isinstance(e.get("previous_reached"), int):
+                procs[-1].reached(e["previous_reached"])
+            procs.append(_Process(e.get("resumed_from"), float(e.get("startup_s", 0.0)), e.get("resumed_tier"),
+                                  float(e.get("restore_s", 0.0))))
+            g.exit_reason = None
+            if first_time is None:
+                first_time = t - procs[-1].startup_s
+            continue
+        if first_time is None:
+            first_time = t
+        if kind == "restart":
+            g.restarts += 1
+            g.restarting_s += float(e.get("backoff_s", 0.0))
+            continue
+        if kind == "gave_up":
+            g.exit_reason = "gave_up"
+            continue
+        if kind == "anomaly" and e.get("action") == "rollback":
+            # A run resumed from before a rollback meets the same anomaly again: the same rollback.
+            seen = {(r["step"], r["batch"], r["to_step"]) for r in g.rollbacks}
+            if (e["step"], e["batch"], e["to_step"]) not in seen:
+                g.rollbacks.append(e)
+            rolled_back += max(0, int(e["step"]) - int(e["to_step"]))
+            continue
+        if kind not in ("progress", "checkpoint", "local_checkpoint", "exit"):
+            continue
+        if not procs:  # trainer events before any "start": a process that never announced itself
+            procs.append(_Process(None))
+        p = procs[-1]
+        p.reached(int(e["step"]))
+        if kind in ("checkpoint", "local_checkpoint"):
+            g.saving_s += float(e.get("blocking_s", 0.0))
+        if kind == "exit":
+            g.exit_reason = e.get("reason")
+        if kind in ("progress", "exit") and "train_s" in e:
+            p.train_s, p.train_s_step = float(e["train_s"]), int(e["step"])
+
+    g.processes = len(procs)
+    g.wall_s = (last_time - first_time) if first_time is not None else 0.0
+    g.restarting_s += sum(p.startup_s for p in procs[1:])
+    g.last_step = max((p.last_step for p in procs if p.last_step is not None), default=None)
+
+    total_train = sum(p.train_s for p in procs)
+    covered = sum(max(0, p.train_s_step - p.first_step)
+                  for p in procs if p.train_s_step is not None)
+    covered += rolled_back
+    mean_step_s = total_train / covered if covered else 0.0
+    g.recompute_steps = rolled_back + sum(max(0, (prev.last_step or 0) - nxt.first_step)
+                                          for prev, nxt in zip(procs, procs[1:]))
+    g.recompute_s = g.recompute_steps * mean_step_s
+    g.resumes = [{"step": nxt.resumed_from, "tier": nxt.tier, "restore_s": nxt.restore_s,
+                  "steps_lost": max(0, (prev.last_step or 0) - nxt.first_step)} for prev, nxt in zip(procs, procs[1:])]
+    g.training_s = total_train - g.recompute_s
+    return g
+
+
+def describe_resumes(resumes: list[dict]) -> str:
+    """"step 6 from the local tier, 1 step lost, restored in 0.03 s; ..." (a fresh start: "step 0")."""
+    def one(r: dict) -> str:
+        where = f" from the {r['tier']} tier" if r["tier"] else ""
+        lost = r["steps_lost"]
+        return f"step {r['step'] or 0}{where}, {lost} step{'s' if lost != 1 else ''} lost, restored in " \
+               f"{r['restore_s']:.2f} s"
+
+    return "; ".join(one(r) for r in resumes)
+

@@ -1,0 +1,134 @@
+"""Capture and restore every random number generator a training step can draw from.
+
+`RNGState` is a Stateful part (registered as `rng`, saved per rank): python's `random`, numpy's
+global generator (when numpy is importable), the torch CPU generator and the generator of every
+CUDA device. Restoring all of them at a step boundary replays the same dropout masks and any
+user-side randomness. Its state dict holds only JSON values and uint8 tensors:
+
+    {"python": {"version": int, "state": [int, ...], "gauss_next": float | None},
+     "numpy":  {"bit_generator": str, "key": [int, ...], "pos": int,
+                "has_gauss": int, "cached_gaussian": float},             (only with numpy)
+     "torch":  uint8 tensor,
+     "cuda":   [uint8 tensor per device]}                                (only with CUDA)
+
+`micro_batch_streams(seed, step, v)` is the exact-elastic mode's randomness: inside it every
+generator above is seeded from (seed, step, micro-batch v) alone, and the process's own streams
+are put back when it ends.
+
+Loading raises UserError when the checkpoint's CUDA device count differs from this process's
+(the streams could not be mapped one to one) or when it needs numpy and numpy is missing.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from harness.errors import UserError
+from harness.repro.prng import derive_seed
+
+try:
+    import numpy as np
+except ImportError:  # numpy is optional for users' own setups; without it there is no state to keep
+    np = None
+
+
+def seed_everything(seed: int) -> None:
+    """Seed python, numpy (when importable), torch CPU and every CUDA device from one integer."""
+    random.seed(seed)
+    if np is not None:
+        # numpy accepts only seeds in [0, 2**32).
+        np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# derive_seed's first part for the micro-batch streams: apart from every other use of the run seed.
+_MICRO_BATCH_DOMAIN = 0x4D494352  # "MICR"
+
+
+@contextmanager
+def micro_batch_streams(seed: int, step: int, micro_batch: int) -> Iterator[None]:
+    """Draw from generators seeded by (seed, step, micro_batch) only, within the block: the same
+    dropout masks for canonical micro-batch `micro_batch` of `step` whichever rank computes it.
+    The process's own streams (python, numpy, torch CPU, every CUDA device) are restored after."""
+    saved_python = random.getstate()
+    saved_numpy = np.random.get_state() if np is not None else None
+    saved_torch = torch.get_rng_state()
+    saved_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    seed_everything(derive_seed(_MICRO_BATCH_DOMAIN, seed, step, micro_batch))
+    try:
+        yield
+    finally:
+        random.setstate(saved_python)
+        if saved_numpy is not None:
+            np.random.set_state(saved_numpy)
+        torch.set_rng_state(saved_torch)
+        if saved_cuda is not None:
+            torch.cuda.set_rng_state_all(saved_cuda)
+
+
+class RNGState:
+    """The process's generators as one Stateful part; see the module docstring for the layout."""
+
+    def state_dict(self) -> dict[str, Any]:
+        version, state, gauss_next = random.getstate()
+        parts: dict[str, Any] = {
+            "python": {"version": version, "state": list(state), "gauss_next": gauss_next},
+            "torch": torch.get_rng_state(),
+        }
+        if np is not None:
+            bit_generator, key, pos, has_gauss, cached_gaussian = np.random.get_state()
+            parts["numpy"] = {
+                "bit_generator": bit_generator,
+                "key": key.tolist(),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached_gaussian),
+            }
+        if torch.cuda.is_available():
+            parts["cuda"] = torch.cuda.get_rng_state_all()
+        return parts
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = {"python", "torch"} - state.keys()
+        if missing:
+            raise UserError(
+                f"RNG state lacks {sorted(missing)}: the checkpoint is incomplete; resume from another one"
+            )
+        saved_cuda = state.get("cuda", [])
+        visible_cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if len(saved_cuda) != visible_cuda:
+            raise UserError(
+                f"the checkpoint holds RNG states for {len(saved_cuda)} CUDA devices but this process sees "
+                f"{visible_cuda}: resume with the same visible GPUs (CUDA_VISIBLE_DEVICES) as the saving run"
+            )
+        if "numpy" in state and np is None:
+            raise UserError("the checkpoint holds numpy's RNG state but numpy is not installed: pip install numpy")
+
+        python = state["python"]
+        # JSON brings the state back as a list; random.setstate insists on a tuple.
+        random.setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
+        if "numpy" in state:
+            saved = state["numpy"]
+            np.random.set_state(
+                (
+                    saved["bit_generator"],
+                    np.asarray(saved["key"], dtype=np.uint32),
+                    saved["pos"],
+                    saved["has_gauss"],
+                    saved["cached_gaussian"],
+                )
+            )
+        torch.set_rng_state(_byte_tensor(state["torch"]))
+        if saved_cuda:
+            torch.cuda.set_rng_state_all([_byte_tensor(s) for s in saved_cuda])
+
+
+def _byte_tensor(saved: torch.Tensor) -> torch.Tensor:
+    # A loaded checkpoint may hand back a view or a tensor on another device; the setters want
+    # a contiguous CPU uint8 tensor.
+    return saved.to(device="cpu", dtype=torch.uint8).contiguous()

@@ -1,0 +1,173 @@
+"""One training process from start to exit: lease, resume, run files and logs, the loop.
+
+Contract of `train(cfg, ...)` (what `harness train` does):
+- Takes the run dir's single-writer lease, finds the newest *good* checkpoint and resumes from it
+  (`resume="auto"`; when every checkpoint is damaged it refuses, naming them, rather than start
+  over), or starts fresh (`"never"`, refused when the run dir has good checkpoints), or loads the
+  checkpoint at a given URL.
+- Refuses to resume when a key that changes the math differs from the checkpoint's config, or
+  the data's content fingerprint (`harness.data.identity`) differs from the one it recorded (the
+  list of keys is in the message), unless `allow_config_change`; then the new values take effect
+  from the first resumed step (optimizer hyperparameters and the schedule come from the config,
+  optim/bundle.py) and a `config_changed` event records old -> new per key and any re-planned
+  schedule. Warns when the torch version, device type or numerical settings (harness.repro.numerics)
+  differ from the checkpoint's (bitwise equality is not promised there).
+- With a local tier (`[checkpoint.local]`, checkpoint/save/local_tier.py; one process or DDP) `--resume auto`
+  also considers this run's local checkpoints and loads the newest step that verifies in either
+  tier (with several ranks: on every rank);
+  a local one that does not verify or is another run's is skipped and reported (a
+  `checkpoint_rejected` event each). The `start` event names the tier resumed from.
+- Resumes at another world size than the checkpoint's (harness/run/elastic.py): the global batch
+  is kept (a world size it cannot split is refused before anything is written, naming the valid
+  ones) and a `world_size_changed` event records old -> new world size and batch shape.
+- A finished run started again says so and returns FINISHED without training.
+- Checkpoints at the configured cadence and always at the last step; on a preemption signal,
+  finishes the current step, saves within the deadline and returns PREEMPTED.
+- Returns an exit code from `harness.exit_codes`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from pathlib import Path
+
+import fsspec.utils
+import psutil
+
+from harness import exit_codes
+from harness.checkpoint import CheckpointStore
+from harness.checkpoint.save.local_tier import LocalTier, local_store
+from harness.config import RunConfig, batch_shape
+from harness.data.sources import check_sources
+from harness.errors import Unavailable, UserError
+from harness.health.trackers import open_trackers
+from harness.log import get_logger
+from harness.parallel import distributed
+from harness.records.events import EVENTS_FILE, EventLog
+from harness.records.metrics import MetricsLog
+from harness.records.run_files import METRICS_FILE, existing_run_id, log_dir_for, write_run_json
+from harness.repro import numerics
+from harness.run.elastic import fingerprint_checks
+from harness.run.environment import environment_fingerprint
+from harness.run.loop import Loop
+from harness.run.resume import LocalSource, agree_on_checkpoint, resume_newest
+
+log = get_logger(__name__)
+
+
+def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = False,
+          takeover: bool = False) -> int:
+    numerics.apply(cfg.train.cpu_threads)  # before any torch math: MKL's mode is fixed at its first use
+    log_dir = Path(log_dir_for(cfg.run_dir, cfg.log_dir))
+    if fsspec.utils.get_protocol(cfg.run_dir) == "memory":
+        log.warning("run_dir is memory://: checkpoints and run.json live in this process only and are gone when it "
+                    "exits; nothing can resume from them. Use a local path or s3:// for a real run",
+                    run_dir=cfg.run_dir)
+    batch_shape(cfg, distributed.world())  # a world size the global batch cannot split is refused before any write
+    check_sources(cfg.data)  # so is a dataset url that names no prepared dataset
+    store = open_store(cfg)
+    try:
+        distributed.on_rank0(store.acquire_lease, takeover=takeover)  # rank 0 is the run dir's one writer
+    except OSError as e:
+        raise UserError(f"cannot write to run dir {cfg.run_dir}: {e}; choose a writable --run-dir") from None
+    try:
+        source, candidates, verify = agree_on_checkpoint(store, cfg, resume)
+        local = local_source(cfg, resume)
+        started = resume_newest(cfg, source, candidates, verify, allow_config_change, local=local)
+        if started is None:
+            return exit_codes.FINISHED
+        trainer, chosen, restore_s, changes, resized = started
+        ref = chosen.ref if chosen else None
+        try:
+            run_id = distributed.on_rank0(write_run_json, cfg, trainer.data.identity,
+                                          environment_fingerprint(trainer.device), fresh=ref is None,
+                                          initialised_from=trainer.initialised_from)
+            log.debug("run", run_id=run_id, run_dir=cfg.run_dir, log_dir=str(log_dir), device=str(trainer.device),
+                      resumed_from=ref.step if ref else None,
+                      parameters=sum(p.numel() for p in trainer.model.parameters()))
+            lead = distributed.rank() == 0  # rank 0 keeps the logs: every rank logs the same all-reduced loss
+            if lead:
+                log.info("data", **trainer.data.sizes(cfg.data.seq_len))
+            events = EventLog(log_dir / EVENTS_FILE, run_id, cfg.run_dir) if lead else distributed.Silent()
+            metrics = MetricsLog(log_dir / METRICS_FILE, run_id, cfg.run_dir) if lead else distributed.Silent()
+            if cfg.debug.sample_log:
+                trainer.batch_hook = distributed.SampleLog(log_dir).write
+            t_check = time.perf_counter()
+            ran_past = metrics.truncate_after(trainer.step) or []  # ranks > 0 keep no metrics (Silent: None)
+            # Where the interrupted process got to: every step it logged, not only its last progress event.
+            reached = max((int(r["step"]) for r in ran_past if "loss" in r), default=None)
+            # Check the restored state, then each re-run step, against the run's own history.
+            if ref is not None and lead:
+                trainer.fingerprints.watch(events, [] if allow_config_change else ran_past,
+                                           **fingerprint_checks(resized))
+            restore_s += time.perf_counter() - t_check
+            for rejected in local.rejected if local else []:
+                events.emit("checkpoint_rejected", **rejected)
+            if chosen is not None:
+                log.info("resumed", step=ref.step, tier=chosen.tier, url=ref.url, restore_s=round(restore_s, 3),
+                         steps_lost=None if reached is None else max(0, reached - ref.step))
+            events.emit("start", step=trainer.step, total_steps=cfg.train.steps, resumed_from=ref.step if ref else None,
+                        resumed_tier=chosen.tier if chosen else None, previous_reached=reached, run_dir=cfg.run_dir,
+                        host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time(),
+                        restore_s=restore_s)
+            if resized is not None:
+                events.emit("world_size_changed", **resized.event())
+            if changes:
+                events.emit("config_changed", step=trainer.step,
+                            changes={k: {"old": a, "new": b} for k, (a, b) in changes.items()},
+                            schedule=trainer.sched.replanned)
+            resumed_here = chosen is not None and chosen.store is store
+            trackers = open_trackers(cfg.log, log_dir, trainer.step, run_id) if lead else distributed.Silent()
+            tier = cfg.checkpoint.local
+            local_tier = None if tier is None else LocalTier(tier, run_id, trainer.step, trainer.state.per_rank)
+            loop = Loop(cfg, trainer, store, metrics, events, log_dir,
+                        last_committed=ref.step if resumed_here else None, trackers=trackers, local_tier=local_tier)
+            try:
+                return loop.run()
+            except BaseException as e:
+                reason, code = exit_reason(e)
+                with contextlib.suppress(OSError):  # a full log disk must not replace the error being raised
+                    events.emit("exit", reason=reason, exit_code=code, step=trainer.step, train_s=loop.train_s,
+                                save_s=loop.save_s, error=f"{type(e).__name__}: {e}"[:500])
+                raise
+        finally:
+            trainer.close()
+    finally:
+        store.release_lease()
+
+
+def exit_reason(error: BaseException) -> tuple[str, int]:
+    """The `exit` event's reason and the exit code the CLI gives for an exception leaving the loop."""
+    if isinstance(error, UserError):
+        return "user_error", error.exit_code
+    if isinstance(error, Unavailable):
+        return "storage_unavailable", error.exit_code
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted", 130
+    return "crashed", 1
+
+
+def local_source(cfg: RunConfig, resume: str) -> LocalSource | None:
+    """This run's local tier as a source to resume from: with `--resume auto` and a run id already
+    in the run dir's run.json (before the first start no local checkpoint can be this run's)."""
+    run_id = existing_run_id(cfg) if cfg.checkpoint.local is not None and resume == "auto" else None
+    if run_id is None:
+        return None
+    return LocalSource(local_store(cfg.checkpoint.local, run_id, distributed.rank()), run_id)
+
+
+def open_store(cfg: RunConfig) -> CheckpointStore:
+    """The run dir's store. `checkpoint.local_dir` (commit there first, upload in the background:
+    checkpoint/save/local_first.py) is the saver's business, and works with one process only; the
+    local tier (`checkpoint.local`) with one process or DDP, not FSDP."""
+    c = cfg.checkpoint
+    if c.local is not None and distributed.is_distributed() and cfg.parallel.strategy == "fsdp":
+        raise UserError("checkpoint.local (the local tier) is not built for parallel.strategy = \"fsdp\" (sharded "
+                        "parts); remove [checkpoint.local] or use ddp")
+    if c.local_dir is not None and distributed.is_distributed():
+        raise UserError("checkpoint.local_dir works with one process only; with several ranks unset it "
+                        "(every rank then writes its part straight to the run dir)")
+    return CheckpointStore(cfg.run_dir, keep_last=c.keep_last, keep_every=c.keep_every,
+                           storage_options=c.storage_options or None, lease_heartbeat_s=c.lease_heartbeat_s)

@@ -1,0 +1,432 @@
+"""One training step: forward/backward with gradient accumulation, clipping, AMP, the optimizer
+and scheduler steps, the divergence checks, and evaluation.
+
+Contract: the trainer owns the numbers, not the I/O and not the schedule of the run. It is built
+from a `RunConfig`, exposes its resumable parts as a `TrainState` and returns each step's
+numbers as a `StepResult`; the caller (harness/run/loop.py) logs them and decides when to save
+(harness/run/cadence.py). Everything that decides the numbers of step N is a pure function of
+the config and the restored state: nothing else draws random numbers or touches the data stream.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from harness.config import RunConfig, batch_shape, model_args
+from harness.data import BatchStream, eval_batches
+from harness.data.factory import is_iterator_source
+from harness.data.iterator_stream import IteratorStream
+from harness.data.sources import TrainData, open_data
+from harness.errors import UserError
+from harness.health.anomaly import Anomaly, detect
+from harness.log import get_logger
+from harness.models.contract import build_model, split_output
+from harness.models.init_from import load_initial_weights
+from harness.parallel import distributed, exact, exact_fsdp
+from harness.parallel.sharding import full_value, materialize_optimizer_state, shard_model
+from harness.repro import numerics
+from harness.repro.buffer_probe import BufferProbe, non_persistent_buffers
+from harness.repro.completeness import check_buffers, check_registered
+from harness.repro.fingerprint import FingerprintLog
+from harness.repro.prng import derive_seed
+from harness.repro.rng import RNGState, micro_batch_streams, seed_everything
+from harness.run.state import TrainerCounters, TrainState
+from optim.build import build_bundle
+from optim.dtensor import local
+from optim.errors import OptimError
+
+log = get_logger(__name__)
+
+
+class TrainingDiverged(UserError):
+    """The loss, the gradient norm or the state became NaN/inf (or the loss spiked); no checkpoint
+    of the poisoned state is written. `anomaly`: what a rollback can step over (a loss or gradient
+    anomaly before the optimizer step), None for a poisoned state."""
+
+    def __init__(self, message: str, anomaly: Anomaly | None = None) -> None:
+        super().__init__(message)
+        self.anomaly = anomaly
+
+
+DIVERGED_ADVICE = "Lower the learning rate, enable train.grad_clip, or resume from the last checkpoint"
+
+
+@dataclass
+class StepResult:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: dict[str, list[float]]
+    tokens: int
+    seconds: float
+    optim_seconds: float  # unscale, clip, optimizer and scheduler step, zero_grad (part of `seconds`)
+    data_seconds: float = 0.0  # waiting for the next batch from the data stream (part of `seconds`)
+    fingerprint: dict[str, Any] | None = None  # harness.repro.fingerprint record of this step
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device = 'cuda' but no CUDA device is visible; use 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def compile_options(device: torch.device) -> dict[str, Any] | None:
+    """Inductor options for `train.compile` on `device`. On a CPU, dropout keeps ATen's random
+    number kernels (`fallback_random`): inductor's own kernels draw each element's number inside
+    their generated C++ loops, which made the quickstart's compiled step 1.23-1.42x the eager
+    one's CPU time on the 2-core machine, against 1.02x with ATen's (0.96x without dropout;
+    docs/bench-overhead.md). On a GPU inductor's random numbers (philox, in its Triton kernels)
+    are the fast ones: torch's defaults stay. Either way the numbers come from torch's
+    generators, which the `rng` part saves, so a compiled run resumes bitwise."""
+    return {"fallback_random": True} if device.type == "cpu" else None
+
+
+class Trainer:
+    """Builds model, optimizer bundle, data stream, RNG and scaler from a config; runs steps."""
+
+    def __init__(self, cfg: RunConfig, *, rank: int = 0, world_size: int = 1, data: TrainData | None = None,
+                 fresh: bool = False) -> None:
+        """`data`: the datasets, when the caller opened them already (`open_data`). `fresh`: a
+        start at step 0, whose model then loads `model.init_from` (when set; `initialised_from`
+        records what was read); a trainer a checkpoint is restored into never reads it."""
+        self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
+        self.batch_size, self.grad_accum = batch_shape(cfg, world_size)
+        self.exact = cfg.parallel.exact_elastic  # harness/parallel/exact.py: the step does not depend on the world size
+        self.data = data if data is not None else open_data(cfg.data, cfg.train.seed, rank, world_size)
+        self.device = resolve_device(cfg.train.device)
+        if self.device.type == "cuda" and world_size > 1:
+            self.device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, set by the process group
+        if self.exact and self.device.type == "cpu" and cfg.train.cpu_threads is None:
+            # torch's own CPU kernels split their sums by the thread count, and torchrun sets 1
+            # thread per rank where one process takes the machine's: fixed, the bits follow.
+            raise UserError("parallel.exact_elastic on a CPU needs train.cpu_threads set (the same per-rank thread "
+                            "count at every world size, e.g. 1)")
+        numerics.apply(cfg.train.cpu_threads)
+        numerics.warn_of_open_residual(self.device.type)
+        seed_everything(cfg.train.seed)
+
+        factory_args = model_args(cfg)
+        if self.data.vocab_size is not None:  # token shards (their tokenizer), or a user dataset that says
+            factory_args.setdefault("vocab_size", self.data.vocab_size)
+            if factory_args["vocab_size"] < self.data.vocab_size:
+                raise UserError(
+                    f"model.args.vocab_size = {factory_args['vocab_size']} does not cover the data's vocabulary "
+                    f"({self.data.vocab_size} ids): raise it to at least {self.data.vocab_size}, or leave it unset")
+        self.model = build_model(cfg.model.factory, factory_args).to(self.device)
+        # A transformers model's config.json (harness.models.hf), kept in every checkpoint's meta:
+        # `harness ckpt export --format hf` writes it.
+        hf_config = getattr(self.model, "hf_config", None)
+        self.hf_config = hf_config() if callable(hf_config) else None
+        self.initialised_from = None
+        if fresh and cfg.model.init_from is not None:  # whole tensors by name, so before any sharding
+            self.initialised_from = load_initial_weights(self.model, cfg.model.init_from)
+        # FSDP2 swaps the parameters for DTensors, so it shards before the optimizers see them.
+        self.sharded = world_size > 1 and cfg.parallel.strategy == "fsdp"
+        if self.sharded:
+            shard_model(self.model, cfg.parallel, self.device, world_size)
+        elif cfg.parallel.strategy == "fsdp":
+            log.warning("parallel.strategy = 'fsdp' with one process: nothing to shard, the whole model trains here "
+                        "(a sharded checkpoint loads into it); start several ranks with torchrun to shard")
+        try:
+            self.optim, self.sched = build_bundle(cfg.optim, self.model, total_steps=cfg.train.steps)
+        except OptimError as e:  # the optimizers' user error (optim imports nothing from the harness)
+            raise UserError(str(e)) from None
+        # Forward and backward go through `self.net`: the DDP wrapper, whose backward all-reduces
+        # the gradients before any optimizer (Muon's orthogonalisation included) sees them.
+        # `self.model`, the inner module, is the state part, so parameter names stay unprefixed.
+        # Under FSDP the model is its own wrapper (its backward reduce-scatters the gradients).
+        # Exact elastic mode has no wrapper: it sums the gradients itself, in its tree's order.
+        self.net = self.model
+        self._fsdp_gradients = exact_fsdp.FSDPGradients(self.model) if self.exact and self.sharded else None
+        if world_size > 1 and not self.sharded and not self.exact:
+            from torch.nn.parallel import DistributedDataParallel
+
+            device_ids = [self.device] if self.device.type == "cuda" else None
+            self.net = DistributedDataParallel(self.model, device_ids=device_ids)
+        # Dropout differs by rank (as the samples do); each rank's stream is its `rng` part. Exact
+        # elastic mode draws only from per-micro-batch streams, so every rank keeps the run seed's.
+        if world_size > 1 and not self.exact:
+            seed_everything(derive_seed(cfg.train.seed, rank))
+        if cfg.train.compile:
+            # Compiles what the step calls; `self.model` stays the plain module, so the state part
+            # (and every checkpoint) keeps unprefixed parameter names (no `_orig_mod.`).
+            self.net = torch.compile(self.net, options=compile_options(self.device))
+        self.batch_hook: Callable[[int, Any], None] | None = None  # debug.sample_log
+
+        self.train_set, self.eval_set = self.data.train, self.data.eval
+        self.stream = self._open_stream()
+
+        amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
+        self._autocast = (lambda: torch.autocast(self.device.type, dtype=amp_dtype)) if amp_dtype else nullcontext
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
+
+        self.counters = TrainerCounters()
+        self.state = TrainState()
+        self.state.register("model", self.model, sharded=self.sharded)
+        self.state.register("optim", self.optim, sharded=self.sharded)
+        self.state.register("sched", self.sched)
+        self.state.register("data", self.stream, per_rank=True)  # the cursor: global, cheap to keep per rank
+        self.state.register("scaler", self.scaler)
+        self.state.register("trainer", self.counters)
+        self.state.register("rng", RNGState(), per_rank=True, kept_on_new_rank=True)
+        self.fingerprints = FingerprintLog(
+            lambda: {k: v for k, v in self.state.parts().items() if k != "fingerprints"},
+            cfg.train.fingerprint_every, cfg.train.on_divergence)
+        self.state.register("fingerprints", self.fingerprints)
+        check_registered({"trainer": self}, self.state.parts(), cfg.train.unregistered_state)
+        # Non-persistent buffers are judged by watching this process's first forward.
+        self._buffer_probe = BufferProbe(self.model) if non_persistent_buffers(self.model) else None
+
+    def _open_stream(self) -> BatchStream | IteratorStream:
+        """The harness's global order over a map-style source, or a user's stateful iterator as it is."""
+        cfg = self.cfg
+        if not is_iterator_source(self.train_set):
+            # Exact elastic mode reads a rank's whole block of micro-batches of a step at once.
+            return BatchStream(self.train_set, self.batch_size * (self.grad_accum if self.exact else 1), cfg.train.seed,
+                               rank=self.rank, world_size=self.world_size, num_workers=cfg.data.num_workers,
+                               pin_memory=self.device.type == "cuda", contiguous=self.exact)
+        if self.exact:
+            raise UserError("parallel.exact_elastic needs a map-style dataset (the harness's own order cuts the "
+                            "canonical micro-batches); a data.factory iterator cannot: set exact_elastic = false")
+        if cfg.data.num_workers:
+            raise UserError(f"data.num_workers = {cfg.data.num_workers} with a data.factory iterator: the harness "
+                            "reads an iterator in the training process, so its state_dict matches the batches "
+                            "trained on; set data.num_workers = 0 (read ahead inside the iterator if needed)")
+        return IteratorStream(self.train_set, self.batch_size, cfg.data.seq_len, rank=self.rank,
+                              world_size=self.world_size)
+
+    @property
+    def step(self) -> int:
+        return self.counters.step
+
+    def train_step(self) -> StepResult:
+        """One optimizer step over `grad_accum` micro-batches. Raises TrainingDiverged on NaN/inf."""
+        t0 = time.perf_counter()
+        self.model.train()
+        data_s = self._skip_rolled_back_batches()
+        batch_no = self.counters.anomalies.next_batch(self.step)
+        accumulate = self._exact_micro_batches if self.exact else self._micro_batches
+        loss_value, tokens, sample_ids, micro_data_s = accumulate(batch_no)
+        data_s += micro_data_s
+        # Host clock, no extra device sync: exact on CPU. On CUDA the loss read above has synced,
+        # but the optimizer's kernels may still run at t_end, so there it is approximate (low).
+        t_optim = time.perf_counter()
+        grad_norm = math.nan
+        if math.isfinite(loss_value):
+            self.scaler.unscale_(self.optim)
+            grad_norm = self._clip_gradients()
+        self._stop_if_diverged(loss_value, grad_norm, batch_no)
+        self.scaler.step(self.optim)
+        self.scaler.update()
+        self.sched.step()
+        self.optim.zero_grad(set_to_none=True)
+        t_end = time.perf_counter()
+        self.counters.record(loss_value, tokens)
+        if self.cfg.train.spike_threshold is not None:
+            self.counters.anomalies.observe(loss_value, self.cfg.train.spike_window)
+        lr = self.sched.get_last_lr()
+        fingerprint = self.fingerprints.take(self.step, loss_value, {"sample_ids": self._global_ids(sample_ids)}, lr)
+        return StepResult(self.step, loss_value, grad_norm, lr, tokens, t_end - t0, t_end - t_optim,
+                          fingerprint=fingerprint, data_seconds=data_s)
+
+    def _micro_batches(self, batch_no: int) -> tuple[float, int, list[torch.Tensor], float]:
+        """Forward and backward of this rank's `grad_accum` micro-batches, the gradients reduced by
+        DDP's (FSDP's) own collective; returns (the loss, mean over all ranks; tokens over all ranks;
+        this rank's sample ids per micro-batch; seconds waited for data)."""
+        accum = self.grad_accum
+        total = torch.zeros((), device=self.device)
+        tokens = 0
+        sample_ids = []
+        data_s = 0.0
+        for i in range(accum):
+            t_data = time.perf_counter()
+            batch = next(self.stream)
+            data_s += time.perf_counter() - t_data
+            if self.batch_hook is not None:
+                self.batch_hook(self.step + 1, batch)
+            sample_ids.append(batch.sample_ids)
+            # From pinned memory (a CUDA device, loader workers) the copy overlaps; otherwise it is the same copy.
+            x, y = batch.x.to(self.device, non_blocking=True), batch.y.to(self.device, non_blocking=True)
+            # DDP all-reduces (FSDP reduce-scatters) in the last micro-batch's backward only: the sum is the same.
+            with self._accumulating(i < accum - 1):
+                with self._autocast():
+                    _, loss = split_output(self.net(x, y))
+                if self._buffer_probe is not None and self._buffer_probe.done:
+                    self._check_buffers()
+                self.scaler.scale(loss / accum).backward()
+            total += loss.detach().float()
+            tokens += x.numel()
+        total = self._poisoned(total, batch_no)  # the all-reduce spreads it
+        if self.world_size > 1:  # every rank logs, digests and checks the mean over all ranks
+            torch.distributed.all_reduce(total)
+            tokens *= self.world_size
+        loss_value = float(total) / (accum * self.world_size)
+        return loss_value, tokens, sample_ids, data_s
+
+    def _poisoned(self, losses: torch.Tensor, batch_no: int) -> torch.Tensor:
+        """`losses` as `[debug]` asks on this rank for batch `batch_no`: NaN (nan_at_steps) or 100x
+        (spike_at_steps) on debug.nan_rank, unchanged elsewhere."""
+        if self.cfg.debug.nan_rank == self.rank:
+            if batch_no in self.cfg.debug.nan_at_steps:
+                return losses * math.nan
+            if batch_no in self.cfg.debug.spike_at_steps:
+                return losses * 100.0
+        return losses
+
+    def _exact_micro_batches(self, batch_no: int) -> tuple[float, int, list[torch.Tensor], float]:
+        """`_micro_batches` of `parallel.exact_elastic` (harness/parallel/exact.py): this rank's contiguous
+        block of the step's canonical micro-batches, each drawing its random numbers from (seed,
+        step, its index v) and leaving its own gradient, summed over the fixed tree and then
+        across ranks in the tree's order; the loss is the exactly rounded mean over all of them."""
+        t_data = time.perf_counter()
+        block = next(self.stream)
+        data_s = time.perf_counter() - t_data
+        if self.batch_hook is not None:
+            self.batch_hook(self.step + 1, block)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        micro_batches = self.grad_accum * self.world_size
+        take = self._fsdp_gradients.take if self.sharded else None
+        if self.sharded:  # FSDP keeps each micro-batch's whole gradient; the tree sums them
+            self.model.set_requires_gradient_sync(False)
+        tree = exact.SumTree()
+        losses = []
+        first = self.rank * self.grad_accum
+        for k, (x, y) in enumerate(zip(block.x.split(self.batch_size), block.y.split(self.batch_size))):
+            # A fresh copy of each micro-batch: the same shape and alignment whichever block it came in.
+            x, y = x.to(self.device, copy=True), y.to(self.device, copy=True)
+            with micro_batch_streams(self.cfg.train.seed, self.step + 1, first + k):
+                with self._autocast():
+                    _, loss = split_output(self.net(x, y))
+                if self._buffer_probe is not None and self._buffer_probe.done:
+                    self._check_buffers()
+                self.scaler.scale(loss / micro_batches).backward()
+            tree.push(exact.flat_gradients(params, take))
+            losses.append(loss.detach())
+        block_losses = torch.stack(losses)
+        block_losses = self._poisoned(block_losses, batch_no)
+        if self.sharded:
+            exact_fsdp.reduce_scatter_blocks(tree.result(), exact_fsdp.ShardLayout(params, self.world_size, self.rank))
+        else:
+            exact.set_gradients(params, exact.reduce_blocks(tree.result(), self.world_size))
+        loss_value = exact.mean_over_micro_batches(block_losses, self.world_size)
+        return loss_value, block.x.numel() * self.world_size, [block.sample_ids], data_s
+
+    def _accumulating(self, more: bool):
+        """The context of one micro-batch's backward: no gradient reduction when `more` follow."""
+        if self.sharded:
+            self.model.set_requires_gradient_sync(not more)
+            return nullcontext()
+        return self.net.no_sync() if self.world_size > 1 and more else nullcontext()
+
+    def materialize_optimizer_state(self) -> None:
+        """Create the optimizers' state now (a sharded checkpoint loads into live tensors only)."""
+        materialize_optimizer_state(self.optim.optimizers)
+
+    def _global_ids(self, per_micro_batch: list[torch.Tensor]) -> torch.Tensor:
+        """The sample ids of the whole global batch in cursor order, the same for any world size:
+        micro-batch by micro-batch, rank r's row b is global position b * world + r (order.py)."""
+        if self.world_size == 1:
+            return torch.cat(per_micro_batch)
+        ids = torch.stack(per_micro_batch).to(self.device)  # [accum, batch]; NCCL gathers on the GPU
+        gathered = [torch.empty_like(ids) for _ in range(self.world_size)]
+        torch.distributed.all_gather(gathered, ids)
+        if self.exact:  # one contiguous block per rank: rank order is cursor order
+            return torch.cat(gathered).reshape(-1).cpu()
+        return torch.stack(gathered, dim=2).reshape(-1).cpu()  # [accum, batch, world] -> cursor order
+
+    def _check_buffers(self) -> None:
+        """After the watched first forward, before its backward: apply the completeness policy to
+        the non-persistent buffers that carry state, and let the fingerprints blame them."""
+        stateful = self._buffer_probe.stateful
+        self._buffer_probe = None
+        check_buffers(stateful, self.cfg.train.unregistered_state)
+        if stateful:
+            self.fingerprints.note_unsaved(stateful, self.step + 1)
+
+    def _clip_gradients(self) -> float:
+        """The global gradient norm (one fused norm, one host sync), clipping to train.grad_clip."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip is not None else math.inf
+        if self.exact:  # in an order no sharding changes
+            return exact.clip_gradients(params, max_norm, self.world_size)
+        return float(full_value(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+
+    def _skip_rolled_back_batches(self) -> float:
+        """Draw and discard the step-batches a rollback marked to skip (harness/health/anomaly.py)
+        when the next step would train on them; returns the seconds spent drawing them."""
+        ledger = self.counters.anomalies
+        t0 = time.perf_counter()
+        while ledger.next_batch(self.step) in ledger.skip:
+            for _ in range(1 if self.exact else self.grad_accum):  # exact mode reads a step's block at once
+                next(self.stream)
+            ledger.skipped += 1
+        return time.perf_counter() - t0
+
+    def _stop_if_diverged(self, loss: float, grad_norm: float, batch_no: int) -> None:
+        """Raise TrainingDiverged, on every rank, before the optimizer step when the loss or the
+        gradient norm is NaN/inf on any rank, or the loss is a spike (`train.spike_threshold`).
+        With fp16 the grad scaler owns non-finite gradients: it skips such a step and lowers its
+        scale, as dynamic loss scaling intends. The error carries the `Anomaly` (the loop rolls
+        back on it with `train.on_anomaly = "rollback"`)."""
+        # Already agreed across ranks without a collective of its own: `loss` is the all-reduced
+        # mean and DDP all-reduced the gradients, so a NaN/inf on one rank is on every rank here.
+        t = self.cfg.train
+        anomaly = detect(self.counters.anomalies, self.step + 1, batch_no, loss, grad_norm,
+                         grads_checked=not self.scaler.is_enabled(), spike_threshold=t.spike_threshold,
+                         spike_window=t.spike_window)
+        if anomaly is None:
+            return
+        self.optim.zero_grad(set_to_none=True)
+        what = anomaly.describe() if anomaly.cause != "nonfinite_grad" else \
+            f"gradient norm is {grad_norm} (loss {loss:.6g}) at step {anomaly.step}"
+        raise TrainingDiverged(f"{what}; the step was not applied and no checkpoint of it was written. "
+                               f"{DIVERGED_ADVICE}", anomaly)
+
+    def check_finite_state(self) -> None:
+        """Raise TrainingDiverged, on every rank, when a parameter, buffer or optimizer tensor holds
+        NaN/inf: called before every save, so a poisoned state never becomes a checkpoint.
+
+        Cheap: one float32 sum per tensor (a NaN/inf element makes it non-finite; one fused
+        reduction, about 60x faster on a CPU than `isfinite().all()`) and one host sync. Only
+        when a sum is not finite (or overflowed) is each tensor checked exactly, to name it."""
+        named = [(f"model/{n}", t) for n, t in (*self.model.named_parameters(), *self.model.named_buffers())]
+        for opt_name, opt in self.optim.optimizers.items():
+            names = {id(p): n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
+            named += [(f"optim/{opt_name}/{names.get(id(p), '?')}/{k}", v)
+                      for p, st in opt.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)]
+        named = [(n, local(t).detach()) for n, t in named if t.is_floating_point() and t.numel()]
+        suspect = bool(named) and not bool(
+            torch.stack([t.sum(dtype=torch.float32).to(self.device) for _, t in named]).isfinite().all())
+        bad = next((n for n, t in named if not bool(t.isfinite().all())), None) if suspect else None
+        # Agreed across this trainer's ranks only: a one-process trainer may live in a rank of a group.
+        if distributed.all_ok(bad is None) if self.world_size > 1 else bad is None:
+            return
+        raise TrainingDiverged(f"{bad or 'a tensor on another rank'} holds NaN/inf after step {self.step}; no "
+                               f"checkpoint of this state was written (the newest checkpoint is of an earlier "
+                               f"step). {DIVERGED_ADVICE}")
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over a fixed set of held-out batches; draws no random numbers."""
+        self.model.eval()
+        losses = []
+        for batch in eval_batches(self.eval_set, self.batch_size, self.cfg.train.eval_batches):
+            with self._autocast():
+                _, loss = split_output(self.model(batch.x.to(self.device), batch.y.to(self.device)))
+            losses.append(float(loss))
+        self.model.train()
+        return sum(losses) / max(len(losses), 1)
+
+    def close(self) -> None:
+        self.stream.close()
