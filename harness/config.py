@@ -404,13 +404,13 @@ class ParallelSection(Section):
         False,
         description=(
             "Make every step independent of the world size, bit for bit (harness/parallel/exact.py; "
-            "docs/distributed.md, \"Exact elastic\"): the step's train.global_batch samples are cut into "
-            "V = global_batch / data.batch_size canonical micro-batches in sample order, rank r of W takes the contiguous block "
-            "r*V/W..(r+1)*V/W-1, each micro-batch draws its random numbers from (seed, step, micro-batch), and "
-            "the gradients are summed over one fixed tree of the V micro-batches. Needs train.global_batch and "
-            "data.batch_size set (train.grad_accum unset: it is V / W), and train.cpu_threads set on a CPU; DDP "
-            "and FSDP alike; the exact world sizes are 1 and every W dividing V with V / W a power of two (others "
-            "are refused)."
+            "docs/distributed.md, \"Exact elastic\"): the step's train.global_batch samples are cut into V = "
+            "global_batch / data.batch_size canonical micro-batches in sample order, rank r of W takes the "
+            "contiguous block r*V/W..(r+1)*V/W-1, each micro-batch draws its random numbers from (seed, step, "
+            "micro-batch), and the gradients are summed over one fixed tree of the V micro-batches. Needs "
+            "train.global_batch and data.batch_size set (train.grad_accum unset: it is V / W), and "
+            "train.cpu_threads set on a CPU; DDP and FSDP alike; the exact world sizes are 1 and every W dividing"
+            " V with V / W a power of two (others are refused)."
         ),
     )
 
