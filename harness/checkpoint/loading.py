@@ -166,10 +166,10 @@ class CheckpointShards:
     nothing else does)."""
 
     def __init__(self, loc: Location, checkpoint: Checkpoint, open_file: Callable) -> None:
-        from harness.checkpoint import sharded
+        from harness.checkpoint import dcp
 
         self.loc, self.checkpoint, self.open_file = loc, checkpoint, open_file
-        self._dcp = sharded
+        self._dcp = dcp
         self._metadata = None
 
     @property

@@ -13,7 +13,7 @@ import blake3
 import pytest
 from structlog.testing import capture_logs
 
-from harness.checkpoint import location
+from harness.storage import location
 from harness.storage.digest import ALGORITHMS, DEFAULT_ALGORITHM, hexdigest, new_hasher
 from harness.storage.location import HashingReader, hash_file, open_location, write_stream
 from procs import ENV, ROOT

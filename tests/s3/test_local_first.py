@@ -11,8 +11,9 @@ import torch
 from torch import nn
 
 import procs
-from harness.checkpoint import CheckpointStore, capture, local_first
+from harness.checkpoint import CheckpointStore, capture
 from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.save import local_first
 from harness.checkpoint.save.local_first import LocalFirst, UploadError
 from procs import TINY, harness
 from s3proxy import FaultPlan

@@ -88,7 +88,7 @@ def test_transient_faults_are_retried(proxy, s3_url, mode):
 
 def test_parts_grow_so_that_s3s_part_limit_is_never_reached(proxy, s3_url, monkeypatch):
     """Part sizes double every PARTS_PER_SIZE parts (S3 allows 10,000 per object)."""
-    from harness.checkpoint import s3
+    from harness.storage import s3
 
     monkeypatch.setattr(s3, "PARTS_PER_SIZE", 2)
     fs, root = open_filesystem(s3_url, options(proxy.endpoint, default_block_size=5 << 20))

@@ -33,10 +33,10 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
-from harness.checkpoint import CheckpointStore
 from harness.checkpoint.save.commit import Committer
 from harness.checkpoint.save.group_commit import WORLD_SIZE_KEY
 from harness.checkpoint.save.saver import Saver, Submitted
+from harness.checkpoint.store import CheckpointStore
 from harness.config import LocalTierSection
 from harness.parallel import distributed
 from harness.records.run_id import RUN_ID_KEY
