@@ -20,9 +20,10 @@ from collections.abc import Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass
 
-from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from harness.checkpoint.errors import CheckpointCorrupt
 from harness.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_manifest
 from harness.log import get_logger
+from harness.storage.errors import StorageError
 from harness.storage.location import Location, folder_name, read_bytes
 
 log = get_logger(__name__)
@@ -107,7 +108,7 @@ def read_manifest(loc: Location, ref: CheckpointRef) -> Manifest:
         manifest = parse_manifest(read_bytes(loc, path, MAX_MANIFEST_BYTES), loc.url_of(path))
     except CheckpointCorrupt:
         raise
-    except CheckpointError as e:
+    except StorageError as e:
         raise CheckpointCorrupt(str(e)) from e
     if manifest.step != ref.step:
         raise CheckpointCorrupt(f"{ref.url}: the manifest says step {manifest.step}, the folder says {ref.step}")
@@ -121,7 +122,7 @@ def check_sizes(loc: Location, ref: CheckpointRef) -> list[str]:
     every byte."""
     try:
         manifest = read_manifest(loc, ref)
-    except CheckpointError as e:
+    except StorageError as e:
         return [str(e)]
     sizes = {folder_name(entry["name"]): entry["size"] for entry in loc.fs.ls(ref.path, detail=True)}
     return [size_problem(loc.url_of(f"{ref.path}/{rec.name}"), rec, sizes.get(rec.name))

@@ -14,13 +14,13 @@ from __future__ import annotations
 import errno
 import os
 
-from harness.errors import UserError
+from harness.storage.errors import StorageError
 
 # Storage errors that retrying or restarting cannot heal.
 USER_FIXABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 
 
-class CheckpointError(UserError):
+class CheckpointError(StorageError):
     """A checkpoint, store or lease problem the user can act on."""
 
 

@@ -44,6 +44,7 @@ import psutil
 
 from harness.checkpoint.errors import CheckpointError
 from harness.log import get_logger
+from harness.storage.errors import StorageError
 from harness.storage.location import Location, fsync_dir, read_bytes, rename, write_small
 
 log = get_logger(__name__)
@@ -139,7 +140,7 @@ class Lease:
                 doc = json.loads(read_bytes(self.loc, self.path, 1 << 20))
                 if isinstance(doc, dict) and all(k in doc for k in ("owner", "host", "pid", "since", "heartbeat")):
                     return doc
-            except (ValueError, CheckpointError):
+            except (ValueError, StorageError):
                 pass
         log.warning("ignoring a malformed lease file", path=self.loc.url_of(self.path))
         return None

@@ -33,7 +33,7 @@ from enum import Enum
 from typing import Any
 
 from harness.checkpoint.discovery import CheckpointRef, read_manifest, size_problem
-from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from harness.checkpoint.errors import CheckpointCorrupt
 from harness.checkpoint.format import parse_state
 from harness.checkpoint.manifest import STATE_FILE, FileRecord, Manifest
 from harness.checkpoint.restore import restore_parts
@@ -41,6 +41,7 @@ from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE
 from harness.checkpoint.tensorfile import TensorEntry, read_header
 from harness.log import get_logger
 from harness.storage.digest import hexdigest
+from harness.storage.errors import StorageError
 from harness.storage.location import HashingReader, Location, check_small, hash_file, open_read, read_bytes
 
 log = get_logger(__name__)
@@ -78,7 +79,7 @@ def read_state_file(loc: Location, ref: CheckpointRef, manifest: Manifest, file:
         return parse_state(read_listed(loc, ref, manifest, file, MAX_STATE_BYTES), where)
     except CheckpointCorrupt:
         raise
-    except CheckpointError as e:
+    except StorageError as e:
         raise CheckpointCorrupt(str(e)) from e
 
 
@@ -95,7 +96,7 @@ def read_listed(loc: Location, ref: CheckpointRef, manifest: Manifest, file: str
         raise CheckpointCorrupt(f"{where}: missing; the checkpoint is incomplete")
     try:
         data = read_bytes(loc, path, limit)
-    except CheckpointError as e:
+    except StorageError as e:
         raise CheckpointCorrupt(str(e)) from e
     if len(data) != rec.size:
         raise CheckpointCorrupt(f"{where}: does not match the manifest ({len(data)} bytes, manifest says "
@@ -111,7 +112,7 @@ def verify_files(loc: Location, ref: CheckpointRef) -> list[str]:
     the manifest, the safetensors headers and state.json. Reads every byte."""
     try:
         manifest = read_manifest(loc, ref)
-    except CheckpointError as e:
+    except StorageError as e:
         return [str(e)]
     problems = []
     started = time.perf_counter()
@@ -128,7 +129,7 @@ def verify_files(loc: Location, ref: CheckpointRef) -> list[str]:
             try:
                 _check_content(reader, rec, where)
                 content_problem = None
-            except CheckpointError as e:
+            except StorageError as e:
                 content_problem = str(e)
             size, digest = reader.finish()
         if size != rec.size:
@@ -211,7 +212,7 @@ def open_tensors(loc: Location, stack: ExitStack, ref: CheckpointRef, rec: FileR
     f = stack.enter_context(HashingReader(f, rec.algorithm) if hashing else f)
     try:
         return f, read_header(f, size, where), where
-    except CheckpointError as e:
+    except StorageError as e:
         raise CheckpointCorrupt(str(e)) from e
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from harness.checkpoint.errors import CheckpointError
 from harness.storage.digest import ALGORITHMS, DEFAULT_ALGORITHM, HEX_DIGITS
+from harness.storage.errors import StorageError
 
 MANIFEST_FILE = "manifest.json"
 # Every checkpoint's state file (format.py writes it): named here, where a manifest that does not
@@ -87,7 +88,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
         if type(step) is not int or step < 0 or not isinstance(created, (int, float)) or not isinstance(writer, str):
             raise ValueError("bad step, created_unix or writer")
         files = tuple(_record(r, where, READABLE_VERSIONS[version]) for r in doc["files"])
-    except CheckpointError:
+    except StorageError:
         raise
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(

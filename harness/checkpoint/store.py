@@ -71,6 +71,7 @@ from harness.checkpoint.shard_files import SHARDED
 from harness.checkpoint.tensorfile import TensorEntry, serialize
 from harness.errors import Unavailable
 from harness.log import get_logger
+from harness.storage.errors import StorageError
 from harness.storage.location import (
     Location,
     folder_name,
@@ -353,7 +354,7 @@ class CheckpointStore:
             return
         try:
             aborted = abort_uploads(self.dir)
-        except CheckpointError as e:  # a cleanup: never a reason not to train
+        except StorageError as e:  # a cleanup: never a reason not to train
             log.warning("could not abort multipart uploads left open by earlier writers (needs "
                         "s3:ListBucketMultipartUploads); an AbortIncompleteMultipartUpload lifecycle rule "
                         "on the bucket cleans them up instead", error=str(e)[:300])

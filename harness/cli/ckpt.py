@@ -31,6 +31,7 @@ from harness.checkpoint.manifest import MANIFEST_FILE, parse_manifest
 from harness.checkpoint.store import CheckpointStore
 from harness.cli.args import storage_option_parser, storage_options_of
 from harness.records.run_id import RUN_JSON
+from harness.storage.errors import StorageError
 from harness.storage.location import folder_name, open_location, read_bytes
 
 
@@ -84,7 +85,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         try:
             m = store.manifest(r)
             size, created = _size(m.nbytes), time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(m.created))
-        except CheckpointError:
+        except StorageError:
             size, created = "?", "?"
         status = "verified" if not problems else f"BAD ({len(problems)} problem(s)): {problems[0]}"
         print(f"{r.step:>10}  {size:>10}  {created:20}  {status}")

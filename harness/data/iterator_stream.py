@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import capture
 from harness.data.batch import Batch
 from harness.errors import UserError
+from harness.storage.errors import StorageError
 
 _WHAT_TO_YIELD = "each next() must give (x, y) or (x, y, sample_id): int64 tensors of seq_len tokens"
 
@@ -106,5 +106,5 @@ class IteratorStream:
         """At start, not at the first save: a state the checkpoint format cannot hold is a UserError."""
         try:
             capture({"data": self.state_dict()}, per_rank=("data",))
-        except CheckpointError as e:
+        except StorageError as e:
             raise UserError(f"the data.factory iterator's state_dict() cannot be checkpointed: {e}") from None

@@ -19,8 +19,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from harness.checkpoint.errors import CheckpointError
 from harness.errors import UserError
+from harness.storage.errors import StorageError
 from harness.storage.location import Location, open_location, read_bytes
 
 FORMAT_VERSION = 1
@@ -132,6 +132,6 @@ def read_index(url: str, storage_options: dict | None = None) -> tuple[ShardInde
     except FileNotFoundError:
         raise UserError(f"{url}/{INDEX_NAME} does not exist: not a prepared dataset, or its prepare did not "
                         f"finish; run `harness data prepare ... --out {url}`") from None
-    except CheckpointError as e:
+    except StorageError as e:
         raise UserError(f"dataset {url}: {e}") from None
     return ShardIndex.from_json(data, f"{url}/{INDEX_NAME}"), loc

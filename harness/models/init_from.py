@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import tensor_view
 from harness.checkpoint.tensorfile import read_header, read_tensor
 from harness.errors import UserError
+from harness.storage.errors import StorageError
 from harness.storage.location import HashingReader, Location, open_location, open_read
 
 SETTING = "model.init_from"
@@ -62,7 +62,7 @@ def _weight_files(url: str) -> tuple[Location, list[str]]:
     model.safetensors, or the shards its model.safetensors.index.json names."""
     try:
         loc = open_location(url)
-    except CheckpointError as e:
+    except StorageError as e:
         raise UserError(f"{SETTING} = {url!r}: {e}") from None
     fs = loc.fs
     if fs.isfile(loc.root):
@@ -122,6 +122,6 @@ def _load_file(loc: Location, name: str, targets: dict[str, torch.Tensor], loade
             nbytes, digest = f.finish()
     except FileNotFoundError:
         raise UserError(f"{SETTING} = {url!r}: {where} does not exist (named by {INDEX_FILE})") from None
-    except CheckpointError as e:  # not a safetensors file, truncated
+    except StorageError as e:  # not a safetensors file, truncated
         raise UserError(f"{SETTING} = {url!r}: {e}") from None
     return {"name": name, "bytes": nbytes, DIGEST: digest}

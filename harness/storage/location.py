@@ -26,8 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from harness.checkpoint.errors import CheckpointError
 from harness.storage.digest import DEFAULT_ALGORITHM, new_hasher
+from harness.storage.errors import StorageError
 from harness.storage.filesystem import open_filesystem
 
 # Written-but-not-yet-hashed bytes allowed in flight; see write_stream.
@@ -64,17 +64,17 @@ def folder_name(path: str) -> str:
 
 
 def open_location(url: str, storage_options: dict | None = None) -> Location:
-    """Resolve `url` (local path or fsspec URL); an unknown protocol is a `CheckpointError`."""
+    """Resolve `url` (local path or fsspec URL); an unknown protocol is a `StorageError`."""
     try:
         fs, root = open_filesystem(str(url), storage_options)
     except ValueError as e:
         protocol = str(url).split("://", 1)[0]
-        raise CheckpointError(
+        raise StorageError(
             f"unknown storage protocol {protocol!r} in {url!r}: use a local path or an fsspec URL "
             f"such as s3://bucket/prefix or memory://name ({e})"
         ) from e
     except ImportError as e:
-        raise CheckpointError(f"storage URL {url!r} needs a package that is not installed: {e}") from e
+        raise StorageError(f"storage URL {url!r} needs a package that is not installed: {e}") from e
     if getattr(fs, "local_disk", False):
         root = os.path.abspath(root)
     return Location(fs=fs, root=root.rstrip("/") or "/", url=str(url))
@@ -82,15 +82,15 @@ def open_location(url: str, storage_options: dict | None = None) -> Location:
 
 def output_folder(url: str, storage_options: dict | None, what: str) -> Location:
     """Open `url` as a folder to write into, creating it. A path that is a file, or a folder that
-    cannot be created, is a `CheckpointError` naming `what` (the flag or setting that gave it),
+    cannot be created, is a `StorageError` naming `what` (the flag or setting that gave it),
     raised before any work starts."""
     loc = open_location(url, storage_options)
     try:
         loc.fs.makedirs(loc.root, exist_ok=True)
     except FileExistsError:
-        raise CheckpointError(f"{what} {url} is a file, not a folder: give a folder path") from None
+        raise StorageError(f"{what} {url} is a file, not a folder: give a folder path") from None
     except OSError as e:
-        raise CheckpointError(f"cannot write to {what} {url}: {e}; choose a writable {what}") from None
+        raise StorageError(f"cannot write to {what} {url}: {e}; choose a writable {what}") from None
     return loc
 
 
@@ -252,7 +252,7 @@ def hash_file(loc: Location, path: str, algorithm: str = DEFAULT_ALGORITHM) -> t
 def check_small(where: str, size: int, limit: int) -> None:
     """Refuse a small file (a manifest, a state file) of more than `limit` bytes before reading it."""
     if size > limit:
-        raise CheckpointError(f"{where} is {size} bytes, more than the {limit} allowed for this file; "
+        raise StorageError(f"{where} is {size} bytes, more than the {limit} allowed for this file; "
                               "it is not a file this harness wrote")
 
 

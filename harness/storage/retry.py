@@ -15,7 +15,7 @@ Contract of `call_with_retries(fn, what=, policy=, target=, endpoint=)`:
   `FileNotFoundError`, which callers rely on) propagate unchanged.
 * Running out of attempts or time on transient errors raises `StorageUnavailable` naming the
   operation, the object, the endpoint, the attempts, the time spent and the last error. It is
-  not a `StorageError` (not a `CheckpointError`, not a `UserError`): no caller may read an outage
+  not a `StorageError` (not a `UserError`): no caller may read an outage
   as a missing or malformed file, and the CLI exits with the retryable STORAGE_UNAVAILABLE (69).
 
 Nested calls (a read that wraps a request that is itself retried) retry only at the outermost
@@ -39,9 +39,9 @@ from botocore import exceptions as bx
 from botocore.parsers import ResponseParserError
 from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception, stop_after_attempt, stop_after_delay
 
-from harness.checkpoint.errors import CheckpointError
 from harness.errors import Unavailable
 from harness.log import get_logger
+from harness.storage.errors import StorageError
 
 log = get_logger(__name__)
 T = TypeVar("T")
@@ -67,10 +67,6 @@ NETWORK_ERRORS = (bx.HTTPClientError, bx.ConnectionError, bx.IncompleteReadError
 _in_retry = contextvars.ContextVar("harness_storage_in_retry", default=False)
 
 
-class StorageError(CheckpointError):
-    """A storage operation failed for good; the message says what to check or change."""
-
-
 class StorageUnavailable(Unavailable):
     """A storage operation kept failing transiently (timeouts, refused connections, 5xx) until its
     retry deadline; the message names the operation, the object and the endpoint."""
@@ -93,7 +89,7 @@ class RetryPolicy:
 
     def __post_init__(self):
         if self.attempts < 1 or self.initial <= 0 or self.max_wait < self.initial or self.deadline_s <= 0:
-            raise CheckpointError(
+            raise StorageError(
                 f"invalid storage retry policy {self}: need attempts >= 1, 0 < initial <= max_wait and "
                 "deadline_s > 0 (checkpoint.storage_options.retry)")
 

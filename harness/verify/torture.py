@@ -46,9 +46,9 @@ from typing import Any
 import torch
 
 from harness.checkpoint import CheckpointStore
-from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.lease import LEASE_FILE, MISSED_HEARTBEATS
 from harness.checkpoint.manifest import MANIFEST_FILE
+from harness.storage.errors import StorageError
 from harness.storage.faults import FaultPlan, SimulatedCrash
 from harness.storage.location import open_location
 
@@ -92,7 +92,7 @@ def loads_as_saved(store: CheckpointStore, ref) -> bool:
     targets = {name: _Part(tree) for name, tree in expected.items()}
     try:
         store.load(ref, targets)
-    except CheckpointError:
+    except StorageError:
         return False
     for name, tree in expected.items():
         got = targets[name].tree
@@ -208,7 +208,7 @@ class Torture:
     def _run_here(self, url: str, plan: FaultPlan) -> str:
         try:
             self.victim(url, plan)
-        except (SimulatedCrash, OSError, CheckpointError):
+        except (SimulatedCrash, OSError, StorageError):
             pass
         except Exception as e:  # an injected fault must never turn into another kind of error
             return f"{type(e).__name__}: {e}"
@@ -230,7 +230,7 @@ class Torture:
         try:
             store.acquire_lease()
             store.save(good.step + 1, tiny_state(good.step + 1), per_rank=PER_RANK)
-        except CheckpointError as e:
+        except StorageError as e:
             return "unclean", kept_new, f"restart could not save: {e}"
         leftovers = store.incomplete()
         store.release_lease()

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 from harness.config import LogSection
-from harness.errors import UserError
 from harness.log import get_logger
 
 log = get_logger(__name__)
@@ -67,14 +66,3 @@ class Trackers:
                 self._failing.add(i)
             else:
                 self._failing.discard(i)
-
-
-def require(module: str, extra: str, tracker: str) -> Any:
-    """Import `module` for `tracker`, or a UserError naming the extra to install."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise UserError(f"log.trackers = [\"{tracker}\"] needs the {module.split('.')[0]} package: "
-                        f"pip install 'harness[{extra}]', or remove it from log.trackers") from None

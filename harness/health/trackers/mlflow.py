@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from harness.health.trackers import require
+from harness.health.trackers.packages import require
 
 SCALARS = ("loss", "grad_norm", "tokens_per_s", "eval_loss")
 RUN_TAG = "harness.records.run_id"

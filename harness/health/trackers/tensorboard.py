@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from harness.health.trackers import require
+from harness.health.trackers.packages import require
 
 SCALARS = ("loss", "grad_norm", "tokens_per_s", "eval_loss")
 SUBDIR = "tensorboard"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from harness.health.trackers import require
+from harness.health.trackers.packages import require
 
 SCALARS = ("loss", "grad_norm", "tokens_per_s", "eval_loss")
 
