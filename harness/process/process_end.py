@@ -11,7 +11,7 @@ aborts: "terminate called without an active exception", SIGABRT, exit -6, after 
 finished and committed everything (a core dump of such a process: ~AsyncBarrierWork ->
 ~AsyncAllgatherWork -> TensorImpl::decref_pyobject -> take_gil -> PyThread_exit_thread, with
 the main thread in Py_FinalizeEx; pytorch/pytorch#179291 is the same abort). A busy machine,
-where the worker thread waits for a core, makes it likely; issue 20 saw it in 1 of 4 suites.
+where the worker thread waits for a core, makes it likely: it was seen in 1 of 4 test suites.
 
 Contract: `process_group()` (harness/parallel/distributed.py) calls `group_joined()` when it joins one.
 `end(code)` is how a command's process finishes: without a group it returns `code` (a normal

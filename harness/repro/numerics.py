@@ -4,7 +4,7 @@ by the harness itself (not the user's shell) and recorded with the run.
 Why: torch's CPU build computes matrix products with Intel oneMKL, whose default mode ("CNR
 off") promises nothing from one run to the next: it may pick code paths by the alignment of its
 buffers and adjust its threads at run time ("MKL_DYNAMIC"). Two identical `harness train` runs
-on a busy 2-core machine differed from step 2 on in 2 of 28 trials that way (issue 16).
+on a busy 2-core machine differed from step 2 on in 2 of 28 trials that way.
 Conditional Numerical Reproducibility in strict mode ("AUTO,STRICT") makes ?gemm bitwise
 repeatable whatever the alignment and even across thread counts; the other MKL routines and
 torch's own parallel kernels split work by the thread count, so that count is fixed and recorded.
@@ -129,7 +129,7 @@ def settings() -> dict[str, Any]:
 def open_residual(device_type: str) -> str | None:
     """The nondeterminism known on this platform that the settings above do not remove, or None.
 
-    Issue 16, open: on an Intel Xeon with AVX-512, default-threaded runs were seen to differ by
+    Open: on an Intel Xeon with AVX-512, default-threaded runs were seen to differ by
     one ulp from an early step on (a step 1 on another thread count gives the same bits; why a
     run would compute on another count was not found); never on one thread, nor on the AMD EPYC
     after it. Not tied to MKL: the suspect is one of torch's own reductions, so a build without
@@ -139,12 +139,13 @@ def open_residual(device_type: str) -> str | None:
 
     if device_type == "cpu" and torch.get_num_threads() > 1 and residual_platform():
         return ("on Intel CPUs with AVX-512, runs on more than one CPU thread were seen to differ by one ulp "
-                "from an early step on (issue 16, cause not found); runs on one thread never were")
+                "from an early step on (cause not found; docs/verify-resume.md, \"Conditions of the guarantee\"); "
+                "runs on one thread never were")
     return None
 
 
 def residual_platform() -> bool:
-    """Whether this CPU is of the kind issue 16's residual was seen on (Intel, AVX-512)."""
+    """Whether this CPU is of the kind the open residual was seen on (Intel, AVX-512)."""
     info = cpu()
     return info.vendor == "GenuineIntel" and "avx512f" in info.flags
 
