@@ -7,12 +7,12 @@ dataset size; a cursor `{"epoch", "position"}` resumes it in O(1). Modules, in r
   `corpus`), or a `TokenStore` such as the shard reader.
 - `sources`: the `[data]` config -> train/eval sources: byte text, token shards mixed by weight
   (`shard_index`, `shard_reader`, `integrity`, `mixture`, `document_split`), or a user `factory`.
-- `prepare`, `documents`, `tokenizers_spec`, `tokenize_worker`, `cli`: `harness data prepare|verify`.
+- `prepare`, `documents`, `columnar`, `tokenizers_spec`, `tokenize_worker`: `harness data prepare`
+  (the command and `harness data verify`: harness/cli/data.py).
 - `order`: the epoch permutation and how ranks split it.
 - `batch`: `Batch`, what the trainer receives, with the cursor it came from.
 - `stream`: `BatchStream`, the trainer's endless stream with its cursor `state_dict`.
 - `evaluation`: `eval_batches`, the held-out set in fixed order.
-- `prng`: the portable generator behind every seed derivation.
 - `identity`: `data_identity`, the data's URL and content fingerprint that checkpoints record.
 """
 
