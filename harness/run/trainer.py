@@ -25,6 +25,7 @@ from harness.data.factory import is_iterator_source
 from harness.data.iterator_stream import IteratorStream
 from harness.data.sources import TrainData, open_data
 from harness.errors import UserError
+from harness.health import debug_hooks
 from harness.health.anomaly import Anomaly, detect
 from harness.log import get_logger
 from harness.models.contract import build_model, split_output
@@ -327,22 +328,12 @@ class Trainer:
                 self.scaler.scale(loss / accum).backward()
             total += loss.detach().float()
             tokens += x.numel()
-        total = self._poisoned(total, batch_no)  # the all-reduce spreads it
+        total = debug_hooks.poisoned(self.cfg.debug, self.rank, batch_no, total)  # the all-reduce spreads it
         if self.world_size > 1:  # every rank logs, digests and checks the mean over all ranks
             torch.distributed.all_reduce(total)
             tokens *= self.world_size
         loss_value = float(total) / (accum * self.world_size)
         return loss_value, tokens, sample_ids, data_s
-
-    def _poisoned(self, losses: torch.Tensor, batch_no: int) -> torch.Tensor:
-        """`losses` as `[debug]` asks on this rank for batch `batch_no`: NaN (nan_at_steps) or 100x
-        (spike_at_steps) on debug.nan_rank, unchanged elsewhere."""
-        if self.cfg.debug.nan_rank == self.rank:
-            if batch_no in self.cfg.debug.nan_at_steps:
-                return losses * math.nan
-            if batch_no in self.cfg.debug.spike_at_steps:
-                return losses * 100.0
-        return losses
 
     def _exact_micro_batches(self, batch_no: int) -> tuple[float, int, list[torch.Tensor], float]:
         """`_micro_batches` of `parallel.exact_elastic` (harness/parallel/exact.py): this rank's contiguous
@@ -374,7 +365,7 @@ class Trainer:
             tree.push(exact.flat_gradients(params, take))
             losses.append(loss.detach())
         block_losses = torch.stack(losses)
-        block_losses = self._poisoned(block_losses, batch_no)
+        block_losses = debug_hooks.poisoned(self.cfg.debug, self.rank, batch_no, block_losses)
         if self.sharded:
             exact_fsdp.reduce_scatter_blocks(tree.result(), exact_fsdp.ShardLayout(params, self.world_size, self.rank))
         else:
