@@ -1,5 +1,6 @@
-"""Debug hooks that make a run hang or poison a batch (`[debug]`), to test the health machinery
-with real processes. Never set in real runs.
+"""Debug hooks that make a run hang, crash, pause or poison a batch (`[debug]`), to test the health
+machinery with real processes. Never set in real runs. The step loop holds them as one
+`DebugHooks`; the trainer poisons its losses with `poisoned`.
 
 Each hang happens once per log dir: a marker file remembers it, so the restarted process goes on.
 - `debug.hang_in = "step"`: the rank sleeps inside step `hang_at_step` (the other ranks then
@@ -13,12 +14,64 @@ Each hang happens once per log dir: a marker file remembers it, so the restarted
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
 from typing import Any
 
+from harness import exit_codes
 from harness.config import DebugSection
+
+
+class DebugHooks:
+    """The `[debug]` hooks of one training process's step loop, built once. Each call does nothing
+    unless its setting asks for it; each is made where in the step its setting acts."""
+
+    def __init__(self, d: DebugSection, log_dir: Path, rank: int, stream: Any) -> None:
+        """`stream`: the trainer's data stream; a data hang (`hang_in = "data"`) wraps its source."""
+        self.d = d
+        self.log_dir = log_dir
+        self.rank = rank
+        if d.hang_at_step is not None and d.hang_in == "data":
+            stream.dataset = StallingSource(stream.dataset, log_dir, d)
+
+    def in_step(self, step: int) -> None:
+        """Inside the watched step `step`, before its first batch: arm the data hang that the
+        step's fetch meets, or hang here (`hang_in`, `hang_at_step`, `hang_rank`)."""
+        arm_data_hang(self.d, self.log_dir, self.rank, step)
+        hang_in_step(self.d, self.log_dir, self.rank, step)
+
+    def after_step(self, step: int) -> None:
+        """`crash_at_step`: once step `step` is trained and logged, before its evaluation and its
+        checkpoint, die as a real crash would (os._exit, or an exception with `crash_mode =
+        "raise"`); with `crash_once` only the first time in this log dir."""
+        d = self.d
+        if d.crash_at_step is None or step != d.crash_at_step:
+            return
+        marker = self.log_dir / f".crashed-at-{d.crash_at_step}"
+        if d.crash_once and marker.exists():
+            return
+        marker.touch()
+        if d.crash_mode == "raise":
+            raise RuntimeError(f"debug.crash_at_step: planned crash after step {d.crash_at_step}")
+        os._exit(exit_codes.CRASH_EXIT_CODE)
+
+    def end_of_step(self) -> None:
+        """`step_sleep_s`: sleep after the step's checkpoint, a window for kill tests."""
+        if self.d.step_sleep_s:
+            time.sleep(self.d.step_sleep_s)
+
+
+def poisoned(d: DebugSection, rank: int, batch_no: int, losses: Any) -> Any:
+    """`losses` (a tensor) as `[debug]` asks on `rank` for batch `batch_no`: NaN (`nan_at_steps`)
+    or 100x (`spike_at_steps`) on `nan_rank`, unchanged elsewhere."""
+    if d.nan_rank == rank:
+        if batch_no in d.nan_at_steps:
+            return losses * math.nan
+        if batch_no in d.spike_at_steps:
+            return losses * 100.0
+    return losses
 
 
 def _marker(log_dir: Path, d: DebugSection) -> Path:

@@ -1,7 +1,7 @@
 """The step loop around the trainer (`Loop`): metrics, evaluation, checkpoints at the cadence
 `CheckpointClock` decides (synchronously, in the background, local-first) and to the local tier at
 its own cadence (checkpoint/save/local_tier.py), preemption within its
-deadline, the fault hooks of `[debug]` (crash_at_step, sample_log, step_sleep_s), and the health hooks
+deadline, the fault hooks of `[debug]` (harness/health/debug_hooks.py), and the health hooks
 (harness/health: the hang watchdog, rollback on an anomaly, the trackers)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from harness.checkpoint.save.commit import Committed
 from harness.checkpoint.save.local_tier import LocalTier
 from harness.checkpoint.save.saver import open_saver
 from harness.config import RunConfig, public_config
-from harness.health import debug_hooks
+from harness.health.debug_hooks import DebugHooks
 from harness.health.watchdog import HangReport, HangWatchdog
 from harness.log import get_logger
 from harness.models.hf import HF_CONFIG_META
@@ -33,7 +33,7 @@ from harness.repro.fingerprint import fingerprint_fields
 from harness.run.cadence import CheckpointClock
 from harness.run.environment import environment_fingerprint
 from harness.run.rollback import roll_back
-from harness.run.trainer import Trainer, TrainingDiverged
+from harness.run.trainer import StepResult, Trainer, TrainingDiverged
 
 log = get_logger(__name__)
 
@@ -66,8 +66,7 @@ class Loop:
         h = cfg.health
         self.watchdog = HangWatchdog(log_dir, factor=h.hang_factor, floor_s=h.hang_floor_s, first_step_s=h.first_step_s,
                                      rank=distributed.rank(), on_hang=self.hung) if h.hang_watchdog else None
-        if cfg.debug.hang_at_step is not None and cfg.debug.hang_in == "data":
-            trainer.stream.dataset = debug_hooks.StallingSource(trainer.stream.dataset, log_dir, cfg.debug)
+        self.debug = DebugHooks(cfg.debug, log_dir, distributed.rank(), trainer.stream)
 
     def watch(self, phase: str, **limits: float) -> contextlib.AbstractContextManager:
         """The hang watchdog's deadline around one blocking phase of the next step (or nothing)."""
@@ -86,6 +85,8 @@ class Loop:
         return {"scale": max(1.0, self.cfg.train.eval_batches / self.trainer.grad_accum)}
 
     def run(self) -> int:
+        """Train up to `train.steps`, then the final evaluation and checkpoint; returns the exit
+        code (finished, or preempted)."""
         cfg, trainer = self.cfg, self.trainer
         bar = tqdm(total=cfg.train.steps, initial=trainer.step, disable=not sys.stderr.isatty(),
                    desc="train", unit="step", dynamic_ncols=True)
@@ -96,28 +97,17 @@ class Loop:
                         stop = distributed.all_reduce_flag(watch.requested)  # one rank's signal stops all at this step
                     if stop:
                         return self.preempt(watch)
-                    debug_hooks.arm_data_hang(cfg.debug, self.log_dir, distributed.rank(), trainer.step + 1)
-                    try:
-                        with self.watch("step"):
-                            debug_hooks.hang_in_step(cfg.debug, self.log_dir, distributed.rank(), trainer.step + 1)
-                            result = trainer.train_step()
-                    except TrainingDiverged as e:
-                        self.anomaly(e)
+                    result = self.step_or_roll_back()
+                    if result is None:
                         continue
-                    if self.watchdog is not None:
-                        self.watchdog.observe_step(result.seconds)
                     self.poll()
                     self.train_s += result.seconds
                     self.clock.observe_step(result.seconds)
                     self.record(result)
                     bar.update(1)
                     bar.set_postfix(loss=f"{result.loss:.4f}")
-                    self.crash_hook()
-                    # The last step's evaluation is the final one, after the loop (it overlaps the final persist).
-                    every = cfg.train.eval_every
-                    if every and trainer.step % every == 0 and trainer.step < cfg.train.steps:
-                        with self.watch("eval", **self.eval_limits()):
-                            self.write_metrics({"step": trainer.step, "eval_loss": trainer.evaluate()})
+                    self.debug.after_step(trainer.step)
+                    self.evaluate_if_due()
                     # Not sticky: a finished run extended with a larger train.steps is unfinished again.
                     trainer.counters.finished = trainer.step >= cfg.train.steps
                     if distributed.rank0_flag(self.clock.due(trainer.step)):
@@ -126,8 +116,7 @@ class Loop:
                     elif self.local_tier is not None and self.local_tier.due(trainer.step):
                         with self.watch("save"):
                             self.save_local()
-                    if cfg.debug.step_sleep_s:
-                        time.sleep(cfg.debug.step_sleep_s)
+                    self.debug.end_of_step()
                 if distributed.all_reduce_flag(watch.requested) and self.last_saved != trainer.step:
                     return self.preempt(watch)
                 with self.watch("eval", **self.eval_limits()):
@@ -145,6 +134,28 @@ class Loop:
         self.events.emit("exit", reason="finished", step=trainer.step, train_s=self.train_s, save_s=self.save_s)
         log.info("finished", step=trainer.step, eval_loss=round(final_eval, 4), run_dir=cfg.run_dir)
         return exit_codes.FINISHED
+
+    def step_or_roll_back(self) -> StepResult | None:
+        """Train the next step inside the hang watchdog's `step` phase, the `[debug]` hang hooks
+        first; None when it stopped on an anomaly and the loop rolled back past it (`anomaly`)."""
+        try:
+            with self.watch("step"):
+                self.debug.in_step(self.trainer.step + 1)
+                result = self.trainer.train_step()
+        except TrainingDiverged as e:
+            self.anomaly(e)
+            return None
+        if self.watchdog is not None:
+            self.watchdog.observe_step(result.seconds)
+        return result
+
+    def evaluate_if_due(self) -> None:
+        """Every `train.eval_every` steps, the eval loss into the metrics. Not at the last step: its
+        evaluation is the final one, after the loop (it overlaps the final persist)."""
+        every, step = self.cfg.train.eval_every, self.trainer.step
+        if every and step % every == 0 and step < self.cfg.train.steps:
+            with self.watch("eval", **self.eval_limits()):
+                self.write_metrics({"step": step, "eval_loss": self.trainer.evaluate()})
 
     def record(self, r) -> None:
         self.write_metrics({"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
@@ -270,16 +281,3 @@ class Loop:
         self.events.emit("exit", reason="preempted", step=step, signal=watch.signal_name,
                          train_s=self.train_s, save_s=self.save_s)
         return exit_codes.PREEMPTED
-
-    def crash_hook(self) -> None:
-        """debug.crash_at_step: die like a real crash would, to test restarts."""
-        d = self.cfg.debug
-        if d.crash_at_step is None or self.trainer.step != d.crash_at_step:
-            return
-        marker = self.log_dir / f".crashed-at-{d.crash_at_step}"
-        if d.crash_once and marker.exists():
-            return
-        marker.touch()
-        if d.crash_mode == "raise":
-            raise RuntimeError(f"debug.crash_at_step: planned crash after step {d.crash_at_step}")
-        os._exit(exit_codes.CRASH_EXIT_CODE)

@@ -25,6 +25,7 @@ from harness.data.factory import is_iterator_source
 from harness.data.iterator_stream import IteratorStream
 from harness.data.sources import TrainData, open_data
 from harness.errors import UserError
+from harness.health import debug_hooks
 from harness.health.anomaly import Anomaly, detect
 from harness.log import get_logger
 from harness.models.contract import build_model, split_output
@@ -97,96 +98,156 @@ class Trainer:
                  fresh: bool = False) -> None:
         """`data`: the datasets, when the caller opened them already (`open_data`). `fresh`: a
         start at step 0, whose model then loads `model.init_from` (when set; `initialised_from`
-        records what was read); a trainer a checkpoint is restored into never reads it."""
+        records what was read); a trainer a checkpoint is restored into never reads it.
+
+        The order of the steps is part of the numbers: the run seed before the model draws its
+        initial weights (the same on every rank), whole weights loaded before sharding, the
+        sharded parameters before the optimizers take them, and the rank's own seed only once
+        the model and the optimizers are built."""
         self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
         self.batch_size, self.grad_accum = batch_shape(cfg, world_size)
         self.exact = cfg.parallel.exact_elastic  # harness/parallel/exact.py: the step does not depend on the world size
         self.data = data if data is not None else open_data(cfg.data, cfg.train.seed, rank, world_size)
-        self.device = resolve_device(cfg.train.device)
-        if self.device.type == "cuda" and world_size > 1:
-            self.device = torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, set by the process group
-        if self.exact and self.device.type == "cpu" and cfg.train.cpu_threads is None:
+        self.device = self._choose_device()
+        self._apply_numerics()
+        seed_everything(cfg.train.seed)
+        self.model = self._build_model()
+        self.hf_config = self._hf_config()
+        self.initialised_from = self._load_initial_weights(fresh)
+        self.sharded = self._shard()
+        self.optim, self.sched = self._build_optimizer()
+        self.net = self._wrap_ddp()
+        self._fsdp_gradients = exact_fsdp.FSDPGradients(self.model) if self.exact and self.sharded else None
+        self._seed_rank()
+        self.net = self._compile(self.net)
+        self.batch_hook: Callable[[int, Any], None] | None = None  # debug.sample_log
+        self.train_set, self.eval_set = self.data.train, self.data.eval
+        self.stream = self._open_stream()
+        self._autocast, self.scaler = self._mixed_precision()
+        self.counters = TrainerCounters()
+        self.state = TrainState()
+        self.fingerprints = FingerprintLog(
+            lambda: {k: v for k, v in self.state.parts().items() if k != "fingerprints"},
+            cfg.train.fingerprint_every, cfg.train.on_divergence)
+        self._register_state()
+        check_registered({"trainer": self}, self.state.parts(), cfg.train.unregistered_state)
+        # Non-persistent buffers are judged by watching this process's first forward.
+        self._buffer_probe = BufferProbe(self.model) if non_persistent_buffers(self.model) else None
+
+    def _choose_device(self) -> torch.device:
+        """`train.device`; in a group on CUDA, this rank's own device."""
+        device = resolve_device(self.cfg.train.device)
+        if device.type == "cuda" and self.world_size > 1:
+            return torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, set by the process group
+        return device
+
+    def _apply_numerics(self) -> None:
+        """The process's reproducibility settings (harness/repro/numerics.py), before the model is
+        built; refuses exact elastic mode on a CPU without a fixed thread count."""
+        if self.exact and self.device.type == "cpu" and self.cfg.train.cpu_threads is None:
             # torch's own CPU kernels split their sums by the thread count, and torchrun sets 1
             # thread per rank where one process takes the machine's: fixed, the bits follow.
             raise UserError("parallel.exact_elastic on a CPU needs train.cpu_threads set (the same per-rank thread "
                             "count at every world size, e.g. 1)")
-        numerics.apply(cfg.train.cpu_threads)
+        numerics.apply(self.cfg.train.cpu_threads)
         numerics.warn_of_open_residual(self.device.type)
-        seed_everything(cfg.train.seed)
 
-        factory_args = model_args(cfg)
-        if self.data.vocab_size is not None:  # token shards (their tokenizer), or a user dataset that says
-            factory_args.setdefault("vocab_size", self.data.vocab_size)
-            if factory_args["vocab_size"] < self.data.vocab_size:
+    def _build_model(self) -> torch.nn.Module:
+        """The model of `model.factory` on this trainer's device, its initial weights drawn from
+        the generators as seeded now. A vocabulary the data declares fills in an unset
+        `model.args.vocab_size` and must fit in a set one."""
+        factory_args = model_args(self.cfg)
+        vocab = self.data.vocab_size
+        if vocab is not None:  # token shards (their tokenizer), or a user dataset that says
+            factory_args.setdefault("vocab_size", vocab)
+            if factory_args["vocab_size"] < vocab:
                 raise UserError(
                     f"model.args.vocab_size = {factory_args['vocab_size']} does not cover the data's vocabulary "
-                    f"({self.data.vocab_size} ids): raise it to at least {self.data.vocab_size}, or leave it unset")
-        self.model = build_model(cfg.model.factory, factory_args).to(self.device)
-        # A transformers model's config.json (harness.models.hf), kept in every checkpoint's meta:
-        # `harness ckpt export --format hf` writes it.
+                    f"({vocab} ids): raise it to at least {vocab}, or leave it unset")
+        return build_model(self.cfg.model.factory, factory_args).to(self.device)
+
+    def _hf_config(self) -> dict[str, Any] | None:
+        """A transformers model's config.json (harness.models.hf), kept in every checkpoint's meta:
+        `harness ckpt export --format hf` writes it. None for other models."""
         hf_config = getattr(self.model, "hf_config", None)
-        self.hf_config = hf_config() if callable(hf_config) else None
-        self.initialised_from = None
-        if fresh and cfg.model.init_from is not None:  # whole tensors by name, so before any sharding
-            self.initialised_from = load_initial_weights(self.model, cfg.model.init_from)
-        # FSDP2 swaps the parameters for DTensors, so it shards before the optimizers see them.
-        self.sharded = world_size > 1 and cfg.parallel.strategy == "fsdp"
-        if self.sharded:
-            shard_model(self.model, cfg.parallel, self.device, world_size)
-        elif cfg.parallel.strategy == "fsdp":
+        return hf_config() if callable(hf_config) else None
+
+    def _load_initial_weights(self, fresh: bool) -> dict[str, Any] | None:
+        """`model.init_from` loaded into a fresh start's model (what was read), else None. Whole
+        tensors by name, so before any sharding."""
+        if fresh and self.cfg.model.init_from is not None:
+            return load_initial_weights(self.model, self.cfg.model.init_from)
+        return None
+
+    def _shard(self) -> bool:
+        """Shard the model with FSDP2 when `parallel.strategy = "fsdp"` in a group; whether it is.
+        FSDP2 swaps the parameters for DTensors, so this runs before the optimizers see them."""
+        cfg = self.cfg
+        if self.world_size > 1 and cfg.parallel.strategy == "fsdp":
+            shard_model(self.model, cfg.parallel, self.device, self.world_size)
+            return True
+        if cfg.parallel.strategy == "fsdp":
             log.warning("parallel.strategy = 'fsdp' with one process: nothing to shard, the whole model trains here "
                         "(a sharded checkpoint loads into it); start several ranks with torchrun to shard")
+        return False
+
+    def _build_optimizer(self) -> tuple[Any, Any]:
+        """The optimizer bundle and its scheduler over the model's (sharded) parameters."""
         try:
-            self.optim, self.sched = build_bundle(cfg.optim, self.model, total_steps=cfg.train.steps)
+            return build_bundle(self.cfg.optim, self.model, total_steps=self.cfg.train.steps)
         except OptimError as e:  # the optimizers' user error (optim imports nothing from the harness)
             raise UserError(str(e)) from None
-        # Forward and backward go through `self.net`: the DDP wrapper, whose backward all-reduces
-        # the gradients before any optimizer (Muon's orthogonalisation included) sees them.
-        # `self.model`, the inner module, is the state part, so parameter names stay unprefixed.
-        # Under FSDP the model is its own wrapper (its backward reduce-scatters the gradients).
-        # Exact elastic mode has no wrapper: it sums the gradients itself, in its tree's order.
-        self.net = self.model
-        self._fsdp_gradients = exact_fsdp.FSDPGradients(self.model) if self.exact and self.sharded else None
-        if world_size > 1 and not self.sharded and not self.exact:
+
+    def _wrap_ddp(self) -> torch.nn.Module:
+        """What forward and backward go through: the DDP wrapper in a replicated group (its
+        backward all-reduces the gradients before any optimizer, Muon's orthogonalisation
+        included, sees them), else the model itself: under FSDP the model is its own wrapper (its
+        backward reduce-scatters the gradients), and exact elastic mode sums the gradients
+        itself, in its tree's order. `self.model`, the inner module, stays the state part, so
+        parameter names stay unprefixed."""
+        if self.world_size > 1 and not self.sharded and not self.exact:
             from torch.nn.parallel import DistributedDataParallel
 
             device_ids = [self.device] if self.device.type == "cuda" else None
-            self.net = DistributedDataParallel(self.model, device_ids=device_ids)
-        # Dropout differs by rank (as the samples do); each rank's stream is its `rng` part. Exact
-        # elastic mode draws only from per-micro-batch streams, so every rank keeps the run seed's.
-        if world_size > 1 and not self.exact:
-            seed_everything(derive_seed(cfg.train.seed, rank))
-        if cfg.train.compile:
-            # Compiles what the step calls; `self.model` stays the plain module, so the state part
-            # (and every checkpoint) keeps unprefixed parameter names (no `_orig_mod.`).
-            self.net = torch.compile(self.net, options=compile_options(self.device))
-        self.batch_hook: Callable[[int, Any], None] | None = None  # debug.sample_log
+            return DistributedDataParallel(self.model, device_ids=device_ids)
+        return self.model
 
-        self.train_set, self.eval_set = self.data.train, self.data.eval
-        self.stream = self._open_stream()
+    def _seed_rank(self) -> None:
+        """In a group, reseed this rank's generators from (run seed, rank): dropout differs by rank
+        (as the samples do), and each rank's stream is its `rng` part. Exact elastic mode draws
+        only from per-micro-batch streams, so there every rank keeps the run seed's."""
+        if self.world_size > 1 and not self.exact:
+            seed_everything(derive_seed(self.cfg.train.seed, self.rank))
 
-        amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[cfg.train.precision]
-        self._autocast = (lambda: torch.autocast(self.device.type, dtype=amp_dtype)) if amp_dtype else nullcontext
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=cfg.train.precision == "fp16")
+    def _compile(self, net: torch.nn.Module) -> torch.nn.Module:
+        """`net` compiled when `train.compile` is set, else `net`. Only what the step calls is
+        compiled: `self.model` stays the plain module, so the state part (and every checkpoint)
+        keeps unprefixed parameter names (no `_orig_mod.`)."""
+        if self.cfg.train.compile:
+            return torch.compile(net, options=compile_options(self.device))
+        return net
 
-        self.counters = TrainerCounters()
-        self.state = TrainState()
-        self.state.register("model", self.model, sharded=self.sharded)
-        self.state.register("optim", self.optim, sharded=self.sharded)
-        self.state.register("sched", self.sched)
-        self.state.register("data", self.stream, per_rank=True)  # the cursor: global, cheap to keep per rank
-        self.state.register("scaler", self.scaler)
-        self.state.register("trainer", self.counters)
-        self.state.register("rng", RNGState(), per_rank=True, kept_on_new_rank=True)
-        self.fingerprints = FingerprintLog(
-            lambda: {k: v for k, v in self.state.parts().items() if k != "fingerprints"},
-            cfg.train.fingerprint_every, cfg.train.on_divergence)
-        self.state.register("fingerprints", self.fingerprints)
-        check_registered({"trainer": self}, self.state.parts(), cfg.train.unregistered_state)
-        # Non-persistent buffers are judged by watching this process's first forward.
-        self._buffer_probe = BufferProbe(self.model) if non_persistent_buffers(self.model) else None
+    def _mixed_precision(self) -> tuple[Callable[[], Any], torch.amp.GradScaler]:
+        """The autocast context factory of `train.precision` and the grad scaler (enabled for fp16 only)."""
+        precision = self.cfg.train.precision
+        amp_dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+        autocast = (lambda: torch.autocast(self.device.type, dtype=amp_dtype)) if amp_dtype else nullcontext
+        return autocast, torch.amp.GradScaler(self.device.type, enabled=precision == "fp16")
+
+    def _register_state(self) -> None:
+        """Register every resumable part in `self.state`, in the order checkpoints list them;
+        `fingerprints` last, as it hashes all the others."""
+        state = self.state
+        state.register("model", self.model, sharded=self.sharded)
+        state.register("optim", self.optim, sharded=self.sharded)
+        state.register("sched", self.sched)
+        state.register("data", self.stream, per_rank=True)  # the cursor: global, cheap to keep per rank
+        state.register("scaler", self.scaler)
+        state.register("trainer", self.counters)
+        state.register("rng", RNGState(), per_rank=True, kept_on_new_rank=True)
+        state.register("fingerprints", self.fingerprints)
 
     def _open_stream(self) -> BatchStream | IteratorStream:
         """The harness's global order over a map-style source, or a user's stateful iterator as it is."""
@@ -267,22 +328,12 @@ class Trainer:
                 self.scaler.scale(loss / accum).backward()
             total += loss.detach().float()
             tokens += x.numel()
-        total = self._poisoned(total, batch_no)  # the all-reduce spreads it
+        total = debug_hooks.poisoned(self.cfg.debug, self.rank, batch_no, total)  # the all-reduce spreads it
         if self.world_size > 1:  # every rank logs, digests and checks the mean over all ranks
             torch.distributed.all_reduce(total)
             tokens *= self.world_size
         loss_value = float(total) / (accum * self.world_size)
         return loss_value, tokens, sample_ids, data_s
-
-    def _poisoned(self, losses: torch.Tensor, batch_no: int) -> torch.Tensor:
-        """`losses` as `[debug]` asks on this rank for batch `batch_no`: NaN (nan_at_steps) or 100x
-        (spike_at_steps) on debug.nan_rank, unchanged elsewhere."""
-        if self.cfg.debug.nan_rank == self.rank:
-            if batch_no in self.cfg.debug.nan_at_steps:
-                return losses * math.nan
-            if batch_no in self.cfg.debug.spike_at_steps:
-                return losses * 100.0
-        return losses
 
     def _exact_micro_batches(self, batch_no: int) -> tuple[float, int, list[torch.Tensor], float]:
         """`_micro_batches` of `parallel.exact_elastic` (harness/parallel/exact.py): this rank's contiguous
@@ -314,7 +365,7 @@ class Trainer:
             tree.push(exact.flat_gradients(params, take))
             losses.append(loss.detach())
         block_losses = torch.stack(losses)
-        block_losses = self._poisoned(block_losses, batch_no)
+        block_losses = debug_hooks.poisoned(self.cfg.debug, self.rank, batch_no, block_losses)
         if self.sharded:
             exact_fsdp.reduce_scatter_blocks(tree.result(), exact_fsdp.ShardLayout(params, self.world_size, self.rank))
         else:
