@@ -49,6 +49,9 @@ TENSOR_KEY = "$tensor"
 ITEMS_KEY = "$items"
 _PART_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
+WORLD_SIZE_KEY = "world_size"
+"""The meta key of the number of ranks that wrote a checkpoint (absent: one process)."""
+
 KeyPath = tuple[str | int, ...]
 """Where a value sits in a part's state dict: the keys and list indices from its root."""
 
@@ -56,6 +59,11 @@ KeyPath = tuple[str | int, ...]
 def rank_file(rank: int) -> str:
     """The tensor file of rank `rank`'s per-rank parts."""
     return f"rank-{rank:05d}.safetensors"
+
+
+def rank_state_file(rank: int) -> str:
+    """The JSON side of rank `rank`'s per-rank parts (rank > 0 of a group; in the layout of state.json)."""
+    return f"rank-{rank:05d}.json"
 
 
 def tensor_file(part: str, rank: int, per_rank: Collection[str]) -> str:

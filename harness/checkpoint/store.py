@@ -20,8 +20,8 @@ Discovery (`latest_good`) walks committed steps newest first and verifies sizes 
 (each file's algorithm as its manifest names it) against the manifest; a checkpoint that fails
 is logged (file, expected vs found) and skipped.
 Reading (loading.py): `open(ref)` reads a checkpoint's manifest and state.json once into a
-`Checkpoint`; `restore(checkpoint, targets, verify=)` streams it into the live state, `load(ref,
-...)` does both. A damaged checkpoint raises `CheckpointCorrupt`, one that does not fit a plain
+`Checkpoint`; loading it into the live state is loading.py's `load` (`harness.checkpoint.load`).
+A damaged checkpoint raises `CheckpointCorrupt`, one that does not fit a plain
 `CheckpointError`; resuming builds a new trainer and tries the next older of `candidates()`
 after a `CheckpointCorrupt` only.
 
@@ -58,11 +58,8 @@ from harness.checkpoint.format import Snapshot, capture, dump_state
 from harness.checkpoint.lease import DEFAULT_HEARTBEAT_S, Lease
 from harness.checkpoint.loading import (
     Checkpoint,
-    Verify,
     open_checkpoint,
     open_tensors,
-    read_state_file,
-    restore,
     verify_files,
 )
 from harness.checkpoint.manifest import MANIFEST_FILE, STATE_FILE, FileRecord, Manifest
@@ -310,10 +307,6 @@ class CheckpointStore:
         checked against the manifest's digest. Keys: format_version, step, rank, parts, meta."""
         return self.open(ref).state
 
-    def read_state_file(self, checkpoint: Checkpoint, file: str) -> dict[str, Any]:
-        """Another state file of `checkpoint` in the layout of state.json (a rank's `rank-NNNNN.json`)."""
-        return read_state_file(self.loc, checkpoint.ref, checkpoint.manifest, file)
-
     def tensor_headers(self, ref: CheckpointRef) -> dict[str, dict[str, TensorEntry]]:
         """File name -> tensor name -> entry, for every tensor file of `ref` (headers only)."""
         with self.open_tensor_files(ref) as files:
@@ -325,20 +318,6 @@ class CheckpointStore:
         with ExitStack() as stack:
             yield {rec.name: open_tensors(self.loc, stack, ref, rec)
                    for rec in self.manifest(ref).files if rec.name.endswith(".safetensors")}
-
-    def load(self, ref: CheckpointRef, targets: Mapping[str, Any], *, skip: Collection[str] = (),
-             verify: Verify = Verify.NO) -> dict[str, Any]:
-        """`restore(open(ref), targets, skip=skip, verify=verify)`: returns the saved meta."""
-        return self.restore(self.open(ref), targets, skip=skip, verify=verify)
-
-    def restore(self, checkpoint: Checkpoint, targets: Mapping[str, Any], *, skip: Collection[str] = (),
-                verify: Verify = Verify.NO, state: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Restore each target (name -> object with state_dict/load_state_dict) from `checkpoint`,
-        streaming tensors into live storage; see loading.py and restore.py for the checks and
-        `verify`. Returns the saved meta. `state`: the parsed state to restore instead of
-        `checkpoint.state` (a rank > 0 swaps in its own per-rank parts)."""
-        return restore(self.loc, checkpoint, targets, skip=skip, verify=verify, state=state,
-                       check_all=lambda: self.verify(checkpoint.ref))
 
     # ---- lease -----------------------------------------------------------------------------
 

@@ -16,10 +16,7 @@ from typing import Any
 from tqdm import tqdm
 
 from harness import exit_codes
-from harness.checkpoint import CheckpointStore
-from harness.checkpoint.save.commit import Committed
-from harness.checkpoint.save.local_tier import LocalTier
-from harness.checkpoint.save.saver import open_saver
+from harness.checkpoint import CheckpointStore, Committed, LocalTier, open_saver
 from harness.config import RunConfig, public_config
 from harness.health import debug_hooks
 from harness.health.watchdog import HangReport, HangWatchdog
@@ -209,7 +206,7 @@ class Loop:
         TrainingDiverged instead (every save goes through here: cadence, final, preemption)."""
         self.trainer.check_finite_state()
         step = self.trainer.step
-        submitted = self.saver.submit(step, self.trainer.state.parts(), meta=self.checkpoint_meta(),
+        submitted = self.saver.save(step, self.trainer.state.parts(), meta=self.checkpoint_meta(),
                                       must=must or step >= self.cfg.train.steps)
         if submitted is None:
             self.clock.saved(step)

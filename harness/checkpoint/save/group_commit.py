@@ -1,4 +1,4 @@
-"""One checkpoint written by every rank of a process group, and loaded back by every rank.
+"""One checkpoint written by every rank of a process group.
 
 The trade-off first: every rank writes only what is its own, and one process (rank 0) decides
 whether the checkpoint exists. Replicated state (model, optimizer, schedulers, counters) is
@@ -32,21 +32,15 @@ loop's alone, so a commit in flight never interleaves with a training all-reduce
 persists run in the same order on every rank (the step loop agrees on every save, and on
 skipping one), so the side group's collectives match up.
 
-Load (`load_checkpoint`): rank 0 decides which checkpoint (harness/run/resume.py), every rank reads the
-replicated parts and its own per-rank parts. A rank that did not exist in the saving run takes
-rank 0's per-rank parts except those registered `kept_on_new_rank` (harness/run/state.py): the data
-cursor is taken (the position counts samples of all ranks together, so it re-splits for any
-world size with no sample repeated or skipped), the freshly seeded RNG kept. A different
-world size is allowed with a warning: bitwise equality is promised only for the same world size.
+Loading it back, every rank its own per-rank parts at any world size, is loading.py's `load`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from harness.checkpoint.format import Snapshot, dump_state, rank_file
-from harness.checkpoint.loading import Checkpoint, Verify
+from harness.checkpoint.format import WORLD_SIZE_KEY, Snapshot, dump_state, rank_file, rank_state_file
 from harness.checkpoint.manifest import STATE_FILE, FileRecord
 from harness.checkpoint.save.commit import Committer
 from harness.checkpoint.shard_files import SHARDED
@@ -57,15 +51,9 @@ from harness.parallel import distributed
 
 log = get_logger(__name__)
 
-WORLD_SIZE_KEY = "world_size"
-
 
 class CommitAborted(RuntimeError):
     """Another rank failed to write its part of a checkpoint; nothing was committed."""
-
-
-def rank_state_file(rank: int) -> str:
-    return f"rank-{rank:05d}.json"
 
 
 # What each rank reports after writing its files: (True, its file records) or (False, its error).
@@ -190,24 +178,3 @@ def _fail_after_first(chunks: Iterable, rank: int, step: int):
     for chunk in chunks:
         yield chunk
         raise OSError(f"debug.fail_save_rank: rank {rank} fails while writing its part of step {step}")
-
-
-def load_checkpoint(store: CheckpointStore, checkpoint: Checkpoint, targets: Mapping[str, Any],
-                    verify: Verify = Verify.NO, kept_on_new_rank: Collection[str] = ()) -> dict[str, Any]:
-    """Restore `targets` from `checkpoint` (opened once: `store.open`) on this rank (see the
-    module docstring); returns the saved meta. `verify` as in `CheckpointStore.restore`;
-    `kept_on_new_rank`: the per-rank parts a rank new to the run keeps (harness/run/state.py)."""
-    doc = checkpoint.state
-    saved_world = int(doc["meta"].get(WORLD_SIZE_KEY, 1))
-    rank, world = distributed.rank(), distributed.world()
-    if saved_world != world and rank == 0:
-        log.warning("resuming with a different world size: the data cursor is re-split (no sample of the epoch is "
-                    "repeated or skipped), but bitwise equality with an uninterrupted run is not promised across "
-                    "world sizes", saved_world_size=saved_world, world_size=world, step=checkpoint.ref.step)
-    skip: tuple[str, ...] = ()
-    if 0 < rank < saved_world:
-        own = store.read_state_file(checkpoint, rank_state_file(rank))["parts"]
-        doc = {**doc, "parts": {**doc["parts"], **own}}
-    elif rank >= saved_world:
-        skip = tuple(kept_on_new_rank)  # e.g. its own freshly seeded RNG streams rather than a copy of rank 0's
-    return store.restore(checkpoint, targets, skip=skip, state=doc, verify=verify)
