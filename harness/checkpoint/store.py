@@ -11,10 +11,10 @@ Commit protocol. A checkpoint exists only when its manifest exists and every fil
   the manifest object (one atomic PUT) is written last.
 Deleting a checkpoint removes its manifest first, so a half-deleted one is never "found".
 
-Every commit goes through `commit_files`, the one commit sequence: `begin`, write the files,
-`seal` (or `discard` on any failure), log, retention. `commit` writes a snapshot's files from
-this process; the group commit (distributed_commit.py) and the local-first upload
-(local_first.py) pass their own file writers.
+Every commit goes through `committing`, the one commit sequence: `begin`, the caller writes the
+files, `seal` (or `discard` on any failure), log, retention. `commit` writes a snapshot's files
+(format.py's `snapshot_files`) from this process; the group commit (save/group_commit.py) and the
+local-first upload (save/local_first.py) write theirs inside the same sequence.
 
 Discovery (`latest_good`) walks committed steps newest first and verifies sizes and digests
 (each file's algorithm as its manifest names it) against the manifest; a checkpoint that fails
@@ -39,6 +39,7 @@ import socket
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass, field
 from secrets import token_hex
 from typing import Any
 
@@ -54,7 +55,7 @@ from harness.checkpoint.discovery import (
     scan,
 )
 from harness.checkpoint.errors import CheckpointError
-from harness.checkpoint.format import Snapshot, capture, dump_state
+from harness.checkpoint.format import Snapshot, capture, snapshot_files
 from harness.checkpoint.lease import DEFAULT_HEARTBEAT_S, Lease
 from harness.checkpoint.loading import (
     Checkpoint,
@@ -62,10 +63,10 @@ from harness.checkpoint.loading import (
     open_tensors,
     verify_files,
 )
-from harness.checkpoint.manifest import MANIFEST_FILE, STATE_FILE, FileRecord, Manifest
+from harness.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest
 from harness.checkpoint.retention import check_policy, steps_to_keep
 from harness.checkpoint.shard_files import SHARDED
-from harness.checkpoint.tensorfile import TensorEntry, serialize
+from harness.checkpoint.tensorfile import TensorEntry
 from harness.errors import Unavailable
 from harness.log import get_logger
 from harness.storage.location import (
@@ -79,6 +80,16 @@ from harness.storage.location import (
 )
 
 log = get_logger(__name__)
+
+
+@dataclass
+class Commit:
+    """A commit in progress (`CheckpointStore.committing`): the checkpoint `ref`, the folder `work`
+    its files are written into, and the records of the files written, which the seal lists."""
+
+    ref: CheckpointRef
+    work: str
+    records: list[FileRecord] = field(default_factory=list)
 
 
 class CheckpointStore:
@@ -174,32 +185,32 @@ class CheckpointStore:
             raise CheckpointError("a snapshot with sharded parts (FSDP) is committed by every rank of its group "
                                   "(distributed_commit.GroupCommit), not by one process")
 
-        def write(ref: CheckpointRef, work: str) -> list[FileRecord]:
-            records = [self.write_file(work, ref, file, serialize(tensors, f"{ref.url}/{file}"))
-                       for file, tensors in sorted(snapshot.tensors.items())]
-            return records + [self.write_file(work, ref, STATE_FILE, [dump_state(step, snapshot, meta)])]
+        with self.committing(step) as commit:
+            commit.records += [self.write_file(commit.work, commit.ref, name, chunks)
+                               for name, chunks in snapshot_files(step, snapshot, meta, commit.ref.url)]
+        return commit.ref
 
-        return self.commit_files(step, write)
-
-    def commit_files(self, step: int, write: Callable[[CheckpointRef, str], list[FileRecord]],
-                     **log_fields: Any) -> CheckpointRef:
-        """The one commit sequence: `begin`, `write(ref, work)` every file into `work` (returning
-        their records), `seal`; on any failure `discard` and raise; then log and apply retention.
-        `log_fields` are added to the "checkpoint committed" log record."""
+    @contextmanager
+    def committing(self, step: int, **log_fields: Any) -> Iterator[Commit]:
+        """The one commit sequence, around the caller's writes: `begin`; the block writes every
+        file into `commit.work` (`write_file`) and adds its record to `commit.records`; then
+        `seal`. On any failure, in the block or sealing, `discard` and raise. After the seal: the
+        "checkpoint committed" log record (with `log_fields` added), then retention."""
         started = time.perf_counter()
         ref, work = self.begin(step)
+        commit = Commit(ref, work)
         try:
-            manifest = self.seal(ref, work, write(ref, work))
+            yield commit
+            manifest = self.seal(ref, work, commit.records)
         except BaseException:
             self.discard(work)
             raise
         log.info("checkpoint committed", step=step, url=ref.url, bytes=manifest.nbytes,
                  seconds=round(time.perf_counter() - started, 3), **log_fields)
         self.gc(newest_good=step)
-        return ref
 
-    # The steps of `commit_files`, public for file writers that run in other processes
-    # (checkpoint/save/group_commit.py: every rank writes its files into `work`).
+    # The steps of `committing`; `write_file` also for the ranks of a group that write into the
+    # folder rank 0 began (checkpoint/save/group_commit.py).
 
     def begin(self, step: int) -> tuple[CheckpointRef, str]:
         """Start a commit of `step`: (its ref, the folder its files are written into). Local disk:

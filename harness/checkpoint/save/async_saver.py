@@ -11,7 +11,7 @@
 A `Saver` (saver.py) whose commit runs in the background. What the step loop pays is the
 *snapshot*: `capture(parts)` (references, no copies), then a copy of every tensor into CPU
 staging buffers. The *persist* (the committer: serialize, hash, write, fsync, atomic rename,
-retention through `store.commit_files`) runs in a `BackgroundJob` (background.py) over those
+retention through `store.committing`) runs in a `BackgroundJob` (background.py) over those
 buffers while training continues. The files are byte-identical to a synchronous `store.save` of the same state: the
 same `commit` writes them from tensors with the same names, shapes, dtypes and bytes.
 

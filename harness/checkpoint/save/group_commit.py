@@ -8,8 +8,8 @@ manifest is the commit point, written last and by rank 0 only, so a failure of a
 moment before it leaves no checkpoint at all, and the previous one stays the newest good one.
 
 Commit (`GroupCommit`, a `Committer`; every rank calls it at the same step, the step loop agrees
-on that). Rank 0 runs the store's one commit sequence (`store.commit_files`) and its file writer
-is the group's:
+on that). Rank 0 runs the store's one commit sequence (`store.committing`) and writes inside it
+through the group:
 1. rank 0 begins (`store.begin`: a fresh temporary folder on local disk, the step folder on an
    object store) and broadcasts the folder; a failure there is raised on every rank.
 2. each rank writes its files into that folder: rank 0 exactly what a single process writes
@@ -40,12 +40,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from harness.checkpoint.format import WORLD_SIZE_KEY, Snapshot, dump_state, rank_file, rank_state_file
-from harness.checkpoint.manifest import STATE_FILE, FileRecord
+from harness.checkpoint.format import WORLD_SIZE_KEY, Snapshot, rank_file, snapshot_files
+from harness.checkpoint.manifest import FileRecord
 from harness.checkpoint.save.commit import Committer
 from harness.checkpoint.shard_files import SHARDED
 from harness.checkpoint.store import CheckpointRef, CheckpointStore
-from harness.checkpoint.tensorfile import serialize
 from harness.log import get_logger
 from harness.parallel import distributed
 
@@ -91,24 +90,22 @@ class GroupCommit(Committer):
     def _lead(self, step: int, snapshot: Snapshot, meta: dict[str, Any]) -> CheckpointRef:
         """Rank 0: the store's commit sequence, writing through the group; every other rank
         waits in a broadcast for the folder, then for the outcome (sealed, or discarded)."""
-        def write(ref: CheckpointRef, work: str) -> list[FileRecord]:
-            distributed.broadcast_object((True, (ref, work)), group=self.group)
-            outcomes, failure = self._write_and_gather(ref, work, snapshot, meta)
-            if failure is not None:
-                raise failure
-            aborted = _aborted(outcomes, step)
-            if aborted is not None:
-                raise aborted
-            return [rec for _, recs in outcomes for rec in recs]
-
         try:
-            ref = self.store.commit_files(step, write, ranks=distributed.world())
+            with self.store.committing(step, ranks=distributed.world()) as commit:
+                distributed.broadcast_object((True, (commit.ref, commit.work)), group=self.group)
+                outcomes, failure = self._write_and_gather(commit.ref, commit.work, snapshot, meta)
+                if failure is not None:
+                    raise failure
+                aborted = _aborted(outcomes, step)
+                if aborted is not None:
+                    raise aborted
+                commit.records += [rec for _, recs in outcomes for rec in recs]
         except Exception as e:
             # After `discard`: the folder is gone before any rank reports the failure.
             distributed.broadcast_object((False, distributed.failure_of(e)), group=self.group)
             raise
-        distributed.broadcast_object((True, ref), group=self.group)
-        return ref
+        distributed.broadcast_object((True, commit.ref), group=self.group)
+        return commit.ref
 
     def _follow(self, step: int, snapshot: Snapshot, meta: dict[str, Any]) -> CheckpointRef:
         ok, begun = distributed.broadcast_object(None, group=self.group)
@@ -138,27 +135,16 @@ class GroupCommit(Committer):
 
     def _write_own(self, ref: CheckpointRef, work: str, snapshot: Snapshot, meta: dict[str, Any]) -> list[FileRecord]:
         rank = snapshot.rank
-        own = rank_file(rank)  # every per-rank part of a rank shares its file
-        if rank == 0:
-            files = sorted((f, t) for f, t in snapshot.tensors.items() if f != SHARDED)
-        else:
-            files = [(own, snapshot.tensors[own])] if own in snapshot.tensors else []
         records = []
         if SHARDED in snapshot.tensors:  # every rank its own shards, through DCP (a collective on the group)
             from harness.checkpoint.dcp import save_shards  # DCP: only sharded runs load it (shard_files.py)
 
             records += save_shards(snapshot.tensors[SHARDED], lambda name, chunks: self.store.write_file(
                 work, ref, name, chunks), rank, ref.url, group=self.group)
-        for file, tensors in files:
-            chunks: Iterable = serialize(tensors, f"{ref.url}/{file}")
-            if file == own and self._failing(rank, ref.step):
+        for file, chunks in snapshot_files(ref.step, snapshot, meta, ref.url, own=rank != 0):
+            if file == rank_file(rank) and self._failing(rank, ref.step):
                 chunks = _fail_after_first(chunks, rank, ref.step)
             records.append(self.store.write_file(work, ref, file, chunks))
-        if rank == 0:
-            records.append(self.store.write_file(work, ref, STATE_FILE, [dump_state(ref.step, snapshot, meta)]))
-        else:
-            records.append(self.store.write_file(work, ref, rank_state_file(rank),
-                                                 [dump_state(ref.step, snapshot.own(), None)]))
         return records
 
     def _failing(self, rank: int, step: int) -> bool:

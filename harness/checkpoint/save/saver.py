@@ -11,7 +11,7 @@ Two choices make the four kinds of save, each made once, by `open_saver`:
   snapshot into staging buffers and commits in a background thread;
 * where: the `Committer` (commit.py): this process into the run dir, every rank of a group
   (`GroupCommit`), or a local folder first with a background upload (`LocalFirst`).
-Either way the commit is `CheckpointStore.commit_files`, the one commit sequence.
+Either way the commit is `CheckpointStore.committing`, the one commit sequence.
 """
 
 from __future__ import annotations
