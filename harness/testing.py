@@ -13,17 +13,18 @@
 
 `check_resume(build, ...)` runs the task continuously (A) and with interruptions (B), in this
 process. An interruption is what a restart does: the state parts are saved into a scratch folder
-by the saver and read back by the loader that `harness train` uses (`harness.checkpoint`'s
-`open_saver` with its default, background saves, and `load`), every object is dropped, the process RNGs are re-seeded,
-`build()` makes everything anew, the checkpoint is loaded into it and training continues. Every
-step is fingerprinted (`harness.repro.fingerprint`: loss, batch hash, lr, hash of every part's live
-state), B's steps are compared with A's, and right after each load the restored parts are
-compared with what was saved. At the first difference both runs are checkpointed at that step
-and compared tensor by tensor (`harness.checkpoint.diff`) to name the tensor and its max
-difference. Before training, the completeness check (`harness.repro.completeness`) refuses a task
-with stateful objects (an extra optimizer, a scheduler, a generator, ...) that are not parts,
-and after the first step of each build one whose model keeps state in a non-persistent buffer
-(`harness.repro.buffer_probe`); with `unregistered="warn"` such a buffer takes the blame.
+by the saver `harness train` uses (`harness.checkpoint.open_saver`, saving in the background as
+it does by default), every object is dropped, the process RNGs are re-seeded, `build()` makes
+everything anew, the checkpoint is loaded into it by the same loader (`harness.checkpoint.load`)
+and training continues. Every step is fingerprinted (`harness.repro.fingerprint`: loss, batch
+hash, lr, hash of every part's live state), B's steps are compared with A's, and right after
+each load the restored parts are compared with what was saved. At the first difference both
+runs are checkpointed at that step and compared tensor by tensor (`harness.checkpoint.diff`) to
+name the tensor and its max difference. Before training, the completeness check
+(`harness.repro.completeness`) refuses a task with stateful objects (an extra optimizer, a
+scheduler, a generator, ...) that are not parts, and after the first step of each build one
+whose model keeps state in a non-persistent buffer (`harness.repro.buffer_probe`); with
+`unregistered="warn"` such a buffer takes the blame.
 
 What a checkpoint holds is `Task.state`; by default the model (`model`), the optimizer(s)
 (`optim`, `optim1`, ...), the scheduler(s) (`sched`, ...), the data iterator when it has

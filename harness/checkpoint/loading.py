@@ -231,8 +231,10 @@ def load(loc: Location, checkpoint: Checkpoint | CheckpointRef, targets: Mapping
     Which per-rank parts a rank loads: those in state.json when it is this rank's own (every
     checkpoint's rank 0; a local tier's copy of its rank); else, for a rank of the saving run,
     its `rank-NNNNN.json`; a rank the saving run did not have takes rank 0's, except the parts in
-    `kept_on_new_rank`, which keep their live values (harness/run/state.py). A world size other
-    than the saving run's is logged (rank 0): bitwise equality is promised only for the same one."""
+    `kept_on_new_rank`, which keep their live values (harness/run/state.py: the data cursor is
+    taken, since it counts the samples of all ranks together and re-splits for any world size;
+    the freshly seeded RNG is kept). A world size other than the saving run's is logged (rank 0):
+    bitwise equality is promised only for the same one."""
     if isinstance(checkpoint, CheckpointRef):
         checkpoint = open_checkpoint(loc, checkpoint)
     ref, records = checkpoint.ref, checkpoint.records

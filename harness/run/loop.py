@@ -207,7 +207,7 @@ class Loop:
         self.trainer.check_finite_state()
         step = self.trainer.step
         submitted = self.saver.save(step, self.trainer.state.parts(), meta=self.checkpoint_meta(),
-                                      must=must or step >= self.cfg.train.steps)
+                                    must=must or step >= self.cfg.train.steps)
         if submitted is None:
             self.clock.saved(step)
             self.events.emit("checkpoint_skipped", step=step, reason="the previous save is still persisting")

@@ -242,10 +242,10 @@ def choose_checkpoint(store: CheckpointStore, cfg: RunConfig,
 
 
 def checkpoint_at(url: str, storage_options: dict[str, Any]) -> tuple[CheckpointStore, CheckpointRef]:
-    """The checkpoint folder at `url` (`RUN_DIR/checkpoints/step-N`, read as `harness ckpt` reads
+    """The checkpoint folder `RUN_DIR/checkpoints/step-N` at `url` (read as `harness ckpt` reads
     it: `locate`), verified."""
     source, ref = locate(url, storage_options or None)
-    if ref is None:
+    if ref is None or ref.path != source.ref(ref.step).path:  # every rank finds it by its step
         raise UserError(f"--resume {url}: expected a checkpoint folder RUN_DIR/checkpoints/step-NNNNNNNN, "
                         f"or auto / never")
     if not source.loc.fs.isdir(ref.path):

@@ -24,7 +24,7 @@ def open_saver(store: CheckpointStore, *, background: bool, local_dir: str | Non
                last_committed: int | None = None) -> Saver:
     """The saver of a training process for the run dir `store`: in the `background` or not,
     committing through the group when there is one (in the background on a second, gloo, group:
-    distributed_commit.py), else local-first when `local_dir` is set (one process only: the
+    group_commit.py), else local-first when `local_dir` is set (one process only: the
     caller refuses it with several ranks), else straight into the run dir. The other arguments
     are those of `Saver` / `AsyncSaver`; `fail_rank`, `fail_step` those of `GroupCommit`."""
     if distributed.is_distributed():
