@@ -12,17 +12,19 @@
         assert_resumes_exactly(build, steps=12, interrupt_at=[4, 9])
 
 `check_resume(build, ...)` runs the task continuously (A) and with interruptions (B), in this
-process. An interruption is what a restart does: the state parts are saved through the real
-checkpoint store into a scratch folder, every object is dropped, the process RNGs are re-seeded,
-`build()` makes everything anew, the checkpoint is loaded into it and training continues. Every
-step is fingerprinted (`harness.repro.fingerprint`: loss, batch hash, lr, hash of every part's live
-state), B's steps are compared with A's, and right after each load the restored parts are
-compared with what was saved. At the first difference both runs are checkpointed at that step
-and compared tensor by tensor (`harness.checkpoint.diff`) to name the tensor and its max
-difference. Before training, the completeness check (`harness.repro.completeness`) refuses a task
-with stateful objects (an extra optimizer, a scheduler, a generator, ...) that are not parts,
-and after the first step of each build one whose model keeps state in a non-persistent buffer
-(`harness.repro.buffer_probe`); with `unregistered="warn"` such a buffer takes the blame.
+process. An interruption is what a restart does: the state parts are saved into a scratch folder
+by the saver `harness train` uses (`harness.checkpoint.open_saver`, saving in the background as
+it does by default), every object is dropped, the process RNGs are re-seeded, `build()` makes
+everything anew, the checkpoint is loaded into it by the same loader (`harness.checkpoint.load`)
+and training continues. Every step is fingerprinted (`harness.repro.fingerprint`: loss, batch
+hash, lr, hash of every part's live state), B's steps are compared with A's, and right after
+each load the restored parts are compared with what was saved. At the first difference both
+runs are checkpointed at that step and compared tensor by tensor (`harness.checkpoint.diff`) to
+name the tensor and its max difference. Before training, the completeness check
+(`harness.repro.completeness`) refuses a task with stateful objects (an extra optimizer, a
+scheduler, a generator, ...) that are not parts, and after the first step of each build one
+whose model keeps state in a non-persistent buffer (`harness.repro.buffer_probe`); with
+`unregistered="warn"` such a buffer takes the blame.
 
 What a checkpoint holds is `Task.state`; by default the model (`model`), the optimizer(s)
 (`optim`, `optim1`, ...), the scheduler(s) (`sched`, ...), the data iterator when it has
@@ -40,8 +42,8 @@ from typing import Any
 
 import torch
 
+from harness.checkpoint import CheckpointStore, Saver, load, open_saver
 from harness.checkpoint.diff import compare_checkpoints
-from harness.checkpoint.store import CheckpointStore
 from harness.repro.buffer_probe import BufferProbe, non_persistent_buffers
 from harness.repro.completeness import check_buffers, check_registered
 from harness.repro.fingerprint import FingerprintLog, diagnose, part_hashes, record, state_digests
@@ -123,6 +125,7 @@ class _Run:
     def __init__(self, build: Callable[[], Task], seed: int, every: int, store: CheckpointStore,
                  unregistered: str) -> None:
         self.build, self.seed, self.every, self.store, self.unregistered = build, seed, every, store, unregistered
+        self.saver: Saver | None = None
         self.task: Task | None = None
         self.step = 0
         self.records: list[dict[str, Any]] = []
@@ -133,6 +136,7 @@ class _Run:
     def start(self) -> None:
         seed_everything(self.seed)
         self.task = self.build()
+        self.saver = open_saver(self.store, background=True)  # one per (re)start, as each process opens its own
         check_registered({"task": self.task}, self.task.parts(), self.unregistered)
         self.probe = BufferProbe(self.task.model) if non_persistent_buffers(self.task.model) else None
 
@@ -156,8 +160,10 @@ class _Run:
         return rec
 
     def save(self) -> dict[str, dict[str, str]]:
-        """Checkpoint the current step; returns the digests of what it saved (no non-persistent buffers)."""
-        self.store.save(self.step, self.task.parts())
+        """Checkpoint the current step, committed before it returns; returns the digests of what it
+        saved (no non-persistent buffers)."""
+        self.saver.save(self.step, self.task.parts())
+        self.saver.finish()
         return state_digests(self.parts(), saved_only=True)
 
     def restart(self) -> tuple[list[str], dict[str, dict[str, str]], dict[str, dict[str, str]]]:
@@ -166,11 +172,14 @@ class _Run:
         saved = self.save()
         self.stop()
         self.start()
-        self.store.load(self.store.ref(self.step), self.task.parts())
+        load(self.store, self.store.ref(self.step), self.task.parts())
         loaded = state_digests(self.parts(), saved_only=True)
         return [p for p in saved if saved[p] != loaded.get(p)], saved, loaded
 
     def stop(self) -> None:
+        if self.saver is not None:
+            self.saver.close()
+        self.saver = None  # its staging buffers hold a copy of the state
         if self.task is not None and self.task.close is not None:
             self.task.close()
         self.task = None

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from harness.checkpoint import CheckpointStore
+from harness.checkpoint import CheckpointStore, load
 from procs import ENV, ROOT, harness
 
 EXAMPLES = str(ROOT / "examples")
@@ -54,7 +54,7 @@ def test_a_checkpoint_with_the_tie_stored_twice_still_loads(tmp_path, tied_lm):
     assert {"tok_emb.weight", "head.weight"} <= set(store.tensor_headers(ref)["model.safetensors"])
     torch.manual_seed(1)
     live = tied_lm.build({"seq_len": 8})
-    store.load(ref, {"model": live})
+    load(store, ref, {"model": live})
     assert live.head.weight is live.tok_emb.weight  # the tie survives
     assert all(torch.equal(live.state_dict()[k], v) for k, v in saved.state_dict().items())
 
@@ -68,7 +68,7 @@ def test_a_tied_checkpoint_loads_into_an_untied_model(tmp_path, tied_lm):
     torch.manual_seed(1)
     untied = tied_lm.build({"seq_len": 8})
     untied.head.weight = nn.Parameter(untied.head.weight.detach().clone())
-    store.load(ref, {"model": untied})
+    load(store, ref, {"model": untied})
     assert torch.equal(untied.head.weight, saved.tok_emb.weight)
     assert torch.equal(untied.tok_emb.weight, saved.tok_emb.weight)
     assert untied.head.weight.data_ptr() != untied.tok_emb.weight.data_ptr()

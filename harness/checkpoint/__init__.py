@@ -1,32 +1,68 @@
 """Checkpoints: a training state as safetensors + JSON files, committed atomically to any fsspec URL.
 
-    store = CheckpointStore("runs/a")          # or "s3://bucket/run", "memory://t"
-    with store.lease():
-        ref = store.save(step, parts, meta={"config": cfg})
-    ref = store.latest_good()                   # newest checkpoint that verifies
-    meta = store.load(ref, parts)               # streams tensors into the live storage
+The face of the package: what training (`harness.run`) and the tools use, one way per direction,
+whatever the world size, strategy (one process, DDP, FSDP sharded) and tier.
 
-Modules, bottom up: filesystem (URL -> fsspec filesystem), location (durable writes and hashed
-reads on a Location), digest, tensorfile (safetensors read/write), format (what the files hold),
-manifest (the commit record), discovery (finding committed checkpoints without reading data;
-no torch), retention (what to keep), lease (one writer), restore (loading into live parts),
-loading (a checkpoint read once, then restored), store (commit sequence, discovery, retention,
-reading), background (one background job), commit (committers), saver and
-async_save (how a training loop saves), distributed_commit (every rank's part), local_first
-(local commit, background upload), faults (fault injection), s3 and retry (the S3 client),
-diff (checkpoint differences; the `harness ckpt` command is harness/cli/ckpt.py).
+    store = CheckpointStore("runs/a")          # or "s3://bucket/run", "memory://t"
+    saver = open_saver(store, background=True) # sync or async; direct, every rank, or local-first
+    with store.lease():
+        saver.save(step, parts, meta={"config": cfg})
+        saver.finish()                          # committed (local-first: published)
+    ref = store.latest_good()                   # newest checkpoint that verifies
+    meta = load(store, ref, parts)              # this rank's parts, streamed into the live storage
+
+`locate` / `open_target` read a URL naming a run dir or a checkpoint folder; `verify_target` is
+`harness ckpt verify`. The local tier (`LocalTier`, `local_store`, `not_mine`) is a second store
+per rank, saved by its own saver and loaded by the same `load`.
+
+Modules, bottom up: discovery (finding committed checkpoints without reading data; no torch),
+tensorfile (safetensors read/write), format (what the files hold), manifest (the commit record),
+retention (what to keep), lease (one writer), restore (loading into live parts), loading (a
+checkpoint read once, then loaded: the one loader), store (commit sequence, discovery,
+retention, reading), target (what a URL names), verify (`ckpt verify`), dcp and shard_files
+(sharded parts), consolidate and diff (whole tensors, checkpoint differences; the `harness
+ckpt` command is harness/cli/ckpt.py); save/ (how a training process saves: the saver, its
+committers, the local tier). Storage itself (filesystems, S3, retries, faults) is harness/storage.
 """
 
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
 from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from harness.checkpoint.discovery import CheckpointRef
+    from harness.checkpoint.loading import Checkpoint, Verify
+    from harness.checkpoint.store import CheckpointStore
 
 # The names below are loaded on first use, so that importing a torch-free module of this package
-# (errors, location, lease, discovery) does not import torch: `harness train` reads checkpoint.errors
+# (errors, lease, discovery) does not import torch: `harness train` reads checkpoint.errors
 # before it checks the config, so a config it refuses costs no torch import (three CPU-seconds), and
 # the supervisor watches its child's progress through discovery alone.
 _EXPORTS = {"CheckpointCorrupt": "errors", "CheckpointError": "errors", "Snapshot": "format", "capture": "format",
-            "Checkpoint": "loading", "Verify": "loading", "CheckpointRef": "discovery", "CheckpointStore": "store"}
+            "sharded_parts": "format", "WORLD_SIZE_KEY": "format", "Checkpoint": "loading", "Verify": "loading",
+            "CheckpointRef": "discovery", "skipped": "discovery", "CheckpointStore": "store",
+            "locate": "target", "open_target": "target", "verify_target": "verify",
+            "open_saver": "save", "Saver": "save.saver", "Committed": "save.commit",
+            "LocalTier": "save.local_tier", "local_store": "save.local_tier", "not_mine": "save.local_tier",
+            "LOCAL": "save.local_tier", "PERSISTENT": "save.local_tier"}
 
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "load"])
+
+
+def load(store: CheckpointStore, checkpoint: Checkpoint | CheckpointRef, targets: Mapping[str, Any], *,
+         verify: Verify | None = None, skip: Collection[str] = (),
+         kept_on_new_rank: Collection[str] = ()) -> dict[str, Any]:
+    """Load `checkpoint` of `store` (a ref, or one opened already: `store.open`) into `targets`
+    (name -> object with state_dict/load_state_dict) as this process's rank of its group: the one
+    way a checkpoint is loaded (loading.py's `load`, which says what each rank reads and what
+    `verify` re-hashes; None: `Verify.NO`). Returns the saved meta."""
+    from harness.checkpoint.loading import Verify, load as load_as
+    from harness.parallel import distributed
+
+    return load_as(store.loc, checkpoint, targets, rank=distributed.rank(), world=distributed.world(), skip=skip,
+                   verify=Verify.NO if verify is None else verify, kept_on_new_rank=kept_on_new_rank)
 
 
 def __getattr__(name: str):

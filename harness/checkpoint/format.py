@@ -34,20 +34,25 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.manifest import STATE_FILE
 from harness.checkpoint.shard_files import SHARDED, local_nbytes
+from harness.checkpoint.tensorfile import serialize
 from optim.dtensor import is_dtensor
 
 FORMAT_VERSION = 1
 TENSOR_KEY = "$tensor"
 ITEMS_KEY = "$items"
 _PART_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+
+WORLD_SIZE_KEY = "world_size"
+"""The meta key of the number of ranks that wrote a checkpoint (absent: one process)."""
 
 KeyPath = tuple[str | int, ...]
 """Where a value sits in a part's state dict: the keys and list indices from its root."""
@@ -56,6 +61,11 @@ KeyPath = tuple[str | int, ...]
 def rank_file(rank: int) -> str:
     """The tensor file of rank `rank`'s per-rank parts."""
     return f"rank-{rank:05d}.safetensors"
+
+
+def rank_state_file(rank: int) -> str:
+    """The JSON side of rank `rank`'s per-rank parts (rank > 0 of a group; in the layout of state.json)."""
+    return f"rank-{rank:05d}.json"
 
 
 def tensor_file(part: str, rank: int, per_rank: Collection[str]) -> str:
@@ -253,6 +263,26 @@ def dump_state(step: int, snapshot: Snapshot, meta: Mapping[str, Any] | None) ->
         return json.dumps(doc, allow_nan=True).encode()  # no indent: the C encoder, 10x faster
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint meta for step {step} is not JSON-able: {e}") from e
+
+
+def snapshot_files(step: int, snapshot: Snapshot, meta: Mapping[str, Any] | None, url: str, *,
+                   own: bool = False) -> Iterator[tuple[str, Iterable[bytes]]]:
+    """The files of `snapshot` committed as `step` in the checkpoint folder `url`, each as (name,
+    its bytes in chunks), produced one at a time: every tensor file (sorted by name), then
+    `state.json` with `meta`. Not the sharded parts' files, which every rank writes through DCP
+    (checkpoint/dcp.py). `own`: only what a rank > 0 of a group writes, its per-rank tensor file
+    and `rank_state_file(rank)` (the JSON side of its per-rank parts, no meta)."""
+    if own:
+        mine = snapshot.own()
+        file = rank_file(snapshot.rank)
+        if file in mine.tensors:
+            yield file, serialize(mine.tensors[file], f"{url}/{file}")
+        yield rank_state_file(snapshot.rank), [dump_state(step, mine, None)]
+        return
+    for file, tensors in sorted(snapshot.tensors.items()):
+        if file != SHARDED:
+            yield file, serialize(tensors, f"{url}/{file}")
+    yield STATE_FILE, [dump_state(step, snapshot, meta)]
 
 
 def parse_state(data: bytes, where: str) -> dict[str, Any]:

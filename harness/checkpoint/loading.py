@@ -7,8 +7,9 @@ manifest's digest) once and returns a `Checkpoint` holding both parsed; everythi
 (the config check of a resume, a rank's own state file, the load) takes that object, so a resume
 reads each small file once (one GET each on S3) and no two reads can disagree.
 
-`restore(loc, checkpoint, targets, ...)` streams the tensors into the live state (restore.py);
-how much it re-hashes is a `Verify`:
+`load(loc, checkpoint, targets, rank=, world=, ...)` streams the tensors into the live state
+(restore.py), every rank its own per-rank parts: the one way a checkpoint is loaded (a resume at
+any world size, from either tier, a rollback, `harness.testing`). How much it re-hashes is a `Verify`:
 * `NO`: sizes and headers only (the checkpoint was verified already, e.g. by `latest_good`);
 * `BEFORE`: every file hashed first, so a corrupt checkpoint changes nothing;
 * `WHILE`: every byte hashed as it streams into the live state, so a verified resume reads the
@@ -34,7 +35,7 @@ from typing import Any
 
 from harness.checkpoint.discovery import CheckpointRef, read_manifest, size_problem
 from harness.checkpoint.errors import CheckpointCorrupt
-from harness.checkpoint.format import parse_state
+from harness.checkpoint.format import WORLD_SIZE_KEY, parse_state, rank_state_file
 from harness.checkpoint.manifest import STATE_FILE, FileRecord, Manifest
 from harness.checkpoint.restore import restore_parts
 from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE
@@ -50,7 +51,7 @@ MAX_STATE_BYTES = 1 << 30
 
 
 class Verify(Enum):
-    """How much of a checkpoint `restore` re-hashes (see the module docstring)."""
+    """How much of a checkpoint `load` re-hashes (see the module docstring)."""
 
     NO = "no"
     BEFORE = "before"
@@ -69,6 +70,11 @@ class Checkpoint:
     @property
     def records(self) -> dict[str, FileRecord]:
         return {r.name: r for r in self.manifest.files}
+
+    @property
+    def sharded(self) -> bool:
+        """Whether parts of it were written sharded (FSDP: every rank its shards, through DCP)."""
+        return METADATA_FILE in self.records
 
 
 def read_state_file(loc: Location, ref: CheckpointRef, manifest: Manifest, file: str = STATE_FILE) -> dict[str, Any]:
@@ -216,14 +222,36 @@ def open_tensors(loc: Location, stack: ExitStack, ref: CheckpointRef, rec: FileR
         raise CheckpointCorrupt(str(e)) from e
 
 
-def restore(loc: Location, checkpoint: Checkpoint, targets: Mapping[str, Any], *, skip: Collection[str] = (),
-            verify: Verify = Verify.NO, state: dict[str, Any] | None = None,
-            check_all: Callable[[], list[str]] | None = None) -> dict[str, Any]:
-    """Restore each target from `checkpoint` (see restore.py for the checks); returns the saved
-    meta. `state`: the parsed state to restore instead of `checkpoint.state` (a rank > 0 swaps in
-    its own per-rank parts). `check_all`: every problem of the checkpoint, for `Verify.BEFORE`."""
+def load(loc: Location, checkpoint: Checkpoint | CheckpointRef, targets: Mapping[str, Any], *, rank: int = 0,
+         world: int = 1, skip: Collection[str] = (), verify: Verify = Verify.NO,
+         kept_on_new_rank: Collection[str] = ()) -> dict[str, Any]:
+    """Restore each target (name -> object with state_dict/load_state_dict) from `checkpoint`
+    (a ref, or one opened already: `open_checkpoint`) as rank `rank` of a world of `world`
+    (see restore.py for the checks, the module docstring for `verify`); returns the saved meta.
+
+    Which per-rank parts a rank loads: those in state.json when it is this rank's own (every
+    checkpoint's rank 0; a local tier's copy of its rank); else, for a rank of the saving run,
+    its `rank-NNNNN.json`; a rank the saving run did not have takes rank 0's, except the parts in
+    `kept_on_new_rank`, which keep their live values (harness/run/state.py: the data cursor is
+    taken, since it counts the samples of all ranks together and re-splits for any world size;
+    the freshly seeded RNG is kept). A world size other than the saving run's is logged (rank 0):
+    bitwise equality is promised only for the same one."""
+    if isinstance(checkpoint, CheckpointRef):
+        checkpoint = open_checkpoint(loc, checkpoint)
     ref, records = checkpoint.ref, checkpoint.records
-    if verify is Verify.BEFORE and (problems := check_all()):
+    state = checkpoint.state
+    saved_world = int(state["meta"].get(WORLD_SIZE_KEY, 1))
+    if saved_world != world and rank == 0:
+        log.warning("resuming with a different world size: the data cursor is re-split (no sample of the epoch is "
+                    "repeated or skipped), but bitwise equality with an uninterrupted run is not promised across "
+                    "world sizes", saved_world_size=saved_world, world_size=world, step=ref.step)
+    if state.get("rank", 0) != rank:  # state.json holds rank 0's per-rank parts
+        if rank < saved_world:
+            own = read_state_file(loc, ref, checkpoint.manifest, rank_state_file(rank))["parts"]
+            state = {**state, "parts": {**state["parts"], **own}}
+        else:  # e.g. its own freshly seeded RNG streams rather than a copy of rank 0's
+            skip = (*skip, *kept_on_new_rank)
+    if verify is Verify.BEFORE and (problems := verify_files(loc, ref)):
         raise CheckpointCorrupt(f"{ref.url} fails verification:\n  " + "\n  ".join(problems))
     hashing = verify is Verify.WHILE
     readers: dict[str, HashingReader] = {}
@@ -253,7 +281,7 @@ def restore(loc: Location, checkpoint: Checkpoint, targets: Mapping[str, Any], *
         if problems:
             raise CheckpointCorrupt(f"{ref.url} is corrupt, found while loading it:\n  " + "\n  ".join(problems))
 
-    restore_parts(checkpoint.state if state is None else state, targets, skip, open_file,
+    restore_parts(state, targets, skip, open_file,
                   where=f"checkpoint {ref.url}", check_streamed=check_streamed if hashing else None,
-                  sharded=CheckpointShards(loc, checkpoint, open_file) if METADATA_FILE in records else None)
-    return (checkpoint.state if state is None else state)["meta"]
+                  sharded=CheckpointShards(loc, checkpoint, open_file) if checkpoint.sharded else None)
+    return state["meta"]

@@ -105,7 +105,7 @@ def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], 
                 ([f"has no part(s) {missing} that the live state has"] if missing else [])
                 + ([f"has part(s) {unexpected} that the live state does not"] if unexpected else []))
             + ". Load a checkpoint of the same setup, or train this setup in a new run dir (from Python, "
-            "CheckpointStore.load(..., skip=[part names]) keeps the live values of the named parts)"
+            "harness.checkpoint.load(..., skip=[part names]) keeps the live values of the named parts)"
         )
     parts = [p for p in targets if p not in skip]
     with ExitStack() as stack:
@@ -130,7 +130,7 @@ def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], 
                 f"{where} does not fit the live state ({len(problems)} problem(s)); nothing was loaded:\n  "
                 + "\n  ".join(listed)
                 + "\nFix the model/optimizer setup to match the checkpoint (`harness ckpt show CKPT` prints its config "
-                "and tensors), or train this setup in a new run dir (from Python, CheckpointStore.load(..., "
+                "and tensors), or train this setup in a new run dir (from Python, harness.checkpoint.load(..., "
                 "skip=[tensor paths]) keeps the live values of the named tensors)"
             )
         for file, (f, _, fwhere) in files.items():

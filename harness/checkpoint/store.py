@@ -11,17 +11,17 @@ Commit protocol. A checkpoint exists only when its manifest exists and every fil
   the manifest object (one atomic PUT) is written last.
 Deleting a checkpoint removes its manifest first, so a half-deleted one is never "found".
 
-Every commit goes through `commit_files`, the one commit sequence: `begin`, write the files,
-`seal` (or `discard` on any failure), log, retention. `commit` writes a snapshot's files from
-this process; the group commit (distributed_commit.py) and the local-first upload
-(local_first.py) pass their own file writers.
+Every commit goes through `committing`, the one commit sequence: `begin`, the caller writes the
+files, `seal` (or `discard` on any failure), log, retention. `commit` writes a snapshot's files
+(format.py's `snapshot_files`) from this process; the group commit (save/group_commit.py) and the
+local-first upload (save/local_first.py) write theirs inside the same sequence.
 
 Discovery (`latest_good`) walks committed steps newest first and verifies sizes and digests
 (each file's algorithm as its manifest names it) against the manifest; a checkpoint that fails
 is logged (file, expected vs found) and skipped.
 Reading (loading.py): `open(ref)` reads a checkpoint's manifest and state.json once into a
-`Checkpoint`; `restore(checkpoint, targets, verify=)` streams it into the live state, `load(ref,
-...)` does both. A damaged checkpoint raises `CheckpointCorrupt`, one that does not fit a plain
+`Checkpoint`; loading it into the live state is loading.py's `load` (`harness.checkpoint.load`).
+A damaged checkpoint raises `CheckpointCorrupt`, one that does not fit a plain
 `CheckpointError`; resuming builds a new trainer and tries the next older of `candidates()`
 after a `CheckpointCorrupt` only.
 
@@ -39,6 +39,7 @@ import socket
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager, suppress
+from dataclasses import dataclass, field
 from secrets import token_hex
 from typing import Any
 
@@ -54,21 +55,18 @@ from harness.checkpoint.discovery import (
     scan,
 )
 from harness.checkpoint.errors import CheckpointError
-from harness.checkpoint.format import Snapshot, capture, dump_state
+from harness.checkpoint.format import Snapshot, capture, snapshot_files
 from harness.checkpoint.lease import DEFAULT_HEARTBEAT_S, Lease
 from harness.checkpoint.loading import (
     Checkpoint,
-    Verify,
     open_checkpoint,
     open_tensors,
-    read_state_file,
-    restore,
     verify_files,
 )
-from harness.checkpoint.manifest import MANIFEST_FILE, STATE_FILE, FileRecord, Manifest
+from harness.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest
 from harness.checkpoint.retention import check_policy, steps_to_keep
 from harness.checkpoint.shard_files import SHARDED
-from harness.checkpoint.tensorfile import TensorEntry, serialize
+from harness.checkpoint.tensorfile import TensorEntry
 from harness.errors import Unavailable
 from harness.log import get_logger
 from harness.storage.errors import StorageError
@@ -83,6 +81,16 @@ from harness.storage.location import (
 )
 
 log = get_logger(__name__)
+
+
+@dataclass
+class Commit:
+    """A commit in progress (`CheckpointStore.committing`): the checkpoint `ref`, the folder `work`
+    its files are written into, and the records of the files written, which the seal lists."""
+
+    ref: CheckpointRef
+    work: str
+    records: list[FileRecord] = field(default_factory=list)
 
 
 class CheckpointStore:
@@ -178,32 +186,32 @@ class CheckpointStore:
             raise CheckpointError("a snapshot with sharded parts (FSDP) is committed by every rank of its group "
                                   "(distributed_commit.GroupCommit), not by one process")
 
-        def write(ref: CheckpointRef, work: str) -> list[FileRecord]:
-            records = [self.write_file(work, ref, file, serialize(tensors, f"{ref.url}/{file}"))
-                       for file, tensors in sorted(snapshot.tensors.items())]
-            return records + [self.write_file(work, ref, STATE_FILE, [dump_state(step, snapshot, meta)])]
+        with self.committing(step) as commit:
+            commit.records += [self.write_file(commit.work, commit.ref, name, chunks)
+                               for name, chunks in snapshot_files(step, snapshot, meta, commit.ref.url)]
+        return commit.ref
 
-        return self.commit_files(step, write)
-
-    def commit_files(self, step: int, write: Callable[[CheckpointRef, str], list[FileRecord]],
-                     **log_fields: Any) -> CheckpointRef:
-        """The one commit sequence: `begin`, `write(ref, work)` every file into `work` (returning
-        their records), `seal`; on any failure `discard` and raise; then log and apply retention.
-        `log_fields` are added to the "checkpoint committed" log record."""
+    @contextmanager
+    def committing(self, step: int, **log_fields: Any) -> Iterator[Commit]:
+        """The one commit sequence, around the caller's writes: `begin`; the block writes every
+        file into `commit.work` (`write_file`) and adds its record to `commit.records`; then
+        `seal`. On any failure, in the block or sealing, `discard` and raise. After the seal: the
+        "checkpoint committed" log record (with `log_fields` added), then retention."""
         started = time.perf_counter()
         ref, work = self.begin(step)
+        commit = Commit(ref, work)
         try:
-            manifest = self.seal(ref, work, write(ref, work))
+            yield commit
+            manifest = self.seal(ref, work, commit.records)
         except BaseException:
             self.discard(work)
             raise
         log.info("checkpoint committed", step=step, url=ref.url, bytes=manifest.nbytes,
                  seconds=round(time.perf_counter() - started, 3), **log_fields)
         self.gc(newest_good=step)
-        return ref
 
-    # The steps of `commit_files`, public for file writers that run in other processes
-    # (checkpoint/save/group_commit.py: every rank writes its files into `work`).
+    # The steps of `committing`; `write_file` also for the ranks of a group that write into the
+    # folder rank 0 began (checkpoint/save/group_commit.py).
 
     def begin(self, step: int) -> tuple[CheckpointRef, str]:
         """Start a commit of `step`: (its ref, the folder its files are written into). Local disk:
@@ -311,10 +319,6 @@ class CheckpointStore:
         checked against the manifest's digest. Keys: format_version, step, rank, parts, meta."""
         return self.open(ref).state
 
-    def read_state_file(self, checkpoint: Checkpoint, file: str) -> dict[str, Any]:
-        """Another state file of `checkpoint` in the layout of state.json (a rank's `rank-NNNNN.json`)."""
-        return read_state_file(self.loc, checkpoint.ref, checkpoint.manifest, file)
-
     def tensor_headers(self, ref: CheckpointRef) -> dict[str, dict[str, TensorEntry]]:
         """File name -> tensor name -> entry, for every tensor file of `ref` (headers only)."""
         with self.open_tensor_files(ref) as files:
@@ -326,20 +330,6 @@ class CheckpointStore:
         with ExitStack() as stack:
             yield {rec.name: open_tensors(self.loc, stack, ref, rec)
                    for rec in self.manifest(ref).files if rec.name.endswith(".safetensors")}
-
-    def load(self, ref: CheckpointRef, targets: Mapping[str, Any], *, skip: Collection[str] = (),
-             verify: Verify = Verify.NO) -> dict[str, Any]:
-        """`restore(open(ref), targets, skip=skip, verify=verify)`: returns the saved meta."""
-        return self.restore(self.open(ref), targets, skip=skip, verify=verify)
-
-    def restore(self, checkpoint: Checkpoint, targets: Mapping[str, Any], *, skip: Collection[str] = (),
-                verify: Verify = Verify.NO, state: dict[str, Any] | None = None) -> dict[str, Any]:
-        """Restore each target (name -> object with state_dict/load_state_dict) from `checkpoint`,
-        streaming tensors into live storage; see loading.py and restore.py for the checks and
-        `verify`. Returns the saved meta. `state`: the parsed state to restore instead of
-        `checkpoint.state` (a rank > 0 swaps in its own per-rank parts)."""
-        return restore(self.loc, checkpoint, targets, skip=skip, verify=verify, state=state,
-                       check_all=lambda: self.verify(checkpoint.ref))
 
     # ---- lease -----------------------------------------------------------------------------
 

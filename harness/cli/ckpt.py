@@ -24,15 +24,16 @@ import time
 
 from harness.checkpoint.consolidate import consolidate
 from harness.checkpoint.diff import diff_checkpoints
-from harness.checkpoint.discovery import CHECKPOINTS_DIR, STEP_DIR, CheckpointRef
+from harness.checkpoint.discovery import CHECKPOINTS_DIR, CheckpointRef
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import tensor_refs
-from harness.checkpoint.manifest import MANIFEST_FILE, parse_manifest
 from harness.checkpoint.store import CheckpointStore
+from harness.checkpoint.target import open_target
+from harness.checkpoint.verify import verify_target
 from harness.cli.args import storage_option_parser, storage_options_of
 from harness.records.run_id import RUN_JSON
 from harness.storage.errors import StorageError
-from harness.storage.location import folder_name, open_location, read_bytes
+from harness.storage.location import read_bytes
 
 
 def _size(n: int) -> str:
@@ -41,26 +42,6 @@ def _size(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
-
-
-def open_target(url: str, options: dict | None = None) -> tuple[CheckpointStore, CheckpointRef | None]:
-    """A run dir (ref None) or a checkpoint folder (its store and ref) at `url`; `options` are
-    storage options."""
-    loc = open_location(url, options)
-    if not loc.fs.isdir(loc.root):
-        raise CheckpointError(f"{url}: no such run dir or checkpoint folder")
-    name, parent = folder_name(loc.root), loc.root.rstrip("/").rsplit("/", 1)[0]
-    manifest = f"{loc.root}/{MANIFEST_FILE}"
-    step_name = STEP_DIR.fullmatch(name)
-    if not step_name and not loc.fs.exists(manifest):
-        return CheckpointStore(url, storage_options=options), None
-    if step_name:
-        step = int(step_name[1])
-    else:
-        step = parse_manifest(read_bytes(loc, manifest, 1 << 24), loc.url_of(manifest)).step
-    run = parent.rsplit("/", 1)[0] if folder_name(parent) == CHECKPOINTS_DIR else parent
-    store = CheckpointStore(loc.url_of(run), storage_options=options)
-    return store, CheckpointRef(step, loc.root, loc.url_of(loc.root))
 
 
 def _checkpoint(url: str, options: dict | None) -> tuple[CheckpointStore, CheckpointRef]:
@@ -96,26 +77,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     return verify_target(args.target, storage_options_of(args))
-
-
-def verify_target(url: str, options: dict | None = None) -> int:
-    """`harness ckpt verify URL`: print each checkpoint's verdict and problems; 1 if any fails."""
-    store, ref = open_target(url, options)
-    refs, incomplete = ([ref], []) if ref is not None else store.scan()
-    for path in incomplete:  # a step folder without manifest: reported as a failed checkpoint
-        if STEP_DIR.fullmatch(folder_name(path)):
-            refs.append(CheckpointRef(int(STEP_DIR.fullmatch(folder_name(path))[1]), path, store.loc.url_of(path)))
-    if not refs:
-        print(f"no checkpoints in {store.url}")
-        return 1
-    bad = 0
-    for r in sorted(refs):
-        problems = store.verify(r)
-        bad += bool(problems)
-        print(f"{r.url}: " + ("ok" if not problems else "FAILED"))
-        for p in problems:
-            print(f"  {p}")
-    return 1 if bad else 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -33,8 +33,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
-from harness.checkpoint.format import sharded_parts
-from harness.checkpoint.save.group_commit import WORLD_SIZE_KEY
+from harness.checkpoint import WORLD_SIZE_KEY, sharded_parts
 from harness.config import RunConfig, batch_shape
 from harness.errors import UserError
 from harness.log import get_logger

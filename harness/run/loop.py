@@ -16,10 +16,7 @@ from typing import Any
 from tqdm import tqdm
 
 from harness import exit_codes
-from harness.checkpoint import CheckpointStore
-from harness.checkpoint.save.commit import Committed
-from harness.checkpoint.save.local_tier import LocalTier
-from harness.checkpoint.save.saver import open_saver
+from harness.checkpoint import CheckpointStore, Committed, LocalTier, open_saver
 from harness.config import RunConfig, public_config
 from harness.health.debug_hooks import DebugHooks
 from harness.health.watchdog import HangReport, HangWatchdog
@@ -220,8 +217,8 @@ class Loop:
         TrainingDiverged instead (every save goes through here: cadence, final, preemption)."""
         self.trainer.check_finite_state()
         step = self.trainer.step
-        submitted = self.saver.submit(step, self.trainer.state.parts(), meta=self.checkpoint_meta(),
-                                      must=must or step >= self.cfg.train.steps)
+        submitted = self.saver.save(step, self.trainer.state.parts(), meta=self.checkpoint_meta(),
+                                    must=must or step >= self.cfg.train.steps)
         if submitted is None:
             self.clock.saved(step)
             self.events.emit("checkpoint_skipped", step=step, reason="the previous save is still persisting")

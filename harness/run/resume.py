@@ -21,11 +21,18 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.checkpoint import CheckpointCorrupt, CheckpointRef, CheckpointStore, Verify
-from harness.checkpoint.discovery import CHECKPOINTS_DIR, STEP_DIR, skipped
-from harness.checkpoint.save.group_commit import load_checkpoint
-from harness.checkpoint.save.local_tier import LOCAL, PERSISTENT, not_mine
-from harness.checkpoint.shard_files import METADATA_FILE
+from harness.checkpoint import (
+    LOCAL,
+    PERSISTENT,
+    CheckpointCorrupt,
+    CheckpointRef,
+    CheckpointStore,
+    Verify,
+    load,
+    locate,
+    not_mine,
+    skipped,
+)
 from harness.config import RunConfig, config_changes
 from harness.data.sources import identity_changes, open_data
 from harness.errors import UserError
@@ -162,13 +169,11 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             restore_s += time.perf_counter() - t0
             trainer = Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data)
             t0 = time.perf_counter()
-            if trainer.sharded or METADATA_FILE in checkpoint.records:
+            if trainer.sharded or checkpoint.sharded:
                 trainer.materialize_optimizer_state()  # read into live tensors of the right sharding
-            if chosen.tier == LOCAL:  # verified above; this rank's own copy: its state.json holds its per-rank parts
-                source.restore(checkpoint, trainer.state.parts())
-            else:
-                load_checkpoint(source, checkpoint, trainer.state.parts(), verify=verify,
-                                kept_on_new_rank=trainer.state.kept_on_new_rank)
+            # A local checkpoint was verified above, and is this rank's own copy.
+            load(source, checkpoint, trainer.state.parts(), verify=Verify.NO if chosen.tier == LOCAL else verify,
+                 kept_on_new_rank=trainer.state.kept_on_new_rank)
             resized = after_load(saved, cfg, ref.step, trainer.state.sharded)
             return trainer, chosen, restore_s + time.perf_counter() - t0, changes, resized
         except BaseException as e:
@@ -237,17 +242,14 @@ def choose_checkpoint(store: CheckpointStore, cfg: RunConfig,
 
 
 def checkpoint_at(url: str, storage_options: dict[str, Any]) -> tuple[CheckpointStore, CheckpointRef]:
-    """The checkpoint folder `RUN_DIR/checkpoints/step-N` at `url`, verified."""
-    head, _, name = url.rstrip("/").rpartition("/")
-    run_url, _, parent = head.rpartition("/")
-    match = STEP_DIR.fullmatch(name)
-    if not match or parent != CHECKPOINTS_DIR:
-        raise UserError(f"--resume {url}: expected a checkpoint folder RUN_DIR/{CHECKPOINTS_DIR}/step-NNNNNNNN, "
+    """The checkpoint folder `RUN_DIR/checkpoints/step-N` at `url` (read as `harness ckpt` reads
+    it: `locate`), verified."""
+    source, ref = locate(url, storage_options or None)
+    if ref is None or ref.path != source.ref(ref.step).path:  # every rank finds it by its step
+        raise UserError(f"--resume {url}: expected a checkpoint folder RUN_DIR/checkpoints/step-NNNNNNNN, "
                         f"or auto / never")
-    source = CheckpointStore(run_url or ".", storage_options=storage_options or None)
-    ref = source.ref(int(match[1]))
     if not source.loc.fs.isdir(ref.path):
-        raise UserError(f"--resume {url}: no such checkpoint folder; `harness ckpt ls {run_url or '.'}` lists the "
+        raise UserError(f"--resume {url}: no such checkpoint folder; `harness ckpt ls {source.url}` lists the "
                         f"run's checkpoints (or use --resume auto for the newest good one)")
     problems = source.verify(ref)
     if problems:

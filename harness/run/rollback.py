@@ -8,7 +8,7 @@ checkpoint again:
    more anomaly stops the run (TrainingDiverged, exit 2) with a message naming their steps.
 2. Waits for the background save in flight, then rank 0 picks the newest checkpoint before the
    anomaly's step that verifies; every rank loads that one into the live parts (the same
-   `load_checkpoint` as a resume). No checkpoint before it: the run stops, saying so.
+   `load` as a resume). No checkpoint before it: the run stops, saying so.
 3. The ledger keeps its skip list and history across the load and adds the step-batches
    `[batch - rollback_skip + 1, batch]` that are after the checkpoint's cursor, so the trainer
    steps over them; metrics.jsonl and the trackers are cut back to the checkpoint's step (each
@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from harness.checkpoint.save.group_commit import load_checkpoint
+from harness.checkpoint import load
 from harness.health.anomaly import Anomaly
 from harness.log import get_logger
 from harness.parallel import distributed
@@ -54,8 +54,8 @@ def roll_back(loop: Any, anomaly: Anomaly) -> None:
     ref = loop.store.ref(step)
     before = copy.deepcopy(ledger)
     checkpoint = loop.store.open(ref)
-    load_checkpoint(loop.store, checkpoint, trainer.state.parts(),  # rank 0 verified it
-                    kept_on_new_rank=trainer.state.kept_on_new_rank)
+    load(loop.store, checkpoint, trainer.state.parts(),  # rank 0 verified it
+         kept_on_new_rank=trainer.state.kept_on_new_rank)
     # A checkpoint of another world size (from before an elastic resume): as a resume does.
     resized = after_load(checkpoint.state, loop.cfg, step, trainer.state.sharded)
     ran_past = loop.metrics.truncate_after(step) or []

@@ -37,8 +37,7 @@ import fsspec.utils
 import psutil
 
 from harness import exit_codes
-from harness.checkpoint import CheckpointStore
-from harness.checkpoint.save.local_tier import LocalTier, local_store
+from harness.checkpoint import CheckpointStore, LocalTier, local_store
 from harness.config import RunConfig, batch_shape
 from harness.data.sources import check_sources
 from harness.errors import Unavailable, UserError

@@ -45,9 +45,10 @@ from typing import Any
 
 import torch
 
-from harness.checkpoint import CheckpointStore
+from harness.checkpoint import CheckpointStore, load
 from harness.checkpoint.lease import LEASE_FILE, MISSED_HEARTBEATS
 from harness.checkpoint.manifest import MANIFEST_FILE
+from harness.checkpoint.verify import verify_target
 from harness.storage.errors import StorageError
 from harness.storage.faults import FaultPlan, SimulatedCrash
 from harness.storage.location import open_location
@@ -91,7 +92,7 @@ def loads_as_saved(store: CheckpointStore, ref) -> bool:
     expected = tiny_state(ref.step)
     targets = {name: _Part(tree) for name, tree in expected.items()}
     try:
-        store.load(ref, targets)
+        load(store, ref, targets)
     except StorageError:
         return False
     for name, tree in expected.items():
@@ -289,8 +290,6 @@ def _damages(name: str, size: int, offsets: int) -> list[tuple[str, int]]:
 
 def corruption_sweep(torture: Torture, offsets: int = 16, cli: bool = True) -> CorruptionResult:
     """Damage every file of committed step PREV in turn; see the module docstring."""
-    from harness.cli.ckpt import verify_target  # the sweep checks what `harness ckpt verify` says
-
     url = f"{torture.url}/torture-corrupt"
     torture.prepare(url)
     store = torture._store(url, "torture-verify")

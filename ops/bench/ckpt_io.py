@@ -39,7 +39,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from harness.checkpoint import CheckpointRef, CheckpointStore, Verify  # noqa: E402
+from harness.checkpoint import CheckpointRef, CheckpointStore, Verify, load  # noqa: E402
 from harness.checkpoint.tensorfile import tensor_bytes  # noqa: E402
 
 WIDTH = 2048
@@ -129,7 +129,7 @@ def child(args: argparse.Namespace) -> None:
     model, opt = build(args.size_mib, optimizer_state=args.child != "load")
     if args.child != "fresh":
         store = CheckpointStore(args.dir)
-        store.load(store.list()[-1], {"model": model, "optim": opt})
+        load(store, store.list()[-1], {"model": model, "optim": opt})
         assert len(opt.state) == len(list(model.parameters()))
     print(json.dumps({"maxrss_bytes": peak_rss()}))
 
@@ -206,8 +206,8 @@ def measure_loads(repeat: int, store: CheckpointStore, ref: CheckpointRef, parts
     for mode, evict in (("cold", lambda p: (lambda: drop_cache(p))), ("warm", lambda p: None)):
         r.update(best(repeat, {
             f"load_raw_{mode}_s": (lambda: raw_read(ckpt, buffer), evict(ckpt)),
-            f"load_store_{mode}_s": (lambda: store.load(ref, parts), evict(ckpt)),
-            f"load_verified_{mode}_s": (lambda: store.load(ref, parts, verify=Verify.WHILE), evict(ckpt)),
+            f"load_store_{mode}_s": (lambda: load(store, ref, parts), evict(ckpt)),
+            f"load_verified_{mode}_s": (lambda: load(store, ref, parts, verify=Verify.WHILE), evict(ckpt)),
             f"load_torch_{mode}_s": (lambda: torch.load(pt, weights_only=True), evict(pt)),
         }))
     return r

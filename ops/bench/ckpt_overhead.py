@@ -7,7 +7,7 @@ one checkpoint interval (N steps) run in rounds of three, so that the machine's 
 over the modes and each block is compared with the `none` block next to it:
 * none:  N training steps;
 * sync:  N steps, then `CheckpointStore.save` (serialize, hash, write, fsync, rename);
-* async: `AsyncSaver.submit` (the snapshot into the reused staging buffers), N steps while the
+* async: `AsyncSaver.save` (the snapshot into the reused staging buffers), N steps while the
   background thread persists, then wait for the commit if it is not done yet: one interval of a
   long run with a checkpoint every N steps, persist contention included.
 Reported, as medians over rounds: the step time without checkpoints; the step-time overhead of
@@ -113,7 +113,7 @@ class Bench:
         """(wall seconds, process CPU seconds) of one checkpoint interval in `mode`."""
         cpu0, t0 = time.process_time(), time.perf_counter()
         if mode == "async":
-            self.blocking_s.append(self.saver.submit(step, self.parts()).blocking_s)
+            self.blocking_s.append(self.saver.save(step, self.parts()).blocking_s)
         for _ in range(self.args.every):
             self.step()
         if mode == "sync":
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> dict:
         for _ in range(3):  # warm up: allocator, optimizer state, page cache, first-time buffers
             b.step()
         b.sync_save(0)
-        b.saver.submit(0, b.parts())
+        b.saver.save(0, b.parts())
         b.saver.finish()
         for figures in (b.save_s, b.blocking_s, b.persist_s):
             figures.clear()

@@ -50,7 +50,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from harness.checkpoint import CheckpointStore  # noqa: E402
+from harness.checkpoint import CheckpointStore, load  # noqa: E402
 from ops.s3.local_server import PLACEHOLDER_ENV  # noqa: E402
 
 WIDTH = 2048
@@ -193,7 +193,7 @@ def run(size_mib: int, repeat: int, endpoint: str) -> dict:
                 completion[name].append(clock.seconds[name])
                 rounds[f"{name}_less_completion"] = rounds[name] - clock.seconds[name]
             rounds["boto3_download"] = timed(lambda: _download(client, ref, Path(tmp)))
-            rounds["store_load"] = timed(lambda: store.load(ref, {"model": target}))
+            rounds["store_load"] = timed(lambda: load(store, ref, {"model": target}))
             rounds["store_verify"] = timed(lambda: store.verify(ref))
             assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), target.state_dict().values()))
             for k, v in rounds.items():

@@ -89,7 +89,7 @@ def worker(size_mib: int, repeat: int, base: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch import nn
 
-    from harness.checkpoint import CheckpointStore, Verify
+    from harness.checkpoint import CheckpointStore, Verify, load
     from harness.checkpoint.format import capture
     from harness.checkpoint.save.group_commit import GroupCommit
     from harness.config import ParallelSection
@@ -132,7 +132,7 @@ def worker(size_mib: int, repeat: int, base: Path) -> None:
             for label, verify in (("load ours", Verify.NO), ("load ours verified", Verify.WHILE)):
                 if topo.rank == 0:
                     evict(base / "ours")
-                timed(label, lambda: store.restore(checkpoint, parts, verify=verify))
+                timed(label, lambda: load(store, checkpoint, parts, verify=verify))
             if topo.rank == 0:
                 evict(target)
             timed("load dcp", lambda: dcp.load(flat, storage_reader=dcp.FileSystemReader(str(target))))
@@ -168,7 +168,7 @@ def measure_async(store, parts: dict, flat: dict, base: Path, rank: int, repeat:
     persisted: dict[str, float] = {}
     for step in range(100, 100 + repeat):
         contenders = {
-            "ours": (lambda: saver.submit(step, parts), lambda _: saver.finish()),
+            "ours": (lambda: saver.save(step, parts), lambda _: saver.finish()),
             "dcp": (lambda: dcp.async_save(flat, storage_writer=dcp.FileSystemWriter(str(base / f"dcp-async-{step}")),
                                            process_group=side), lambda future: future.result()),
         }

@@ -48,7 +48,7 @@ def test_async_and_sync_saves_of_one_state_have_the_same_manifest_hashes(tmp_pat
         saver = AsyncSaver(Committer(background), per_rank=trainer.state.per_rank)
         real_commit = background.commit
         background.commit = lambda *a, **k: (gate.wait(30), real_commit(*a, **k))[1]
-        saver.submit(trainer.step, trainer.state.parts(), meta=meta)
+        saver.save(trainer.step, trainer.state.parts(), meta=meta)
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         trainer.train_step()  # mutates parameters and optimizer state in place while the save is pending
         assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
@@ -73,7 +73,7 @@ def test_staging_buffers_are_reused_and_memory_does_not_grow_over_20_saves(tmp_p
         model(torch.randn(4, 512)).square().mean().backward()
         opt.step()
         opt.zero_grad()
-        saver.submit(step, {"model": model, "optim": opt})
+        saver.save(step, {"model": model, "optim": opt})
         saver.finish()
 
     def pointers() -> dict[tuple[str, str], int]:
@@ -132,20 +132,20 @@ def test_one_save_in_flight_skip_or_wait(run_dir):
     store = CheckpointStore(run_dir)
     gated = Gated(store)
     skipper = AsyncSaver(Committer(store), when_busy="skip")
-    assert skipper.submit(1, parts) is not None
+    assert skipper.save(1, parts) is not None
     assert skipper.busy
-    assert skipper.submit(2, parts) is None  # skipped: the buffers still belong to step 1
+    assert skipper.save(2, parts) is None  # skipped: the buffers still belong to step 1
     threading.Timer(0.3, gated.gate.set).start()
-    forced = skipper.submit(3, parts, must=True)  # the final/preemption save waits instead
+    forced = skipper.save(3, parts, must=True)  # the final/preemption save waits instead
     assert forced.waited_s >= 0.2 and forced.blocking_s >= forced.waited_s
     skipper.finish()
     assert [r.step for r in store.list()] == [1, 3]
 
     gated.gate.clear()
     waiter = AsyncSaver(Committer(store), when_busy="wait")
-    waiter.submit(4, parts)
+    waiter.save(4, parts)
     threading.Timer(0.3, gated.gate.set).start()
-    assert waiter.submit(5, parts).waited_s >= 0.2
+    assert waiter.save(5, parts).waited_s >= 0.2
     waiter.finish()
     assert [r.step for r in store.list()][-2:] == [4, 5]
 
@@ -159,7 +159,7 @@ def test_a_background_failure_is_raised_at_the_next_call_naming_the_step(run_dir
     store = CheckpointStore(run_dir)
     gated = Gated(store, error)
     saver = AsyncSaver(Committer(store))
-    saver.submit(7, parts)
+    saver.save(7, parts)
     saver.poll()  # still running: nothing to raise yet
     gated.gate.set()
     saver.wait()
@@ -169,7 +169,7 @@ def test_a_background_failure_is_raised_at_the_next_call_naming_the_step(run_dir
     saver.poll()  # raised once, not again
 
     gated.gate.clear()
-    saver.submit(8, parts)
+    saver.save(8, parts)
     gated.gate.set()
     with pytest.raises(raised, match="step 8"):
         saver.finish()  # at exit and on preemption: waits, then raises
@@ -182,10 +182,10 @@ def test_a_stalled_save_is_reported_while_slow_and_given_up_at_the_deadline_nami
     slow = []
     saver = AsyncSaver(Committer(store), save_deadline_s=1.0, slow_floor_s=0.1,
                        on_slow=lambda step, s: slow.append(step))
-    saver.submit(7, torch_state(steps=1))
+    saver.save(7, torch_state(steps=1))
     stalled = r"step 7 has not committed after \d+s \(checkpoint.save_deadline_s = 1\)"
     with pytest.raises(SaveStalled, match=stalled) as info:
-        saver.submit(8, torch_state(steps=1))  # the wait for the previous save is bounded
+        saver.save(8, torch_state(steps=1))  # the wait for the previous save is bounded
     assert info.value.exit_code == exit_codes.STORAGE_UNAVAILABLE
     assert slow and set(slow) == {7}
     with pytest.raises(SaveStalled, match="step 7"):
@@ -202,22 +202,22 @@ def test_a_slow_save_that_commits_is_reported_and_not_an_error(run_dir):
     slow = []
     saver = AsyncSaver(Committer(store), save_deadline_s=600, slow_floor_s=0.05,
                        on_slow=lambda step, s: (slow.append(step), gated.gate.set()))
-    saver.submit(3, torch_state(steps=1))
+    saver.save(3, torch_state(steps=1))
     saver.finish()
     assert set(slow) == {3} and [r.step for r in store.list()] == [3]
 
 
-def test_a_failure_is_raised_by_the_next_submit_and_logged_by_close(run_dir):
+def test_a_failure_is_raised_by_the_next_save_and_logged_by_close(run_dir):
     parts = torch_state(steps=1)
     store = CheckpointStore(run_dir)
     gated = Gated(store, OSError("no space left"))
     gated.gate.set()
     saver = AsyncSaver(Committer(store))
-    saver.submit(1, parts)
+    saver.save(1, parts)
     saver.wait()
     with pytest.raises(BackgroundSaveError, match="step 1.*no space left"):
-        saver.submit(2, parts)
-    saver.submit(3, parts)
+        saver.save(2, parts)
+    saver.save(3, parts)
     saver.close()  # logs the failure of step 3 instead of masking an error already propagating
     saver.poll()
 
@@ -270,7 +270,7 @@ def test_gpu_state_is_staged_in_pinned_buffers_on_a_side_stream(tmp_path):
     sync.save(1, {"model": model, "optim": opt})
     gated = Gated(background)
     saver = AsyncSaver(Committer(background))
-    saver.submit(1, {"model": model, "optim": opt})
+    saver.save(1, {"model": model, "optim": opt})
     with torch.no_grad():
         model.weight.add_(1.0)  # queued on the training stream after the copies: must not leak into the save
     gated.gate.set()
@@ -294,7 +294,7 @@ def test_a_full_disk_in_the_background_is_a_user_error_naming_what_is_still_comm
                 CheckpointStore(run).save(previous, parts)
             saver = AsyncSaver(Committer(CheckpointStore(run, storage_options={"faults": f"enospc@{at}"})),
                                last_committed=previous)
-            saver.submit(5, parts)
+            saver.save(5, parts)
             with pytest.raises(CheckpointError, match="step 5 could not be written to .*ENOSPC") as info:
                 saver.finish()
             if previous is None:

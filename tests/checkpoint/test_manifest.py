@@ -15,7 +15,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from harness.checkpoint import CheckpointStore, Verify
+from harness.checkpoint import CheckpointStore, Verify, load
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.manifest import MANIFEST_VERSION, parse_manifest
 from harness.cli import main
@@ -53,7 +53,7 @@ def test_an_old_sha256_checkpoint_verifies_and_loads_bitwise(old_run, verify):
     store = CheckpointStore(old_run)
     assert store.verify(store.ref(3)) == [] and store.latest_good().step == 3
     live = torch_state(seed=1, steps=0)
-    store.load(store.ref(3), live, verify=verify)
+    load(store, store.ref(3), live, verify=verify)
     # Against the files as the safetensors library reads them (a recomputed state would depend
     # on this machine's math library settings, not on the loader).
     files = folder(store.ref(3))
@@ -76,7 +76,7 @@ def test_damage_to_an_old_checkpoint_is_found_by_its_sha256(old_run):
     assert any("model.safetensors: sha256" in p for p in store.verify(ref))
     assert store.latest_good() is None
     with pytest.raises(CheckpointCorrupt, match="model.safetensors.*sha256"):
-        store.load(ref, torch_state(seed=1, steps=0), verify=Verify.WHILE)
+        load(store, ref, torch_state(seed=1, steps=0), verify=Verify.WHILE)
 
 
 def test_ckpt_show_names_each_files_algorithm(old_run, run_dir, capsys):

@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from harness.checkpoint import CheckpointStore
+from harness.checkpoint import CheckpointStore, load
 
 from .conftest import state_of, torch_state
 
@@ -43,7 +43,7 @@ def test_s3_round_trip_retention_and_skipping_a_damaged_checkpoint(s3):
     ref = store.latest_good()
     assert ref.step == 2 and ref.url.startswith("s3://")
     fresh = torch_state(seed=1, steps=0)
-    store.load(ref, fresh)
+    load(store, ref, fresh)
     assert state_of(fresh) == state_of(torch_state(steps=2))
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.checkpoint import CheckpointError, CheckpointStore, Verify, capture
+from harness.checkpoint import CheckpointError, CheckpointStore, Verify, capture, load
 from harness.checkpoint.errors import CheckpointCorrupt
 from harness.errors import UserError
 
@@ -26,7 +26,7 @@ def test_full_training_state_round_trips_bitwise(run_dir, url):
     ref = store.save(3, saved, meta={"config": {"lr": 0.01}})
     fresh = torch_state(seed=1, steps=0)
     assert state_of(fresh) != state_of(saved)
-    meta = store.load(store.latest_good(), fresh)
+    meta = load(store, store.latest_good(), fresh)
     assert meta == {"config": {"lr": 0.01}}
     assert state_of(fresh) == state_of(saved)
     assert store.read_state(ref)["step"] == 3
@@ -39,7 +39,7 @@ def test_resumed_training_continues_bitwise(run_dir):
     a = torch_state(steps=2)
     store.save(2, a)
     b = torch_state(seed=5, steps=0)
-    store.load(store.latest_good(), b)
+    load(store, store.latest_good(), b)
     for parts in (a, b):
         from .conftest import train
 
@@ -77,7 +77,7 @@ def test_every_optimizer_arm_round_trips_bitwise(run_dir, arm):
     saved = build(0, 3)
     store.save(3, saved)
     fresh = build(1, 0)
-    store.load(store.latest_good(), fresh)
+    load(store, store.latest_good(), fresh)
     assert state_of(fresh) == state_of(saved)
 
 
@@ -87,7 +87,7 @@ def test_load_streams_into_the_live_tensors(run_dir):
     live = torch_state(seed=1, steps=1)
     model_ptrs = {k: v.data_ptr() for k, v in live["model"].state_dict().items()}
     opt_ptrs = [s["exp_avg"].data_ptr() for s in live["adamw"].state.values()]
-    store.load(store.latest_good(), live)
+    load(store, store.latest_good(), live)
     assert {k: v.data_ptr() for k, v in live["model"].state_dict().items()} == model_ptrs
     assert [s["exp_avg"].data_ptr() for s in live["adamw"].state.values()] == opt_ptrs
 
@@ -191,7 +191,7 @@ def test_loading_a_damaged_checkpoint_is_a_clean_error(run_dir, kind, verify):
     live = torch_state(seed=1, steps=0)
     before = state_of(live)
     with pytest.raises(UserError) as e:
-        store.load(ref, live, verify=verify)
+        load(store, ref, live, verify=verify)
     assert _damage_message(kind) in str(e.value)
     if verify is Verify.BEFORE or kind != "flipped byte":
         assert state_of(live) == before  # refused before anything was streamed
@@ -206,7 +206,7 @@ def test_a_flipped_byte_is_caught_while_loading_before_any_part_takes_its_state(
     live = torch_state(seed=1, steps=0)
     sched = live["sched"].state_dict()
     with pytest.raises(CheckpointCorrupt, match="model.safetensors.*blake3"):
-        store.load(ref, live, verify=Verify.WHILE)
+        load(store, ref, live, verify=Verify.WHILE)
     assert live["sched"].state_dict() == sched
 
 
@@ -216,7 +216,7 @@ def test_a_load_verified_while_streaming_is_bitwise(run_dir, url):
     saved = torch_state(steps=3)
     store.save(3, saved)
     fresh = torch_state(seed=1, steps=0)
-    store.load(store.candidates()[0], fresh, verify=Verify.WHILE)
+    load(store, store.candidates()[0], fresh, verify=Verify.WHILE)
     assert state_of(fresh) == state_of(saved)
     if url != "local":
         store.loc.fs.rm(store.loc.root, recursive=True)
@@ -229,7 +229,7 @@ def test_a_skipped_part_is_still_hashed_while_loading(run_dir):
     data[-3] ^= 0x01
     (folder(ref) / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(CheckpointCorrupt, match="model.safetensors"):
-        store.load(ref, torch_state(seed=1, steps=0), skip=("model",), verify=Verify.WHILE)
+        load(store, ref, torch_state(seed=1, steps=0), skip=("model",), verify=Verify.WHILE)
 
 
 def _pickle_bomb(sentinel: Path) -> bytes:
@@ -254,13 +254,13 @@ def test_a_pickle_renamed_to_safetensors_is_never_executed(run_dir, tmp_path):
     assert any("header length" in p for p in store.verify(ref))
     assert store.latest_good() is None
     with pytest.raises(CheckpointError, match="header length"):
-        store.load(ref, torch_state(seed=1, steps=0))
+        load(store, ref, torch_state(seed=1, steps=0))
     torch_file = tmp_path / "t.pt"
     torch.save({"w": torch.zeros(3)}, torch_file)
     (folder(ref) / "model.safetensors").write_bytes(torch_file.read_bytes())
     rewrite_manifest(ref)
     with pytest.raises(CheckpointError, match="not a safetensors file"):
-        store.load(ref, torch_state(seed=1, steps=0))
+        load(store, ref, torch_state(seed=1, steps=0))
     assert not sentinel.exists()
 
 
@@ -271,7 +271,7 @@ def test_state_json_cannot_point_outside_the_manifest(run_dir):
     state.write_text(state.read_text().replace('"p.safetensors"', '"../../x.safetensors"'))
     rewrite_manifest(ref)
     with pytest.raises(CheckpointError, match="does not list"):
-        store.load(ref, {"p": Bag()})
+        load(store, ref, {"p": Bag()})
 
 
 def test_a_changed_byte_in_state_json_is_named_as_a_digest_not_a_size(run_dir):
@@ -292,7 +292,7 @@ def test_shape_dtype_and_name_mismatches_are_listed_together(run_dir):
     live = Bag({"a": torch.ones(3, 2), "b": torch.ones(4, dtype=torch.float64), "c": torch.ones(1),
                 "new": torch.ones(1)})
     with pytest.raises(CheckpointError) as err:
-        store.load(ref, {"model": live})
+        load(store, ref, {"model": live})
     text = str(err.value)
     assert "model/a: checkpoint float32[2, 3], live float32[3, 2]" in text
     assert "model/b: checkpoint float32[4], live float64[4]" in text
@@ -306,7 +306,7 @@ def test_skipped_tensors_keep_their_live_values(run_dir):
     ref = store.save(1, {"model": {"a": torch.zeros(2, 3), "c": torch.zeros(1), "gone": torch.zeros(1)}})
     new, a = torch.full((1,), 5.0), torch.ones(3, 2)
     live = Bag({"a": a, "c": torch.ones(1), "new": new})
-    store.load(ref, {"model": live}, skip=["model/a", "model/new", "model/gone"])
+    load(store, ref, {"model": live}, skip=["model/a", "model/new", "model/gone"])
     assert live.tree["a"] is a and live.tree["new"] is new and "gone" not in live.tree
     assert torch.equal(live.tree["c"], torch.zeros(1))
 
@@ -315,9 +315,9 @@ def test_missing_and_unexpected_parts_are_named_unless_skipped(run_dir):
     store = CheckpointStore(run_dir)
     ref = store.save(1, {"model": {"x": 1}, "old": {"y": 2}})
     with pytest.raises(CheckpointError, match=r"no part\(s\) \['new'\].*part\(s\) \['old'\]"):
-        store.load(ref, {"model": Bag(), "new": Bag()})
+        load(store, ref, {"model": Bag(), "new": Bag()})
     model = Bag()
-    store.load(ref, {"model": model, "new": Bag({"keep": 1})}, skip=["new", "old"])
+    load(store, ref, {"model": model, "new": Bag({"keep": 1})}, skip=["new", "old"])
     assert model.tree == {"x": 1}
 
 
@@ -333,7 +333,7 @@ def test_a_part_that_refuses_its_state_becomes_a_user_error(run_dir):
             int(state["count"])
 
     with pytest.raises(CheckpointError, match="part 'counter' refused the checkpoint's state: invalid literal"):
-        store.load(ref, {"counter": Counter()})
+        load(store, ref, {"counter": Counter()})
 
 
 def test_snapshot_with_replaced_tensors_commits_the_same_bytes(run_dir, tmp_path):

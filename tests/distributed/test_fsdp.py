@@ -152,7 +152,7 @@ def test_hostile_shard_files_are_refused_without_running_code(fsdp_run, tmp_path
     list: each refused as a damaged checkpoint, loaded into one process, no code run."""
     import shutil
 
-    from harness.checkpoint import CheckpointCorrupt, CheckpointError, Verify
+    from harness.checkpoint import CheckpointCorrupt, CheckpointError, Verify, load
     from harness.config import load_config
     from harness.run.trainer import Trainer
 
@@ -184,7 +184,7 @@ def test_hostile_shard_files_are_refused_without_running_code(fsdp_run, tmp_path
         trainer = Trainer(cfg)
         trainer.materialize_optimizer_state()
         with pytest.raises(CheckpointCorrupt):
-            store.restore(store.open(ref), trainer.state.parts(), verify=Verify.WHILE)
+            load(store, store.open(ref), trainer.state.parts(), verify=Verify.WHILE)
         trainer.close()
     manifest = final_checkpoint(run_dir, 8) / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"shards-00000.safetensors"', '"../shards-00000.safetensors"'))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.checkpoint import CheckpointStore, Verify
+from harness.checkpoint import CheckpointStore, Verify, load
 from harness.records.metrics import MetricsLog
 from harness.repro import fingerprint
 from harness.repro.fingerprint import FingerprintLog, ResumeDiverged, batch_hash, diagnose, part_hashes, state_digests
@@ -124,7 +124,7 @@ def test_a_restore_hashes_the_restored_state_once_for_the_check_not_to_plan_the_
     model2, opt2, again = make_log()
     calls = []
     monkeypatch.setattr(fingerprint, "state_digests", lambda *a, **k: calls.append(1) or state_digests(*a, **k))
-    store.load(ref, {"model": model2, "optim": opt2, "fingerprints": again}, verify=Verify.WHILE)
+    load(store, ref, {"model": model2, "optim": opt2, "fingerprints": again}, verify=Verify.WHILE)
     assert calls == [] and again.records == fp.records
     events = Events()
     again.watch(events, [])

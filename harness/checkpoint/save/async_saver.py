@@ -2,7 +2,7 @@
 
     saver = AsyncSaver(Committer(store), when_busy="wait")
     ...after step N:
-    saver.submit(N, trainer.state.parts(), meta=meta)   # blocks only for the copy
+    saver.save(N, trainer.state.parts(), meta=meta)   # blocks only for the copy
     ...each later step:
     saver.poll()                                         # raises a background failure
     ...at the end or on preemption:
@@ -11,7 +11,7 @@
 A `Saver` (saver.py) whose commit runs in the background. What the step loop pays is the
 *snapshot*: `capture(parts)` (references, no copies), then a copy of every tensor into CPU
 staging buffers. The *persist* (the committer: serialize, hash, write, fsync, atomic rename,
-retention through `store.commit_files`) runs in a `BackgroundJob` (background.py) over those
+retention through `store.committing`) runs in a `BackgroundJob` (background.py) over those
 buffers while training continues. The files are byte-identical to a synchronous `store.save` of the same state: the
 same `commit` writes them from tensors with the same names, shapes, dtypes and bytes.
 
@@ -30,7 +30,7 @@ Trade-offs, stated before the code:
   thread waits for the same event before it reads the buffers.
 * The JSON half of a snapshot is plain data built fresh by `capture` (new dicts and lists, immutable
   scalars), so it is already detached from the live objects and needs no copy.
-* A failure in the background is kept and raised by the next `poll`/`submit`/`finish` the step
+* A failure in the background is kept and raised by the next `poll`/`save`/`finish` the step
   loop makes, wrapped in an error that names the step; it never passes silently. A storage
   outage stays an outage (`Unavailable`: the retryable exit 69), never a user error.
 * A persist that is slow is reported while it runs: `poll` and every wait log a warning (and
@@ -143,8 +143,8 @@ class StagingBuffers:
 class AsyncSaver(Saver):
     """Snapshot-then-persist through the committer `commit`, at most one persist in flight.
 
-    `when_busy`: what `submit` does while the previous persist still runs: "wait" for it, or
-    "skip" this save (logged; `submit` returns None). `must=True` always waits (final and
+    `when_busy`: what `save` does while the previous persist still runs: "wait" for it, or
+    "skip" this save (logged; `save` returns None). `must=True` always waits (final and
     preemption saves). `on_commit(Committed)` runs in the background thread after each commit.
     `persist_delay_s` sleeps before each persist: a test hook that widens the window in which a
     save is in flight (config `debug.persist_delay_s`). `save_deadline_s` bounds every wait for a
@@ -153,7 +153,7 @@ class AsyncSaver(Saver):
     `rank`, `per_rank`: the snapshot's (saver.py); each rank stages `commit.mine(snapshot)`.
     `agree(busy) -> bool` makes the ranks of a group decide alike whether a persist is still in
     flight (any rank's: `distributed.all_reduce_flag`), so every rank skips a save or every rank
-    takes it and their commits stay paired; every rank must then call `submit` at the same steps.
+    takes it and their commits stay paired; every rank must then call `save` at the same steps.
     """
 
     background = True
@@ -180,7 +180,7 @@ class AsyncSaver(Saver):
         """Whether a persist is in flight (the staging buffers belong to it)."""
         return self.job.busy
 
-    def submit(self, step: int, parts: Mapping[str, Any], *, meta: Mapping[str, Any] | None = None,
+    def save(self, step: int, parts: Mapping[str, Any], *, meta: Mapping[str, Any] | None = None,
                must: bool = False) -> Submitted | None:
         """Snapshot `parts` as `step` and start persisting it; returns once the snapshot is taken.
 

@@ -1,11 +1,11 @@
 """How a snapshot becomes a committed checkpoint of the run dir: the `Committer` interface.
 
 Every save of a training loop goes snapshot -> saver (saver.py: now or in the background) ->
-committer -> `CheckpointStore.commit_files`, the one commit sequence (begin, write the files,
+committer -> `CheckpointStore.committing`, the one commit sequence (begin, write the files,
 seal or discard, log, retention). Committers differ only in who writes which file and where:
 
 * `Committer(store)`: this process writes every file into the run dir (`store.commit`).
-* `GroupCommit` (distributed_commit.py): every rank writes its own files, rank 0 seals.
+* `GroupCommit` (group_commit.py): every rank writes its own files, rank 0 seals.
 * `LocalFirst` (local_first.py): commit to a local folder, then upload to the run dir in the
   background; the upload is work left running, which the saver polls, finishes and closes
   through the committer (`poll`/`finish`/`close`; nothing to do here).

@@ -1,4 +1,4 @@
-"""One checkpoint written by every rank of a process group, and loaded back by every rank.
+"""One checkpoint written by every rank of a process group.
 
 The trade-off first: every rank writes only what is its own, and one process (rank 0) decides
 whether the checkpoint exists. Replicated state (model, optimizer, schedulers, counters) is
@@ -8,8 +8,8 @@ manifest is the commit point, written last and by rank 0 only, so a failure of a
 moment before it leaves no checkpoint at all, and the previous one stays the newest good one.
 
 Commit (`GroupCommit`, a `Committer`; every rank calls it at the same step, the step loop agrees
-on that). Rank 0 runs the store's one commit sequence (`store.commit_files`) and its file writer
-is the group's:
+on that). Rank 0 runs the store's one commit sequence (`store.committing`) and writes inside it
+through the group:
 1. rank 0 begins (`store.begin`: a fresh temporary folder on local disk, the step folder on an
    object store) and broadcasts the folder; a failure there is raised on every rank.
 2. each rank writes its files into that folder: rank 0 exactly what a single process writes
@@ -32,40 +32,27 @@ loop's alone, so a commit in flight never interleaves with a training all-reduce
 persists run in the same order on every rank (the step loop agrees on every save, and on
 skipping one), so the side group's collectives match up.
 
-Load (`load_checkpoint`): rank 0 decides which checkpoint (harness/run/resume.py), every rank reads the
-replicated parts and its own per-rank parts. A rank that did not exist in the saving run takes
-rank 0's per-rank parts except those registered `kept_on_new_rank` (harness/run/state.py): the data
-cursor is taken (the position counts samples of all ranks together, so it re-splits for any
-world size with no sample repeated or skipped), the freshly seeded RNG kept. A different
-world size is allowed with a warning: bitwise equality is promised only for the same world size.
+Loading it back, every rank its own per-rank parts at any world size, is loading.py's `load`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from harness.checkpoint.format import Snapshot, dump_state, rank_file
-from harness.checkpoint.loading import Checkpoint, Verify
-from harness.checkpoint.manifest import STATE_FILE, FileRecord
+from harness.checkpoint.format import WORLD_SIZE_KEY, Snapshot, rank_file, snapshot_files
+from harness.checkpoint.manifest import FileRecord
 from harness.checkpoint.save.commit import Committer
 from harness.checkpoint.shard_files import SHARDED
 from harness.checkpoint.store import CheckpointRef, CheckpointStore
-from harness.checkpoint.tensorfile import serialize
 from harness.log import get_logger
 from harness.parallel import distributed
 
 log = get_logger(__name__)
 
-WORLD_SIZE_KEY = "world_size"
-
 
 class CommitAborted(RuntimeError):
     """Another rank failed to write its part of a checkpoint; nothing was committed."""
-
-
-def rank_state_file(rank: int) -> str:
-    return f"rank-{rank:05d}.json"
 
 
 # What each rank reports after writing its files: (True, its file records) or (False, its error).
@@ -103,24 +90,22 @@ class GroupCommit(Committer):
     def _lead(self, step: int, snapshot: Snapshot, meta: dict[str, Any]) -> CheckpointRef:
         """Rank 0: the store's commit sequence, writing through the group; every other rank
         waits in a broadcast for the folder, then for the outcome (sealed, or discarded)."""
-        def write(ref: CheckpointRef, work: str) -> list[FileRecord]:
-            distributed.broadcast_object((True, (ref, work)), group=self.group)
-            outcomes, failure = self._write_and_gather(ref, work, snapshot, meta)
-            if failure is not None:
-                raise failure
-            aborted = _aborted(outcomes, step)
-            if aborted is not None:
-                raise aborted
-            return [rec for _, recs in outcomes for rec in recs]
-
         try:
-            ref = self.store.commit_files(step, write, ranks=distributed.world())
+            with self.store.committing(step, ranks=distributed.world()) as commit:
+                distributed.broadcast_object((True, (commit.ref, commit.work)), group=self.group)
+                outcomes, failure = self._write_and_gather(commit.ref, commit.work, snapshot, meta)
+                if failure is not None:
+                    raise failure
+                aborted = _aborted(outcomes, step)
+                if aborted is not None:
+                    raise aborted
+                commit.records += [rec for _, recs in outcomes for rec in recs]
         except Exception as e:
             # After `discard`: the folder is gone before any rank reports the failure.
             distributed.broadcast_object((False, distributed.failure_of(e)), group=self.group)
             raise
-        distributed.broadcast_object((True, ref), group=self.group)
-        return ref
+        distributed.broadcast_object((True, commit.ref), group=self.group)
+        return commit.ref
 
     def _follow(self, step: int, snapshot: Snapshot, meta: dict[str, Any]) -> CheckpointRef:
         ok, begun = distributed.broadcast_object(None, group=self.group)
@@ -150,27 +135,16 @@ class GroupCommit(Committer):
 
     def _write_own(self, ref: CheckpointRef, work: str, snapshot: Snapshot, meta: dict[str, Any]) -> list[FileRecord]:
         rank = snapshot.rank
-        own = rank_file(rank)  # every per-rank part of a rank shares its file
-        if rank == 0:
-            files = sorted((f, t) for f, t in snapshot.tensors.items() if f != SHARDED)
-        else:
-            files = [(own, snapshot.tensors[own])] if own in snapshot.tensors else []
         records = []
         if SHARDED in snapshot.tensors:  # every rank its own shards, through DCP (a collective on the group)
             from harness.checkpoint.dcp import save_shards  # DCP: only sharded runs load it (shard_files.py)
 
             records += save_shards(snapshot.tensors[SHARDED], lambda name, chunks: self.store.write_file(
                 work, ref, name, chunks), rank, ref.url, group=self.group)
-        for file, tensors in files:
-            chunks: Iterable = serialize(tensors, f"{ref.url}/{file}")
-            if file == own and self._failing(rank, ref.step):
+        for file, chunks in snapshot_files(ref.step, snapshot, meta, ref.url, own=rank != 0):
+            if file == rank_file(rank) and self._failing(rank, ref.step):
                 chunks = _fail_after_first(chunks, rank, ref.step)
             records.append(self.store.write_file(work, ref, file, chunks))
-        if rank == 0:
-            records.append(self.store.write_file(work, ref, STATE_FILE, [dump_state(ref.step, snapshot, meta)]))
-        else:
-            records.append(self.store.write_file(work, ref, rank_state_file(rank),
-                                                 [dump_state(ref.step, snapshot.own(), None)]))
         return records
 
     def _failing(self, rank: int, step: int) -> bool:
@@ -190,24 +164,3 @@ def _fail_after_first(chunks: Iterable, rank: int, step: int):
     for chunk in chunks:
         yield chunk
         raise OSError(f"debug.fail_save_rank: rank {rank} fails while writing its part of step {step}")
-
-
-def load_checkpoint(store: CheckpointStore, checkpoint: Checkpoint, targets: Mapping[str, Any],
-                    verify: Verify = Verify.NO, kept_on_new_rank: Collection[str] = ()) -> dict[str, Any]:
-    """Restore `targets` from `checkpoint` (opened once: `store.open`) on this rank (see the
-    module docstring); returns the saved meta. `verify` as in `CheckpointStore.restore`;
-    `kept_on_new_rank`: the per-rank parts a rank new to the run keeps (harness/run/state.py)."""
-    doc = checkpoint.state
-    saved_world = int(doc["meta"].get(WORLD_SIZE_KEY, 1))
-    rank, world = distributed.rank(), distributed.world()
-    if saved_world != world and rank == 0:
-        log.warning("resuming with a different world size: the data cursor is re-split (no sample of the epoch is "
-                    "repeated or skipped), but bitwise equality with an uninterrupted run is not promised across "
-                    "world sizes", saved_world_size=saved_world, world_size=world, step=checkpoint.ref.step)
-    skip: tuple[str, ...] = ()
-    if 0 < rank < saved_world:
-        own = store.read_state_file(checkpoint, rank_state_file(rank))["parts"]
-        doc = {**doc, "parts": {**doc["parts"], **own}}
-    elif rank >= saved_world:
-        skip = tuple(kept_on_new_rank)  # e.g. its own freshly seeded RNG streams rather than a copy of rank 0's
-    return store.restore(checkpoint, targets, skip=skip, state=doc, verify=verify)

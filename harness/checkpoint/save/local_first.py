@@ -8,7 +8,7 @@
 A `Committer` (commit.py), so a saver uses it like any other: `commit` writes the checkpoint
 with a local `CheckpointStore` (the usual atomic local commit), then a `BackgroundJob`
 (background.py) copies it to the remote run dir through the remote store's one commit sequence
-(`commit_files`): every data file, streamed from the local copy, then every uploaded object is
+(`committing`): every data file, streamed from the local copy, then every uploaded object is
 read back and its size and digest checked against the local manifest, and only then the remote
 manifest is written listing the same files (the commit point) and remote retention runs. A
 process killed or failing before the manifest leaves no new remote checkpoint: the previous one
@@ -78,20 +78,18 @@ class LocalFirst(Committer):
         """Copy the local checkpoint `local_ref` to the remote: data files, read-back check of
         every object, then the manifest, then remote retention."""
         files = self.local.manifest(local_ref).files
-
-        def write(ref: CheckpointRef, work: str) -> list[FileRecord]:
+        with self.store.committing(local_ref.step, uploaded_from=local_ref.url) as commit:
             for rec in files:
-                sent = self.store.write_file(work, ref, rec.name, self._chunks(local_ref, rec))
+                sent = self.store.write_file(commit.work, commit.ref, rec.name, self._chunks(local_ref, rec))
                 if sent != rec:
                     raise CheckpointError(f"{local_ref.url}/{rec.name}: the local copy changed ({sent.describe()}; "
                                           f"its manifest says {rec.describe()}); not published")
-            problems = self.check_uploaded(work, files)
+            problems = self.check_uploaded(commit.work, files)
             if problems:
-                raise CheckpointError(f"upload of step {ref.step} to {ref.url} fails verification, not published: "
-                                      + "; ".join(problems))
-            return list(files)
-
-        return self.store.commit_files(local_ref.step, write, uploaded_from=local_ref.url)
+                raise CheckpointError(f"upload of step {commit.ref.step} to {commit.ref.url} fails verification, not "
+                                      f"published: " + "; ".join(problems))
+            commit.records += files
+        return commit.ref
 
     def check_uploaded(self, work: str, files: tuple[FileRecord, ...]) -> list[str]:
         """Every uploaded object read back from the remote: problems with its size or digest."""

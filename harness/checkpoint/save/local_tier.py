@@ -33,8 +33,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import Any
 
+from harness.checkpoint.format import WORLD_SIZE_KEY
 from harness.checkpoint.save.commit import Committer
-from harness.checkpoint.save.group_commit import WORLD_SIZE_KEY
 from harness.checkpoint.save.saver import Saver, Submitted
 from harness.checkpoint.store import CheckpointStore
 from harness.config import LocalTierSection
@@ -89,6 +89,6 @@ class LocalTier:
         """Commit `parts` as `step` in this rank's local folder, its meta stamped with the run id and
         the world size; returns when committed (retention applied)."""
         meta = {**meta, RUN_ID_KEY: self.run_id, WORLD_SIZE_KEY: distributed.world()}
-        submitted = self.saver.submit(step, parts, meta=meta)
+        submitted = self.saver.save(step, parts, meta=meta)
         assert submitted is not None  # a synchronous saver never skips
         return submitted

@@ -1,17 +1,17 @@
 """The one way a training loop saves a checkpoint: a `Saver` over a `Committer`.
 
-    saver = open_saver(store, background=True, local_dir=None, ...)
-    saver.submit(step, parts, meta=meta)   # snapshot, then commit (now, or in the background)
+    saver = open_saver(store, background=True, local_dir=None, ...)   # checkpoint/save/__init__.py
+    saver.save(step, parts, meta=meta)     # snapshot, then commit (now, or in the background)
     saver.poll()                           # between steps: raises a failure of earlier work
     saver.finish()                         # everything committed (and, local-first, published)
     saver.close()                          # on an error exit: let good work end, log failures
 
-Two choices make the four kinds of save, each made once, here:
-* when: `Saver` commits in the caller's thread (sync); `AsyncSaver` (async_save.py) copies the
+Two choices make the four kinds of save, each made once, by `open_saver`:
+* when: `Saver` commits in the caller's thread (sync); `AsyncSaver` (async_saver.py) copies the
   snapshot into staging buffers and commits in a background thread;
 * where: the `Committer` (commit.py): this process into the run dir, every rank of a group
   (`GroupCommit`), or a local folder first with a background upload (`LocalFirst`).
-Either way the commit is `CheckpointStore.commit_files`, the one commit sequence.
+Either way the commit is `CheckpointStore.committing`, the one commit sequence.
 """
 
 from __future__ import annotations
@@ -19,20 +19,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from harness.checkpoint.errors import failed_save
 from harness.checkpoint.format import capture
 from harness.checkpoint.save.commit import Committed, Committer
-from harness.checkpoint.save.group_commit import GroupCommit
-from harness.checkpoint.save.local_first import LocalFirst
-from harness.checkpoint.store import CheckpointStore
-from harness.parallel import distributed
 
 
 @dataclass(frozen=True)
 class Submitted:
-    """What `submit` did: `blocking_s` is all the time the caller was held up (waiting for the
+    """What `save` did: `blocking_s` is all the time the caller was held up (waiting for the
     previous persist, `waited_s`, plus taking the snapshot, plus the commit when synchronous)."""
 
     step: int
@@ -60,7 +56,7 @@ class Saver:
         self.last_committed = last_committed
         self.sharded = frozenset(sharded)
 
-    def submit(self, step: int, parts: Mapping[str, Any], *, meta: Mapping[str, Any] | None = None,
+    def save(self, step: int, parts: Mapping[str, Any], *, meta: Mapping[str, Any] | None = None,
                must: bool = False) -> Submitted | None:
         """Snapshot `parts` as `step` and commit it; returns once it is committed (local-first:
         committed locally, uploading). A storage error a person must fix is a `CheckpointError`
@@ -88,32 +84,3 @@ class Saver:
     def close(self) -> None:
         """On an error exit: let good work end, log (not raise) its failure."""
         self.commit.close()
-
-
-def open_saver(store: CheckpointStore, *, background: bool, local_dir: str | None = None,
-               when_busy: Literal["wait", "skip"] = "wait", save_deadline_s: float | None = None,
-               per_rank: Collection[str] = (), sharded: Collection[str] = (),
-               on_commit: Callable[[Committed], None] | None = None,
-               on_slow: Callable[[int, float], None] | None = None, persist_delay_s: float = 0.0,
-               fail_rank: int | None = None, fail_step: int | None = None,
-               last_committed: int | None = None) -> Saver:
-    """The saver of a training process for the run dir `store`: in the `background` or not,
-    committing through the group when there is one (in the background on a second, gloo, group:
-    distributed_commit.py), else local-first when `local_dir` is set (one process only: the
-    caller refuses it with several ranks), else straight into the run dir. The other arguments
-    are those of `Saver` / `AsyncSaver`; `fail_rank`, `fail_step` those of `GroupCommit`."""
-    from harness.checkpoint.save.async_saver import AsyncSaver  # async_save builds on Saver
-
-    if distributed.is_distributed():
-        side = distributed.new_side_group(save_deadline_s) if background else None
-        commit: Committer = GroupCommit(store, group=side, fail_rank=fail_rank, fail_step=fail_step)
-    elif local_dir is not None:
-        commit = LocalFirst(store, local_dir)
-    else:
-        commit = Committer(store)
-    common = dict(rank=distributed.rank(), per_rank=per_rank, sharded=sharded, on_commit=on_commit,
-                  last_committed=last_committed)
-    if not background:
-        return Saver(commit, **common)
-    return AsyncSaver(commit, when_busy=when_busy, persist_delay_s=persist_delay_s, save_deadline_s=save_deadline_s,
-                      on_slow=on_slow, agree=distributed.all_reduce_flag, **common)
