@@ -101,3 +101,10 @@ def test_the_package_root_holds_only_entry_points_and_the_ground_floor():
     flat = sorted(p.stem for p in (ROOT / "harness").glob("*.py"))
     assert flat == ["__init__", "__main__", "config", "config_layers", "errors", "exit_codes", "log", "testing",
                     "topology"]
+
+
+def test_run_imports_only_the_checkpoint_face():
+    """run/ saves and resumes through `harness.checkpoint` alone, whatever the strategy and tier."""
+    rooms = [f"{m} imports {d}" for m, deps in sorted(graph().items()) if m.startswith("harness.run.")
+             for d in sorted(deps) if d.startswith("harness.checkpoint.")]
+    assert rooms == []
