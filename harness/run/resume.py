@@ -8,8 +8,9 @@ the candidates by step (local first at an equal step: it reads faster); each is 
 and checked to be this run's and this rank's *before* it is loaded, and one that is not is
 skipped, logged and recorded in `LocalSource.rejected` (the caller emits `checkpoint_rejected`
 events). With several ranks every rank verifies its own local checkpoints and one all-gather of
-the steps each verified gives the newest step every rank holds (`LocalSource.agreed`); else the
-persistent checkpoint rank 0 chose.
+the steps each verified gives the newest step every rank holds (`LocalSource.agreed`); with peer
+copies, the newest step every rank's part is held of, its missing parts moved from the peers
+(run/peer_recovery.py); else the persistent checkpoint rank 0 chose.
 `check_compatible` refuses a changed math key or other data unless
 `--allow-config-change`, and warns about another environment.
 """
@@ -33,6 +34,7 @@ from harness.log import get_logger
 from harness.parallel import distributed
 from harness.run.elastic import WorldChange, after_load
 from harness.run.environment import warn_if_changed
+from harness.run.peer_recovery import PeerHoldings
 from harness.run.trainer import Trainer, resolve_device
 from harness.storage.location import folder_name
 
@@ -55,10 +57,14 @@ class Candidate:
 @dataclass
 class LocalSource:
     """This rank's local tier of the run `run_id` as a source of checkpoints to resume from;
-    `rejected` collects one record (tier, step, url, problem) per local checkpoint passed over."""
+    `rejected` collects one record (tier, step, url, problem) per local checkpoint passed over.
+    `peers`: the peer copies this rank holds (with several ranks and peer copies); `tier`: the
+    tier its candidates are reported as (`PEER` once a rank's part came from a peer copy)."""
 
     store: CheckpointStore
     run_id: str
+    peers: PeerHoldings | None = None
+    tier: str = LOCAL
     rejected: list[dict[str, Any]] = field(default_factory=list)
     verified: set[int] = field(default_factory=set)
 
@@ -84,8 +90,10 @@ class LocalSource:
 
     def agreed(self) -> int | None:
         """The newest step every rank holds a good local checkpoint of (a collective: every rank
-        calls it). Each rank verifies its own (damaged ones are rejected), then one all-gather of
-        (its good steps, its rejections); `rejected` then holds every rank's, each with its rank."""
+        calls it). Each rank verifies its own (damaged ones are rejected) and its peer copies, then
+        one all-gather of (its good steps, its good peer copies, its rejections); `rejected` then
+        holds every rank's, each with its rank. With peer copies, the newest step whose every
+        rank's part some rank holds (`PeerHoldings.assemble`)."""
         good = []
         for ref in self.store.candidates():
             try:
@@ -96,10 +104,14 @@ class LocalSource:
                 self.reject(ref, problems)
             else:
                 good.append(ref.step)
+        held, rejected = self.peers.verified() if self.peers else ([], [])
         # Every rank's rejections travel with its steps: rank 0 alone writes the events.
-        gathered = distributed.all_gather_object((good, self.rejected))
-        self.rejected = [{**r, "rank": rank} for rank, (_, rejected) in enumerate(gathered) for r in rejected]
-        return max(set.intersection(*(set(steps) for steps, _ in gathered)), default=None)
+        gathered = distributed.all_gather_object((good, held, self.rejected + rejected))
+        self.rejected = [{**r, "rank": rank} for rank, (_, _, rejected) in enumerate(gathered) for r in rejected]
+        if self.peers is None:
+            return max(set.intersection(*(set(steps) for steps, _, _ in gathered)), default=None)
+        step, self.tier = self.peers.assemble(self.store, [(steps, held) for steps, held, _ in gathered])
+        return step
 
     def reject(self, ref: CheckpointRef, problems: list[str]) -> None:
         skipped(ref, problems)
@@ -130,7 +142,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
     tried = [Candidate(source, ref, PERSISTENT) for ref in candidates]
     if local is not None:
         t0 = time.perf_counter()  # with several ranks the local copies are verified here, before agreeing
-        tried = sorted([Candidate(local.store, ref, LOCAL) for ref in local.candidates()] + tried,
+        tried = sorted([Candidate(local.store, ref, local.tier) for ref in local.candidates()] + tried,
                        key=lambda c: -c.step)  # stable: local first at an equal step
         restore_s += time.perf_counter() - t0
     for chosen in tried:
@@ -140,7 +152,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
         try:
             checkpoint = source.open(ref)
             saved = checkpoint.state
-            if chosen.tier == LOCAL:
+            if chosen.tier != PERSISTENT:
                 problems = local.problems(ref, saved)
                 if problems:
                     local.reject(ref, problems)
@@ -164,7 +176,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             t0 = time.perf_counter()
             if trainer.sharded or METADATA_FILE in checkpoint.records:
                 trainer.materialize_optimizer_state()  # read into live tensors of the right sharding
-            if chosen.tier == LOCAL:  # verified above; this rank's own copy: its state.json holds its per-rank parts
+            if chosen.tier != PERSISTENT:  # verified above; a rank's own copy: its state.json holds its per-rank parts
                 source.restore(checkpoint, trainer.state.parts())
             else:
                 load_checkpoint(source, checkpoint, trainer.state.parts(), verify=verify,
@@ -174,9 +186,9 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
         except BaseException as e:
             if trainer is not None:
                 trainer.close()
-            if not isinstance(e, CheckpointCorrupt) or (verify is not Verify.WHILE and chosen.tier != LOCAL):
+            if not isinstance(e, CheckpointCorrupt) or (verify is not Verify.WHILE and chosen.tier == PERSISTENT):
                 raise  # an intact checkpoint that does not fit: the error is about the setup
-            if chosen.tier == LOCAL:
+            if chosen.tier != PERSISTENT:
                 local.reject(ref, [str(e)])
             else:
                 skipped(ref, [str(e)])

@@ -39,6 +39,7 @@ import psutil
 from harness import exit_codes
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.save.local_tier import LocalTier, local_store
+from harness.checkpoint.save.peer_copies import peer_jump
 from harness.config import RunConfig, batch_shape
 from harness.data.sources import check_sources
 from harness.errors import Unavailable, UserError
@@ -52,6 +53,7 @@ from harness.repro import numerics
 from harness.run.elastic import fingerprint_checks
 from harness.run.environment import environment_fingerprint
 from harness.run.loop import Loop
+from harness.run.peer_recovery import PeerHoldings
 from harness.run.resume import LocalSource, agree_on_checkpoint, resume_newest
 
 log = get_logger(__name__)
@@ -151,11 +153,14 @@ def exit_reason(error: BaseException) -> tuple[str, int]:
 
 def local_source(cfg: RunConfig, resume: str) -> LocalSource | None:
     """This run's local tier as a source to resume from: with `--resume auto` and a run id already
-    in the run dir's run.json (before the first start no local checkpoint can be this run's)."""
-    run_id = existing_run_id(cfg) if cfg.checkpoint.local is not None and resume == "auto" else None
+    in the run dir's run.json (before the first start no local checkpoint can be this run's); with
+    peer copies (checkpoint/save/peer_copies.py) the ones this node holds too."""
+    tier = cfg.checkpoint.local
+    run_id = existing_run_id(cfg) if tier is not None and resume == "auto" else None
     if run_id is None:
         return None
-    return LocalSource(local_store(cfg.checkpoint.local, run_id, distributed.rank()), run_id)
+    peers = PeerHoldings(tier, run_id) if peer_jump(tier, distributed.world()) else None
+    return LocalSource(local_store(tier, run_id, distributed.rank()), run_id, peers=peers)
 
 
 def open_store(cfg: RunConfig) -> CheckpointStore:
