@@ -274,7 +274,7 @@ class LocalTierSection(Section):
             "With several ranks, each rank's local checkpoints are also copied to rank (rank + peer_jump) mod world "
             "size, into its local folder (DIR/<run id>/peer-of-rank-NNNNN/), so a node that is gone with its disk "
             "loses nothing that a peer holds. Unset: LOCAL_WORLD_SIZE from torchrun (the same local rank on the next "
-            "node); 0, or a multiple of the world size: no peer copies."
+            "node; a launcher that does not set it gets none); 0, or a multiple of the world size: no peer copies."
         ),
     )
 

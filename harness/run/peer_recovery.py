@@ -20,7 +20,7 @@ from typing import Any
 from harness.checkpoint import CheckpointCorrupt, CheckpointStore
 from harness.checkpoint.discovery import skipped
 from harness.checkpoint.save.local_tier import LOCAL, not_mine
-from harness.checkpoint.save.peer_copies import PEER, Incoming, Outgoing, peer_stores, transfer
+from harness.checkpoint.save.peer_copies import PEER, Incoming, Outgoing, peer_group, peer_stores, transfer
 from harness.config import LocalTierSection
 from harness.log import get_logger
 from harness.parallel import distributed
@@ -71,6 +71,7 @@ class PeerHoldings:
             return None, LOCAL
         step = max(whole)
         moves = [(owner, min(holders[owner, step])) for owner in range(world) if step not in gathered[owner][0]]
+        peer_group()  # collective: made here by every rank, also those no copy moves to or from
         arrived = True
         for owner, holder in moves:  # in the same order on every rank: each pair meets in turn
             if distributed.rank() == holder:

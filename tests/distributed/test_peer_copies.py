@@ -21,7 +21,7 @@ from harness.checkpoint.save.peer_copies import peer_store
 from harness.config import LocalTierSection
 from harness.records.run_id import RUN_ID_KEY
 from harness.run.peer_recovery import PeerHoldings
-from launch import COMMON, HARNESS, kill_tree, start, tail, wait_step
+from launch import COMMON, HARNESS, kill_tree, run, start, tail, torchrun, wait_step
 from procs import TINY, assert_same_run
 
 STEPS = 12
@@ -131,3 +131,16 @@ def test_a_damaged_peer_copy_is_skipped_and_reported(tmp_path, damage):
     (reported,) = rejected
     assert (reported["tier"], reported["owner"], reported["step"]) == ("peer", 0, 4)
     assert ("model.safetensors" if damage == "flip" else "run-b") in reported["problem"]
+
+
+def test_three_ranks_recover_a_lost_nodes_part_and_refuse_a_copy_damaged_on_the_way(tmp_path):
+    """tests/distributed/peer_worker.py: rank 1's folder gone, the ranks agree on step 4, rank 1's
+    part comes from rank 2 (rank 0 takes no part in the move) and every rank loads what it saved;
+    a copy whose bytes differ from its manifest is refused by the receiver, nothing committed."""
+    log = tmp_path / "worker.log"
+    assert run(torchrun(str(Path(__file__).with_name("peer_worker.py")), str(tmp_path), nproc=3, python=True),
+               log) == 0, tail(log)
+    results = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in range(3)]
+    for result in results:
+        assert (result["step"], result["tier"], result["problems"], result["same_model"]) == (4, "peer", [], True)
+    assert "model.safetensors" in results[1]["damaged"] and results[1]["inbox"] == []
