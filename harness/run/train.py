@@ -14,7 +14,8 @@ Contract of `train(cfg, ...)` (what `harness train` does):
   differ from the checkpoint's (bitwise equality is not promised there).
 - With a local tier (`[checkpoint.local]`, checkpoint/save/local_tier.py; one process or DDP) `--resume auto`
   also considers this run's local checkpoints and loads the newest step that verifies in either
-  tier (with several ranks: on every rank);
+  tier (with several ranks: on every rank; with peer copies, a part whose node lost it comes from
+  the rank holding its copy, checkpoint/save/peer_copies.py);
   a local one that does not verify or is another run's is skipped and reported (a
   `checkpoint_rejected` event each). The `start` event names the tier resumed from.
 - Resumes at another world size than the checkpoint's (harness/run/elastic.py): the global batch

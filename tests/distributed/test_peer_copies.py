@@ -22,7 +22,7 @@ from harness.config import LocalTierSection
 from harness.records.run_id import RUN_ID_KEY
 from harness.run.peer_recovery import PeerHoldings
 from launch import COMMON, HARNESS, kill_tree, run, start, tail, torchrun, wait_step
-from procs import TINY, assert_same_run
+from procs import TINY, assert_same_run, harness
 
 STEPS = 12
 # Persistent every 4 steps (4, 8, 12), local every 2 where no persistent save is due (2, 6, 10):
@@ -100,6 +100,7 @@ def test_a_lost_node_resumes_from_its_peer_copy_bitwise(tmp_path, continuous):
     assert (start["resumed_from"], start["resumed_tier"]) == (max(whole), "peer")
     assert max(whole) in steps_in(locals_[0] / run_folder.name / "rank-00000")  # committed there, then loaded
     assert_same_run(continuous, run_dir, STEPS)
+    assert f"step {max(whole)} from the peer tier" in harness("report", str(run_dir), check=True).stdout
 
 
 def test_both_local_folders_lost_fall_back_to_the_persistent_tier_bitwise(tmp_path, continuous):
