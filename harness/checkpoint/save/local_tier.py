@@ -84,7 +84,7 @@ class LocalTier:
         self.saver = Saver(Committer(self.store), rank=distributed.rank(), per_rank=per_rank)
 
     def drop_after(self, step: int) -> None:
-        """Delete the local checkpoints past `step`: the live state went back to `step`."""
+        """Delete the local checkpoints and peer copies past `step`: the live state went back to `step`."""
         for store in [self.store, *(self.peers.stores() if self.peers else [])]:
             for ref in store.list():
                 if ref.step > step:
