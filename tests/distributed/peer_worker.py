@@ -5,7 +5,8 @@ torchrun group:
 
 Every rank saves local checkpoints 2 and 4 (peer_jump 1: rank r's copies go to rank r + 1 mod 3);
 node 1's folder is then deleted (the node is gone with its disk) and the ranks recover: rank 1
-receives its part from rank 2 while rank 0 moves nothing. Then rank 0 sends rank 1 a checkpoint
+receives its part from rank 2 while rank 0 moves nothing. A resume from step 2 then deletes the
+local checkpoints and peer copies past it. Then rank 0 sends rank 1 a checkpoint
 whose file was damaged on rank 0's disk after its commit: rank 1 must not commit it. Each rank
 writes what it saw to TMP/result-RANK.json.
 """
@@ -51,6 +52,9 @@ def main() -> None:
         source.store.load(ref, {"model": loaded})
         result["same_model"] = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                                       loaded.state_dict().values()))
+        # A resume from step 2 (an older tier): the local checkpoints and peer copies past it go.
+        after = LocalTier(section, RUN, resumed_step=2)
+        result["kept"] = sorted({ref.step for store in [after.store, *after.peers.stores()] for ref in store.list()})
         if rank == 0:
             damaged = Path(tier.store.ref(2).path) / "model.safetensors"
             data = bytearray(damaged.read_bytes())

@@ -137,11 +137,14 @@ def test_a_damaged_peer_copy_is_skipped_and_reported(tmp_path, damage):
 def test_three_ranks_recover_a_lost_nodes_part_and_refuse_a_copy_damaged_on_the_way(tmp_path):
     """tests/distributed/peer_worker.py: rank 1's folder gone, the ranks agree on step 4, rank 1's
     part comes from rank 2 (rank 0 takes no part in the move) and every rank loads what it saved;
-    a copy whose bytes differ from its manifest is refused by the receiver, nothing committed."""
+    a resume from step 2 keeps nothing newer; a copy whose bytes differ from its manifest is
+    refused by the receiver, nothing committed."""
     log = tmp_path / "worker.log"
     assert run(torchrun(str(Path(__file__).with_name("peer_worker.py")), str(tmp_path), nproc=3, python=True),
                log) == 0, tail(log)
     results = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in range(3)]
     for result in results:
         assert (result["step"], result["tier"], result["problems"], result["same_model"]) == (4, "peer", [], True)
+    # Rank 1 got back step 4 only (its step 2 went with its node).
+    assert [result["kept"] for result in results] == [[2], [], [2]]
     assert "model.safetensors" in results[1]["damaged"] and results[1]["inbox"] == []
