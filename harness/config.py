@@ -268,6 +268,15 @@ class LocalTierSection(Section):
     )
     every_steps: int = Field(ge=1, description="Save a local checkpoint every N optimizer steps.")
     keep: int = Field(2, ge=2, description="Local checkpoints kept (>= 2: the newest may be one a crash cut short).")
+    peer_jump: int | None = Field(
+        None, ge=0,
+        description=(
+            "With several ranks, each rank's local checkpoints are also copied to rank (rank + peer_jump) mod world "
+            "size, into its local folder (DIR/<run id>/peer-of-rank-NNNNN/), so a node that is gone with its disk "
+            "loses nothing that a peer holds. Unset: LOCAL_WORLD_SIZE from torchrun (the same local rank on the next "
+            "node; a launcher that does not set it gets none); 0, or a multiple of the world size: no peer copies."
+        ),
+    )
 
 
 class CheckpointSection(Section):

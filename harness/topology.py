@@ -14,14 +14,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Topology:
-    """Where this process sits: its global rank, the world size, its rank on this node."""
+    """Where this process sits: its global rank, the world size, its rank on this node, and the
+    number of ranks on this node (unknown to the launcher: all of them)."""
 
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    local_world_size: int = 1
 
 
 def topology_from_env(env: dict[str, str] | None = None) -> Topology:
     """The topology torchrun (or SLURM through ops/slurm/train.sbatch) put in the environment."""
     env = os.environ if env is None else env
-    return Topology(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+    world = int(env.get("WORLD_SIZE", 1))
+    return Topology(int(env.get("RANK", 0)), world, int(env.get("LOCAL_RANK", 0)),
+                    int(env.get("LOCAL_WORLD_SIZE", world)))

@@ -46,7 +46,8 @@ _EXPORTS = {"CheckpointCorrupt": "errors", "CheckpointError": "errors", "Snapsho
             "locate": "target", "open_target": "target", "verify_target": "verify",
             "open_saver": "save", "Saver": "save.saver", "Committed": "save.commit",
             "LocalTier": "save.local_tier", "local_store": "save.local_tier", "not_mine": "save.local_tier",
-            "LOCAL": "save.local_tier", "PERSISTENT": "save.local_tier"}
+            "LOCAL": "save.local_tier", "PERSISTENT": "save.local_tier", "peer_jump": "save.peer_copies",
+            "PeerHoldings": "save.peer_recovery"}
 
 __all__ = sorted([*_EXPORTS, "load"])
 

@@ -6,8 +6,10 @@ the trainer (rank 0 only) unless marked supervisor:
 | event      | fields                                   | when |
 |------------|------------------------------------------|------|
 | start      | resumed_from: int or null,               | once per process, after the state is restored and checked,   |
-|            | resumed_tier: "local", "persistent" or   | just before the first step; resumed_tier = the checkpoint    |
-|            | null, previous_reached: int or null,     | tier resumed from (checkpoint/save/local_tier.py);           |
+|            | resumed_tier: "local", "peer",           | just before the first step; resumed_tier = the checkpoint    |
+|            | "persistent" or null,                    | tier resumed from (checkpoint/save/local_tier.py; "peer": a  |
+|            |                                          | rank's part came from a peer copy, peer_copies.py);          |
+|            | previous_reached: int or null,           |                                                              |
 |            | startup_s, restore_s, total_steps        | previous_reached = the last step the interrupted process     |
 |            |                                          | logged to                                                    |
 |            |                                          | metrics.jsonl (every step is logged there), null when it     |
@@ -21,9 +23,11 @@ the trainer (rank 0 only) unless marked supervisor:
 |            |                                          | (cumulative, blocking saves excluded)                        |
 | checkpoint | step, blocking_s                         | after each commit; blocking_s = seconds the step loop was    |
 |            |                                          | blocked by this save                                         |
-| local_checkpoint | step, blocking_s, bytes            | after each commit to the local tier (counted as saving)      |
-| checkpoint_rejected | tier, step, url, problem        | a local checkpoint passed over at a resume (damaged, another |
-|            |                                          | run's); before that process's start                          |
+| local_checkpoint | step, blocking_s, bytes            | after each commit to the local tier (blocking_s: with its    |
+|            |                                          | peer copies' exchange; counted as saving)                    |
+| checkpoint_rejected | tier, step, url, problem        | a local checkpoint or peer copy (tier "peer", with owner)    |
+|            | (rank, owner)                            | passed over at a resume (damaged, another run's); before     |
+|            |                                          | that process's start                                         |
 | save_slow  | step, seconds                            | while a background save has been persisting longer than      |
 |            |                                          | expected (checkpoint.save_deadline_s), repeated each slow    |
 |            |                                          | interval                                                     |

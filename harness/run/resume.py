@@ -8,8 +8,9 @@ the candidates by step (local first at an equal step: it reads faster); each is 
 and checked to be this run's and this rank's *before* it is loaded, and one that is not is
 skipped, logged and recorded in `LocalSource.rejected` (the caller emits `checkpoint_rejected`
 events). With several ranks every rank verifies its own local checkpoints and one all-gather of
-the steps each verified gives the newest step every rank holds (`LocalSource.agreed`); else the
-persistent checkpoint rank 0 chose.
+the steps each verified gives the newest step every rank holds (`LocalSource.agreed`); with peer
+copies, the newest step every rank's part is held of, its missing parts moved from the peers
+(checkpoint/save/peer_recovery.py); else the persistent checkpoint rank 0 chose.
 `check_compatible` refuses a changed math key or other data unless
 `--allow-config-change`, and warns about another environment.
 """
@@ -27,6 +28,7 @@ from harness.checkpoint import (
     CheckpointCorrupt,
     CheckpointRef,
     CheckpointStore,
+    PeerHoldings,
     Verify,
     load,
     locate,
@@ -62,10 +64,14 @@ class Candidate:
 @dataclass
 class LocalSource:
     """This rank's local tier of the run `run_id` as a source of checkpoints to resume from;
-    `rejected` collects one record (tier, step, url, problem) per local checkpoint passed over."""
+    `rejected` collects one record (tier, step, url, problem) per local checkpoint passed over.
+    `peers`: the peer copies this rank holds (with several ranks and peer copies); `tier`: the
+    tier its candidates are reported as (`PEER` once a rank's part came from a peer copy)."""
 
     store: CheckpointStore
     run_id: str
+    peers: PeerHoldings | None = None
+    tier: str = LOCAL
     rejected: list[dict[str, Any]] = field(default_factory=list)
     verified: set[int] = field(default_factory=set)
 
@@ -91,8 +97,10 @@ class LocalSource:
 
     def agreed(self) -> int | None:
         """The newest step every rank holds a good local checkpoint of (a collective: every rank
-        calls it). Each rank verifies its own (damaged ones are rejected), then one all-gather of
-        (its good steps, its rejections); `rejected` then holds every rank's, each with its rank."""
+        calls it). Each rank verifies its own (damaged ones are rejected) and its peer copies, then
+        one all-gather of (its good steps, its good peer copies, its rejections); `rejected` then
+        holds every rank's, each with its rank. With peer copies, the newest step whose every
+        rank's part some rank holds (`PeerHoldings.assemble`)."""
         good = []
         for ref in self.store.candidates():
             try:
@@ -103,10 +111,14 @@ class LocalSource:
                 self.reject(ref, problems)
             else:
                 good.append(ref.step)
+        held, rejected = self.peers.verified() if self.peers else ([], [])
         # Every rank's rejections travel with its steps: rank 0 alone writes the events.
-        gathered = distributed.all_gather_object((good, self.rejected))
-        self.rejected = [{**r, "rank": rank} for rank, (_, rejected) in enumerate(gathered) for r in rejected]
-        return max(set.intersection(*(set(steps) for steps, _ in gathered)), default=None)
+        gathered = distributed.all_gather_object((good, held, self.rejected + rejected))
+        self.rejected = [{**r, "rank": rank} for rank, (_, _, rejected) in enumerate(gathered) for r in rejected]
+        if self.peers is None:
+            return max(set.intersection(*(set(steps) for steps, _, _ in gathered)), default=None)
+        step, self.tier = self.peers.assemble(self.store, [(steps, held) for steps, held, _ in gathered])
+        return step
 
     def reject(self, ref: CheckpointRef, problems: list[str]) -> None:
         skipped(ref, problems)
@@ -137,7 +149,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
     tried = [Candidate(source, ref, PERSISTENT) for ref in candidates]
     if local is not None:
         t0 = time.perf_counter()  # with several ranks the local copies are verified here, before agreeing
-        tried = sorted([Candidate(local.store, ref, LOCAL) for ref in local.candidates()] + tried,
+        tried = sorted([Candidate(local.store, ref, local.tier) for ref in local.candidates()] + tried,
                        key=lambda c: -c.step)  # stable: local first at an equal step
         restore_s += time.perf_counter() - t0
     for chosen in tried:
@@ -147,7 +159,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
         try:
             checkpoint = source.open(ref)
             saved = checkpoint.state
-            if chosen.tier == LOCAL:
+            if chosen.tier != PERSISTENT:
                 problems = local.problems(ref, saved)
                 if problems:
                     local.reject(ref, problems)
@@ -171,17 +183,17 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             t0 = time.perf_counter()
             if trainer.sharded or checkpoint.sharded:
                 trainer.materialize_optimizer_state()  # read into live tensors of the right sharding
-            # A local checkpoint was verified above, and is this rank's own copy.
-            load(source, checkpoint, trainer.state.parts(), verify=Verify.NO if chosen.tier == LOCAL else verify,
+            # A local or peer checkpoint was verified above, and is this rank's own copy.
+            load(source, checkpoint, trainer.state.parts(), verify=Verify.NO if chosen.tier != PERSISTENT else verify,
                  kept_on_new_rank=trainer.state.kept_on_new_rank)
             resized = after_load(saved, cfg, ref.step, trainer.state.sharded)
             return trainer, chosen, restore_s + time.perf_counter() - t0, changes, resized
         except BaseException as e:
             if trainer is not None:
                 trainer.close()
-            if not isinstance(e, CheckpointCorrupt) or (verify is not Verify.WHILE and chosen.tier != LOCAL):
+            if not isinstance(e, CheckpointCorrupt) or (verify is not Verify.WHILE and chosen.tier == PERSISTENT):
                 raise  # an intact checkpoint that does not fit: the error is about the setup
-            if chosen.tier == LOCAL:
+            if chosen.tier != PERSISTENT:
                 local.reject(ref, [str(e)])
             else:
                 skipped(ref, [str(e)])

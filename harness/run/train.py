@@ -14,7 +14,8 @@ Contract of `train(cfg, ...)` (what `harness train` does):
   differ from the checkpoint's (bitwise equality is not promised there).
 - With a local tier (`[checkpoint.local]`, checkpoint/save/local_tier.py; one process or DDP) `--resume auto`
   also considers this run's local checkpoints and loads the newest step that verifies in either
-  tier (with several ranks: on every rank);
+  tier (with several ranks: on every rank; with peer copies, a part whose node lost it comes from
+  the rank holding its copy, checkpoint/save/peer_copies.py);
   a local one that does not verify or is another run's is skipped and reported (a
   `checkpoint_rejected` event each). The `start` event names the tier resumed from.
 - Resumes at another world size than the checkpoint's (harness/run/elastic.py): the global batch
@@ -37,7 +38,7 @@ import fsspec.utils
 import psutil
 
 from harness import exit_codes
-from harness.checkpoint import CheckpointStore, LocalTier, local_store
+from harness.checkpoint import CheckpointStore, LocalTier, PeerHoldings, local_store, peer_jump
 from harness.config import RunConfig, batch_shape
 from harness.data.sources import check_sources
 from harness.errors import Unavailable, UserError
@@ -150,11 +151,14 @@ def exit_reason(error: BaseException) -> tuple[str, int]:
 
 def local_source(cfg: RunConfig, resume: str) -> LocalSource | None:
     """This run's local tier as a source to resume from: with `--resume auto` and a run id already
-    in the run dir's run.json (before the first start no local checkpoint can be this run's)."""
-    run_id = existing_run_id(cfg) if cfg.checkpoint.local is not None and resume == "auto" else None
+    in the run dir's run.json (before the first start no local checkpoint can be this run's); with
+    peer copies (checkpoint/save/peer_copies.py) the ones this node holds too."""
+    tier = cfg.checkpoint.local
+    run_id = existing_run_id(cfg) if tier is not None and resume == "auto" else None
     if run_id is None:
         return None
-    return LocalSource(local_store(cfg.checkpoint.local, run_id, distributed.rank()), run_id)
+    peers = PeerHoldings(tier, run_id) if peer_jump(tier, distributed.world()) else None
+    return LocalSource(local_store(tier, run_id, distributed.rank()), run_id, peers=peers)
 
 
 def open_store(cfg: RunConfig) -> CheckpointStore:

@@ -24,17 +24,21 @@ past S belong to an abandoned future (a resume from an older tier, `--resume URL
 before an anomaly) and are deleted before training goes on (`drop_after`), as local-first staging
 does (checkpoint/save/local_first.py).
 
-Not built: peer copies (a rank's local files also kept on another node), so a node that is gone
-with its disk falls back to the persistent tier.
+Peer copies. With several ranks each local save is also sent to a rank on another node, which
+keeps it in its own local folder (checkpoint/save/peer_copies.py), so a node that is gone with its
+disk loses nothing that a peer holds (recovery: harness/checkpoint/save/peer_recovery.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Collection, Mapping
+from dataclasses import replace
 from typing import Any
 
 from harness.checkpoint.format import WORLD_SIZE_KEY
 from harness.checkpoint.save.commit import Committer
+from harness.checkpoint.save.peer_copies import PeerCopies, peer_jump
 from harness.checkpoint.save.saver import Saver, Submitted
 from harness.checkpoint.store import CheckpointStore
 from harness.config import LocalTierSection
@@ -67,28 +71,37 @@ class LocalTier:
     """Saves the live state every `section.every_steps` steps into the local tier of run `run_id`.
 
     `resumed_step`: the step the state was restored from (0 when fresh); local checkpoints past it
-    are deleted now (module docstring). `per_rank`: as `Saver`'s."""
+    are deleted now (module docstring), peer copies past it too. `per_rank`: as `Saver`'s. With
+    peer copies (`peer_jump`) every rank makes it at the same point."""
 
     def __init__(self, section: LocalTierSection, run_id: str, resumed_step: int,
                  per_rank: Collection[str] = ()) -> None:
         self.every, self.run_id = section.every_steps, run_id
         self.store = local_store(section, run_id, distributed.rank())
+        jump = peer_jump(section, distributed.world())
+        self.peers = PeerCopies(section, run_id, jump) if jump else None
         self.drop_after(resumed_step)
         self.saver = Saver(Committer(self.store), rank=distributed.rank(), per_rank=per_rank)
 
     def drop_after(self, step: int) -> None:
-        """Delete the local checkpoints past `step`: the live state went back to `step`."""
-        for ref in self.store.list():
-            if ref.step > step:
-                self.store.delete(ref)
+        """Delete the local checkpoints and peer copies past `step`: the live state went back to `step`."""
+        for store in [self.store, *(self.peers.stores() if self.peers else [])]:
+            for ref in store.list():
+                if ref.step > step:
+                    store.delete(ref)
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
     def save(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any]) -> Submitted:
         """Commit `parts` as `step` in this rank's local folder, its meta stamped with the run id and
-        the world size; returns when committed (retention applied)."""
+        the world size; returns when committed (retention applied) and, with peer copies, exchanged
+        (`blocking_s` counts both)."""
         meta = {**meta, RUN_ID_KEY: self.run_id, WORLD_SIZE_KEY: distributed.world()}
         submitted = self.saver.save(step, parts, meta=meta)
         assert submitted is not None  # a synchronous saver never skips
-        return submitted
+        if self.peers is None:
+            return submitted
+        t0 = time.perf_counter()
+        self.peers.exchange(self.store, step)
+        return replace(submitted, blocking_s=submitted.blocking_s + time.perf_counter() - t0)

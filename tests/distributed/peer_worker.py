@@ -1,0 +1,76 @@
+"""Peer copies among three ranks, each with a local folder of its own (three "nodes"), in one
+torchrun group:
+
+    torchrun --standalone --nproc-per-node 3 python peer_worker.py TMP
+
+Every rank saves local checkpoints 2 and 4 (peer_jump 1: rank r's copies go to rank r + 1 mod 3);
+node 1's folder is then deleted (the node is gone with its disk) and the ranks recover: rank 1
+receives its part from rank 2 while rank 0 moves nothing. A resume from step 2 then deletes the
+local checkpoints and peer copies past it. Then rank 0 sends rank 1 a checkpoint
+whose file was damaged on rank 0's disk after its commit: rank 1 must not commit it. Each rank
+writes what it saw to TMP/result-RANK.json.
+"""
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from harness.checkpoint import CheckpointCorrupt, CheckpointStore
+from harness.checkpoint.save.local_tier import LocalTier, local_store
+from harness.checkpoint.save.peer_copies import Incoming, Outgoing, transfer
+from harness.checkpoint.save.peer_recovery import PeerHoldings
+from harness.config import LocalTierSection
+from harness.parallel import distributed
+from harness.process import process_end
+from harness.run.resume import LocalSource
+
+RUN = "run-a"
+
+
+def main() -> None:
+    tmp = Path(sys.argv[1])
+    with distributed.process_group():
+        rank = distributed.rank()
+        section = LocalTierSection(dir=str(tmp / f"node{rank}"), every_steps=2, keep=2, peer_jump=1)
+        tier = LocalTier(section, RUN, resumed_step=0)
+        torch.manual_seed(rank)
+        model = torch.nn.Linear(4, 4)
+        for step in (2, 4):
+            tier.save(step, {"model": model}, {})
+        distributed.barrier()
+        if rank == 1:
+            shutil.rmtree(tmp / "node1")
+        distributed.barrier()
+        source = LocalSource(local_store(section, RUN, rank), RUN, peers=PeerHoldings(section, RUN))
+        step = source.agreed()
+        ref = source.store.ref(step)
+        result = {"step": step, "tier": source.tier, "problems": source.problems(ref, source.store.open(ref).state)}
+        loaded = torch.nn.Linear(4, 4)
+        source.store.load(ref, {"model": loaded})
+        result["same_model"] = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                                      loaded.state_dict().values()))
+        # A resume from step 2 (an older tier): the local checkpoints and peer copies past it go.
+        after = LocalTier(section, RUN, resumed_step=2)
+        result["kept"] = sorted({ref.step for store in [after.store, *after.peers.stores()] for ref in store.list()})
+        if rank == 0:
+            damaged = Path(tier.store.ref(2).path) / "model.safetensors"
+            data = bytearray(damaged.read_bytes())
+            data[-5] ^= 0x01
+            damaged.write_bytes(bytes(data))
+            transfer(Outgoing(1, tier.store, tier.store.ref(2)), None)
+        if rank == 1:
+            inbox = CheckpointStore(str(tmp / "inbox"))
+            try:
+                transfer(None, Incoming(0, inbox))
+            except CheckpointCorrupt as e:
+                result["damaged"] = str(e)
+            result["inbox"] = [r.step for r in inbox.list()]
+        (tmp / f"result-{rank}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
+    process_end.end(0)  # as `harness` does after a process group (harness/process/process_end.py)
