@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from harness.checkpoint import CheckpointCorrupt, CheckpointStore
+from harness.checkpoint import CheckpointCorrupt, CheckpointStore, load
 from harness.checkpoint.save.local_tier import LocalTier, local_store
 from harness.checkpoint.save.peer_copies import Incoming, Outgoing, transfer
 from harness.checkpoint.save.peer_recovery import PeerHoldings
@@ -49,7 +49,7 @@ def main() -> None:
         ref = source.store.ref(step)
         result = {"step": step, "tier": source.tier, "problems": source.problems(ref, source.store.open(ref).state)}
         loaded = torch.nn.Linear(4, 4)
-        source.store.load(ref, {"model": loaded})
+        load(source.store, ref, {"model": loaded})
         result["same_model"] = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                                       loaded.state_dict().values()))
         # A resume from step 2 (an older tier): the local checkpoints and peer copies past it go.
