@@ -22,3 +22,11 @@ class Unavailable(Exception):
     and the operation. Never a `UserError`: nothing about the run's input is wrong."""
 
     exit_code = STORAGE_UNAVAILABLE
+
+
+class StorageError(UserError):
+    """A storage problem the user can act on (an unknown protocol or a package it needs, a path
+    that is a file where a folder is wanted, an unwritable folder, refused credentials, a missing
+    bucket, a file over its size limit); the message names the URL and what to change. The
+    checkpoint layer's `CheckpointError` is one, so one `except StorageError` catches both; a
+    storage outage is not one (`Unavailable`)."""

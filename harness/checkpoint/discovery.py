@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 from harness.checkpoint.errors import CheckpointCorrupt
 from harness.checkpoint.manifest import MANIFEST_FILE, MAX_MANIFEST_BYTES, FileRecord, Manifest, parse_manifest
+from harness.errors import StorageError
 from harness.log import get_logger
-from harness.storage.errors import StorageError
 from harness.storage.location import Location, folder_name, read_bytes
 
 log = get_logger(__name__)

@@ -1,4 +1,4 @@
-"""The checkpoint layer's error: a `UserError`, so the CLI prints it on one line and exits 2.
+"""The checkpoint layer's error: a `StorageError` (a `UserError`), so the CLI prints it on one line and exits 2.
 
 Everything the layer raises for bad input (a corrupt or foreign file, a checkpoint that does not
 fit the live model, a refused lease, an unknown storage protocol) is a `CheckpointError`. Its
@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import os
 
-from harness.storage.errors import StorageError
+from harness.errors import StorageError
 
 # Storage errors that retrying or restarting cannot heal.
 USER_FIXABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})

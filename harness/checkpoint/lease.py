@@ -43,8 +43,8 @@ from collections.abc import Callable
 import psutil
 
 from harness.checkpoint.errors import CheckpointError
+from harness.errors import StorageError
 from harness.log import get_logger
-from harness.storage.errors import StorageError
 from harness.storage.location import Location, fsync_dir, read_bytes, rename, write_small
 
 log = get_logger(__name__)

@@ -40,9 +40,9 @@ from harness.checkpoint.manifest import STATE_FILE, FileRecord, Manifest
 from harness.checkpoint.restore import restore_parts
 from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE
 from harness.checkpoint.tensorfile import TensorEntry, read_header
+from harness.errors import StorageError
 from harness.log import get_logger
 from harness.storage.digest import hexdigest
-from harness.storage.errors import StorageError
 from harness.storage.location import HashingReader, Location, check_small, hash_file, open_read, read_bytes
 
 log = get_logger(__name__)

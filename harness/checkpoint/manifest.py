@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 
 from harness.checkpoint.errors import CheckpointError
+from harness.errors import StorageError
 from harness.storage.digest import ALGORITHMS, DEFAULT_ALGORITHM, HEX_DIGITS
-from harness.storage.errors import StorageError
 
 MANIFEST_FILE = "manifest.json"
 # Every checkpoint's state file (format.py writes it): named here, where a manifest that does not

@@ -67,9 +67,8 @@ from harness.checkpoint.manifest import MANIFEST_FILE, FileRecord, Manifest
 from harness.checkpoint.retention import check_policy, steps_to_keep
 from harness.checkpoint.shard_files import SHARDED
 from harness.checkpoint.tensorfile import TensorEntry
-from harness.errors import Unavailable
+from harness.errors import StorageError, Unavailable
 from harness.log import get_logger
-from harness.storage.errors import StorageError
 from harness.storage.location import (
     Location,
     folder_name,

@@ -31,8 +31,8 @@ from harness.checkpoint.store import CheckpointStore
 from harness.checkpoint.target import open_target
 from harness.checkpoint.verify import verify_target
 from harness.cli.args import storage_option_parser, storage_options_of
+from harness.errors import StorageError
 from harness.records.run_id import RUN_JSON
-from harness.storage.errors import StorageError
 from harness.storage.location import read_bytes
 
 

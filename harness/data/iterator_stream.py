@@ -24,8 +24,7 @@ import torch
 
 from harness.checkpoint.format import capture
 from harness.data.batch import Batch
-from harness.errors import UserError
-from harness.storage.errors import StorageError
+from harness.errors import StorageError, UserError
 
 _WHAT_TO_YIELD = "each next() must give (x, y) or (x, y, sample_id): int64 tensors of seq_len tokens"
 

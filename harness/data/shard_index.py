@@ -19,8 +19,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from harness.errors import UserError
-from harness.storage.errors import StorageError
+from harness.errors import StorageError, UserError
 from harness.storage.location import Location, open_location, read_bytes
 
 FORMAT_VERSION = 1

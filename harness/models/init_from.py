@@ -25,8 +25,7 @@ from torch import nn
 
 from harness.checkpoint.format import tensor_view
 from harness.checkpoint.tensorfile import read_header, read_tensor
-from harness.errors import UserError
-from harness.storage.errors import StorageError
+from harness.errors import StorageError, UserError
 from harness.storage.location import HashingReader, Location, open_location, open_read
 
 SETTING = "model.init_from"

@@ -26,8 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from harness.errors import StorageError
 from harness.storage.digest import DEFAULT_ALGORITHM, new_hasher
-from harness.storage.errors import StorageError
 from harness.storage.filesystem import open_filesystem
 
 # Written-but-not-yet-hashed bytes allowed in flight; see write_stream.

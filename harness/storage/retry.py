@@ -39,9 +39,8 @@ from botocore import exceptions as bx
 from botocore.parsers import ResponseParserError
 from tenacity import AsyncRetrying, RetryCallState, RetryError, retry_if_exception, stop_after_attempt, stop_after_delay
 
-from harness.errors import Unavailable
+from harness.errors import StorageError, Unavailable
 from harness.log import get_logger
-from harness.storage.errors import StorageError
 
 log = get_logger(__name__)
 T = TypeVar("T")

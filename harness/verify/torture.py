@@ -49,7 +49,7 @@ from harness.checkpoint import CheckpointStore, load
 from harness.checkpoint.lease import LEASE_FILE, MISSED_HEARTBEATS
 from harness.checkpoint.manifest import MANIFEST_FILE
 from harness.checkpoint.verify import verify_target
-from harness.storage.errors import StorageError
+from harness.errors import StorageError
 from harness.storage.faults import FaultPlan, SimulatedCrash
 from harness.storage.location import open_location
 
