@@ -12,6 +12,8 @@ import procs
 from harness.checkpoint import CheckpointStore
 from procs import TINY, assert_same_run, harness
 
+pytestmark = pytest.mark.usefixtures("quiet_logs")  # tests/conftest.py
+
 STEPS = 12          # tests/data/tiny.toml: checkpoints at 4, 8, 12
 
 

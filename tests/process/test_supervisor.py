@@ -25,7 +25,7 @@ from harness.exit_codes import FINISHED, GAVE_UP, PREEMPTED, STORAGE_UNAVAILABLE
 from harness.process.supervisor import Supervisor, describe_exit, strip_flags
 from harness.records.events import EventLog
 
-ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
 
 TRAINER = textwrap.dedent(
     """
