@@ -119,9 +119,15 @@ def losses(log_dir: Path) -> dict[int, float]:
     return out
 
 
-def events(log_dir: Path) -> list[dict]:
-    """The records of the run's events.jsonl, in order."""
-    return [json.loads(line) for line in (Path(log_dir) / "events.jsonl").read_text().splitlines() if line.strip()]
+def events(log_dir: Path, kind: str | None = None, *, missing_ok: bool = False) -> list[dict]:
+    """The records of the run's events.jsonl, in order (every line must be one: the harness writes no
+    other); with `kind`, those whose "event" is `kind`. No file is an error, or with `missing_ok`
+    no events (a run still starting)."""
+    path = Path(log_dir) / "events.jsonl"
+    if missing_ok and not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return records if kind is None else [e for e in records if e["event"] == kind]
 
 
 def final_checkpoint(run_dir: Path, step: int) -> Path:

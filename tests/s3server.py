@@ -5,7 +5,8 @@ boto3 and exposes `endpoint` (http://127.0.0.1:PORT). `FAKE_ENV` holds recognisa
 credentials; tests put them in the environment (where s3fs, boto3 and child processes find them)
 and grep written objects and logs for `FAKE_SECRET` to prove it never leaks.
 `S3ServerProcess` runs the same server as a separate process (ops/s3/local_server.py) that a test
-can freeze with SIGSTOP and thaw with SIGCONT.
+can freeze with SIGSTOP and thaw with SIGCONT. `options` are a test's storage options for an endpoint.
+The fixtures (`s3_server`, `proxy`, `s3_url`) are in tests/conftest.py.
 `AWS_EC2_METADATA_DISABLED` stops botocore from probing the instance metadata service, which
 would add seconds of connect timeouts on a machine without it.
 """
@@ -114,3 +115,10 @@ def download_final(client, bucket: str, url: str, step: int, log_dir: Path) -> N
     pages = client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
     for key in (obj["Key"] for page in pages for obj in page.get("Contents", [])):
         client.download_file(bucket, key, str(dest / key.removeprefix(prefix)))
+
+
+def options(endpoint: str, deadline_s: float = 20.0, attempts: int = 8, read_timeout: float = 5.0, **extra) -> dict:
+    """Storage options for a test: through `endpoint`, quick backoff, short timeouts."""
+    return {"endpoint_url": endpoint, "retry": {"attempts": attempts, "initial": 0.02, "max_wait": 0.2,
+                                                "deadline_s": deadline_s},
+            "config_kwargs": {"connect_timeout": 2, "read_timeout": read_timeout}, **extra}

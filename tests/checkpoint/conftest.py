@@ -1,4 +1,5 @@
-"""Shared pieces for checkpoint tests: a tiny model with awkward buffers and a trained state."""
+"""Shared pieces for checkpoint tests: a tiny model with awkward buffers, a trained state, and the
+damage a verification must find."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 
 from harness.checkpoint import CheckpointRef
 from harness.storage.digest import hexdigest
+from helpers import flip_byte
 
 
 class Tiny(nn.Module):
@@ -111,6 +113,13 @@ def state_of(parts) -> dict:
 
 def folder(ref: CheckpointRef) -> Path:
     return Path(ref.path)
+
+
+def damage(ref: CheckpointRef) -> None:
+    """Damage the checkpoint `ref` so that its verification fails: one byte in the middle of its
+    state.json changed, the size kept."""
+    state = folder(ref) / "state.json"
+    flip_byte(state, at=state.stat().st_size // 2, mask=0x20)
 
 
 def rewrite_manifest(ref: CheckpointRef) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from harness.checkpoint import CheckpointStore
 from harness.cli import main
+from helpers import flip_byte
 
 from .conftest import folder, torch_state
 
@@ -29,9 +30,7 @@ def two(run_dir):
 
 def test_ls_lists_steps_sizes_and_verification(capsys, run_dir, two):
     _, _, newest = two
-    data = bytearray((folder(newest) / "model.safetensors").read_bytes())
-    data[-1] ^= 0xFF
-    (folder(newest) / "model.safetensors").write_bytes(bytes(data))
+    flip_byte(folder(newest) / "model.safetensors", at=-1, mask=0xFF)
     code, out, _ = run(capsys, "ls", run_dir)
     lines = out.splitlines()
     assert code == 0 and len(lines) == 3

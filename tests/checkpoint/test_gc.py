@@ -13,7 +13,7 @@ import pytest
 from harness.checkpoint import CheckpointStore
 from harness.cli import main
 
-from .conftest import folder
+from .conftest import damage
 
 
 def gc(capsys, *argv: str) -> tuple[int, str, str]:
@@ -31,11 +31,6 @@ def make_run(run_dir: str, steps, keep_last: int, keep_every: int) -> Checkpoint
     (Path(run_dir) / "run.json").write_text(json.dumps(
         {"run_id": "test", "config": {"checkpoint": {"keep_last": keep_last, "keep_every": keep_every}}}))
     return store
-
-
-def damage(store: CheckpointStore, step: int) -> None:
-    state = folder(store.ref(step)) / "state.json"
-    state.write_bytes(state.read_bytes()[:-2] + b"!}")
 
 
 def steps(store: CheckpointStore) -> list[int]:
@@ -57,8 +52,8 @@ def test_gc_flags_override_the_runs_policy(capsys, run_dir):
 
 def test_gc_never_removes_the_newest_good_checkpoint(capsys, run_dir):
     store = make_run(run_dir, [1, 2, 3], keep_last=2, keep_every=0)
-    damage(store, 2)
-    damage(store, 3)
+    damage(store.ref(2))
+    damage(store.ref(3))
     code, out, _ = gc(capsys, run_dir)
     assert code == 0 and steps(store) == [1, 2, 3], out
     assert "newest good step 1" in out
@@ -67,7 +62,7 @@ def test_gc_never_removes_the_newest_good_checkpoint(capsys, run_dir):
 def test_gc_keeps_every_checkpoint_while_none_verifies(capsys, run_dir):
     store = make_run(run_dir, [1, 2, 3, 4], keep_last=2, keep_every=0)
     for step in (1, 2, 3, 4):
-        damage(store, step)
+        damage(store.ref(step))
     code, out, _ = gc(capsys, run_dir)
     assert code == 0 and steps(store) == [1, 2, 3, 4] and "no checkpoint" in out and "verifies" in out
 

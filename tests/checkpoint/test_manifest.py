@@ -19,6 +19,7 @@ from harness.checkpoint import CheckpointStore, Verify, load
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.manifest import MANIFEST_VERSION, parse_manifest
 from harness.cli import main
+from helpers import flip_byte
 
 from .conftest import folder, torch_state
 
@@ -70,9 +71,7 @@ def test_damage_to_an_old_checkpoint_is_found_by_its_sha256(old_run):
     store = CheckpointStore(old_run)
     ref = store.ref(3)
     model = folder(ref) / "model.safetensors"
-    data = bytearray(model.read_bytes())
-    data[-3] ^= 0x01
-    model.write_bytes(bytes(data))
+    flip_byte(model, at=-3, mask=0x01)
     assert any("model.safetensors: sha256" in p for p in store.verify(ref))
     assert store.latest_good() is None
     with pytest.raises(CheckpointCorrupt, match="model.safetensors.*sha256"):

@@ -10,6 +10,8 @@ import pytest
 from harness.checkpoint import CheckpointError, CheckpointStore
 from harness.checkpoint.retention import steps_to_keep
 
+from .conftest import damage
+
 
 @pytest.mark.parametrize("steps, k, m, kept", [
     ([], 2, 0, set()),
@@ -88,19 +90,12 @@ def test_with_no_good_checkpoint_nothing_is_deleted_and_the_newest_good_is_alway
     assert steps_to_keep([4, 8, 12, 16], 2, 0, 8) == {8, 12, 16}
 
 
-def _damage(ref) -> None:
-    path = Path(ref.path) / "state.json"
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x20
-    path.write_bytes(bytes(data))
-
-
 def test_retention_never_deletes_damaged_checkpoints_while_no_good_one_exists(run_dir):
     """Every checkpoint damaged: `gc` deletes none of them, and a new commit at an older step
     (a run started over with --resume never) keeps itself and the damaged ones."""
     store = CheckpointStore(run_dir, keep_last=2)
     for step in (8, 12, 16):
-        _damage(store.save(step, {"p": {"x": step}}))  # retention kept 12 and 16
+        damage(store.save(step, {"p": {"x": step}}))  # retention kept 12 and 16
     assert store.gc() == []
     assert [r.step for r in store.list()] == [12, 16]
     store.save(4, {"p": {"x": 4}})

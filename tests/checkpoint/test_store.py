@@ -15,6 +15,7 @@ import torch
 from harness.checkpoint import CheckpointError, CheckpointStore, Verify, capture, load
 from harness.checkpoint.errors import CheckpointCorrupt
 from harness.errors import UserError
+from helpers import flip_byte
 
 from .conftest import Bag, Tiny, folder, rewrite_manifest, state_of, torch_state
 
@@ -123,9 +124,7 @@ def _damage(kind: str, ref) -> str:
     if kind == "truncated":
         model.write_bytes(model.read_bytes()[:-5])
     elif kind == "flipped byte":
-        data = bytearray(model.read_bytes())
-        data[-3] ^= 0x01
-        model.write_bytes(bytes(data))
+        flip_byte(model, at=-3, mask=0x01)
     elif kind == "missing file":
         model.unlink()
     elif kind == "missing manifest":
@@ -225,9 +224,7 @@ def test_a_load_verified_while_streaming_is_bitwise(run_dir, url):
 def test_a_skipped_part_is_still_hashed_while_loading(run_dir):
     store = CheckpointStore(run_dir)
     ref = store.save(2, torch_state(steps=2))
-    data = bytearray((folder(ref) / "model.safetensors").read_bytes())
-    data[-3] ^= 0x01
-    (folder(ref) / "model.safetensors").write_bytes(bytes(data))
+    flip_byte(folder(ref) / "model.safetensors", at=-3, mask=0x01)
     with pytest.raises(CheckpointCorrupt, match="model.safetensors"):
         load(store, ref, torch_state(seed=1, steps=0), skip=("model",), verify=Verify.WHILE)
 
@@ -278,9 +275,7 @@ def test_a_changed_byte_in_state_json_is_named_as_a_digest_not_a_size(run_dir):
     store = CheckpointStore(run_dir)
     ref = store.save(1, {"p": {"w": torch.zeros(2)}})
     state = folder(ref) / "state.json"
-    data = bytearray(state.read_bytes())
-    data[-2] ^= 0x01  # the same size, one bit changed
-    state.write_bytes(bytes(data))
+    flip_byte(state, at=-2, mask=0x01)  # the same size, one bit changed
     with pytest.raises(CheckpointCorrupt, match=r"state.json: does not match the manifest \(its blake3 digest differs"):
         store.open(ref)
 

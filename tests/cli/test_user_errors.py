@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from harness.cli import main
-from procs import ENV, ROOT, TINY, assert_one_line_error, harness
+from procs import ENV, ROOT, TINY, assert_one_line_error, events, harness
 
 MODELS = str(ROOT / "tests" / "models")
 FAST = ["--set", "train.steps=2", "--set", "checkpoint.every_steps=1"]
@@ -56,9 +56,7 @@ def test_a_user_error_under_max_restarts_is_not_retried(tmp_path):
                    "--set", 'model.factory="bad_factories:loss_only"', env={**ENV, "PYTHONPATH": MODELS})
     assert_one_line_error(proc, "it must return a pair (logits, loss)")
     assert proc.stderr.count("error: ") == 1  # the child's line only: no restart, no give-up
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()] \
-        if (run / "events.jsonl").exists() else []
-    assert not [e for e in events if e["event"] in ("restart", "gave_up")]
+    assert not [e for e in events(run, missing_ok=True) if e["event"] in ("restart", "gave_up")]
 
 
 def test_a_file_named_as_a_token_dataset_is_refused_before_the_run_dir_is_made(tmp_path, capsys):

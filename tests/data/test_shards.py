@@ -288,7 +288,7 @@ def _read_in_child(reader: ShardReader, queue) -> None:
 
 def test_a_forked_process_reopens_what_the_parent_had_open(two_sources):
     """DataLoader workers are forked, not handed a pickle: the reader must not use the parent's
-    descriptors or filesystem (s3fs refuses its parent's event loop: tests/s3)."""
+    descriptors or filesystem (s3fs refuses its parent's event loop: tests/data/test_shards_s3.py)."""
     import multiprocessing
     import os
 

@@ -15,7 +15,7 @@ import pytest
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.diff import compare_checkpoints
 from launch import run, tail, torchrun
-from procs import ROOT, harness
+from procs import ROOT, events, harness
 
 EXACT = ROOT / "tests" / "data" / "exact.toml"  # elastic.toml + exact_elastic, cpu_threads 1, 8 steps
 
@@ -75,10 +75,9 @@ def test_killed_at_2_resumed_at_1_killed_resumed_at_2_is_bitwise_the_continuous_
     continuous, elastic = work / "continuous", work / "interrupted"
     assert _losses(continuous) == _losses(elastic) and sorted(_losses(elastic)) == list(range(1, 9))
     assert _bitwise_differences(continuous, elastic, 8) == []
-    events = [json.loads(line) for line in (elastic / "events.jsonl").read_text().splitlines() if line.strip()]
-    changes = [(e["old_world_size"], e["new_world_size"]) for e in events if e["event"] == "world_size_changed"]
+    changes = [(e["old_world_size"], e["new_world_size"]) for e in events(elastic, "world_size_changed")]
     assert changes == [(2, 1), (1, 2)]
-    assert not [e for e in events if e["event"] == "resume_mismatch"]
+    assert not events(elastic, "resume_mismatch")
 
 
 def test_a_rollback_decided_at_two_ranks_is_the_one_process_s_bit_for_bit(tmp_path):
@@ -93,7 +92,6 @@ def test_a_rollback_decided_at_two_ranks_is_the_one_process_s_bit_for_bit(tmp_pa
     log = tmp_path / "two.log"
     assert run(torchrun("train", str(EXACT), "--run-dir", str(two), *sets), log) == 0, tail(log)
     for run_dir in (one, two):
-        events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
-        assert [e["step"] for e in events if e["event"] == "anomaly"] == [3], events
+        assert [e["step"] for e in events(run_dir, "anomaly")] == [3], events(run_dir)
     assert _losses(one) == _losses(two) and sorted(_losses(one)) == list(range(1, 7))
     assert _bitwise_differences(one, two, 6) == []

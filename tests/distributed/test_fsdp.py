@@ -17,8 +17,9 @@ import torch
 from safetensors.torch import load_file
 
 from harness.checkpoint import CheckpointStore
+from helpers import flip_byte
 from launch import kill_tree, run, start, tail, torchrun, wait_step
-from procs import TINY, assert_same_run, final_checkpoint, harness
+from procs import TINY, assert_same_run, events, final_checkpoint, harness
 
 STEPS = 12
 ARMS = ["adamw"]
@@ -28,10 +29,6 @@ WORKER = str(Path(__file__).with_name("gather_worker.py"))
 def fsdp_args(run_dir: Path, arm: str, *extra: str) -> list[str]:
     return torchrun("train", str(TINY), "--run-dir", str(run_dir), "--set", "parallel.strategy=fsdp",
                     "--set", f"optim.type={arm}", *extra)
-
-
-def events(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="module", params=ARMS)
@@ -114,9 +111,7 @@ def test_damaged_shard_falls_back_to_the_previous_checkpoint(fsdp_run, tmp_path)
     run_dir = tmp_path / "run"
     shutil.copytree(continuous, run_dir)
     shard = final_checkpoint(run_dir, STEPS) / "shards-00001.safetensors"
-    data = bytearray(shard.read_bytes())
-    data[-3] ^= 0x01
-    shard.write_bytes(bytes(data))
+    flip_byte(shard, at=-3, mask=0x01)
     done = harness("train", str(TINY), "--run-dir", str(run_dir), "--set", "train.steps=14",
                    "--allow-config-change", check=True)
     assert "shards-00001.safetensors" in done.stderr, done.stderr[-3000:]

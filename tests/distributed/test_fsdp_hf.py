@@ -5,7 +5,6 @@ bytes as an unsharded checkpoint of the same state."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from harness.checkpoint import CheckpointStore
@@ -14,7 +13,7 @@ from harness.config import load_config
 from harness.models.hf import HF_CONFIG_META
 from harness.run.resume import agree_on_checkpoint, resume_newest
 from launch import kill_tree, run, start, tail, torchrun, wait_step
-from procs import ROOT, assert_same_run, final_checkpoint
+from procs import ROOT, assert_same_run, events, final_checkpoint
 
 HF_LLAMA = ROOT / "tests" / "models" / "data" / "hf-llama.toml"
 STEPS = 12
@@ -22,10 +21,6 @@ STEPS = 12
 
 def fsdp_args(run_dir: Path) -> list[str]:
     return torchrun("train", str(HF_LLAMA), "--run-dir", str(run_dir), "--set", "parallel.strategy=fsdp")
-
-
-def events(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if line.strip()]
 
 
 def unsharded_copy(ckpt: Path, run_dir: Path) -> Path:

@@ -10,7 +10,6 @@ and nothing else: not a user error, not a crash that happened after a stop was r
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import stat
@@ -22,7 +21,7 @@ import pytest
 from harness import exit_codes
 from harness.checkpoint import CheckpointStore
 from launch import COMMON, TORCHRUN_ENV, kill_tree, rank_process, tail, wait_step
-from procs import ROOT, TINY, assert_same_run, final_checkpoint
+from procs import ROOT, TINY, assert_same_run, events, final_checkpoint
 
 TRAIN_SH = ROOT / "ops/torchrun/train.sh"
 SBATCH = ROOT / "ops/slurm/train.sbatch"
@@ -80,7 +79,7 @@ def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> int:
 
 
 def preempted_step(run_dir: Path) -> int:
-    [stop] = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["event"] == "exit"]
+    [stop] = events(run_dir, "exit")
     assert stop["reason"] == "preempted"
     return stop["step"]
 
@@ -100,10 +99,6 @@ def test_train_sh_passes_term_to_every_trainer_exits_75_and_resumes_bitwise(tmp_
     assert (final_checkpoint(run_dir, step) / "rank-00001.json").exists()  # rank 1 saved its part too
     assert finish(launch([str(TRAIN_SH), str(TINY), *COMMON], log, env), log) == 0, tail(log)
     assert_same_run(continuous, run_dir, 12)
-
-
-def run_events(run_dir: Path, kind: str) -> list[dict]:
-    return [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["event"] == kind]
 
 
 def test_train_sh_prints_a_refused_config_once_and_exits_2(tmp_path):
@@ -129,8 +124,8 @@ def test_train_sh_does_not_restart_a_run_stopped_on_an_anomaly(tmp_path):
            "--set", 'train.on_anomaly="stop"']
     code = finish(launch([str(TRAIN_SH), str(TINY), *nan], log, env), log)
     assert code == exit_codes.USER_ERROR, tail(log)
-    assert [e["resumed_from"] for e in run_events(run_dir, "start")] == [None], tail(log)
-    [stop] = run_events(run_dir, "exit")
+    assert [e["resumed_from"] for e in events(run_dir, "start")] == [None], tail(log)
+    [stop] = events(run_dir, "exit")
     assert stop["reason"] == "user_error" and "gradient norm is nan" in stop["error"] and stop["step"] == 6
 
 
@@ -157,7 +152,7 @@ def test_train_sh_still_restarts_a_crash_or_a_preempted_rank(tmp_path, continuou
         wait_step(proc, run_dir, 5, log)
         rank_process(proc, 1).send_signal(signal.SIGTERM)
     assert finish(proc, log) == exit_codes.FINISHED, tail(log)
-    resumed = [e["resumed_from"] for e in run_events(run_dir, "start")]
+    resumed = [e["resumed_from"] for e in events(run_dir, "start")]
     assert resumed[0] is None and len(resumed) == 2 and resumed[1] >= 4, resumed
     assert_same_run(continuous, run_dir, 12)
 
@@ -191,8 +186,7 @@ def test_sbatch_preempted_run_exits_75_is_requeued_and_resumes_at_another_size(t
     assert f"RDZV_ENDPOINT=node-a:{20000 + 4242 % 12000}" in (stub_log / "srun").read_text()
     requeue = launch(["bash", str(SBATCH)], log, {**env, **slurm_env(4242, run_dir, config, GPUS_PER_NODE="2")})
     assert finish(requeue, log) == exit_codes.FINISHED, tail(log)
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    [change] = [e for e in events if e["event"] == "world_size_changed"]
+    [change] = events(run_dir, "world_size_changed")
     assert (change["old_world_size"], change["new_world_size"]) == (1, 2)
     assert (change["old"]["grad_accum"], change["new"]["grad_accum"], change["new"]["global_batch"]) == (4, 2, 8)
 

@@ -2,16 +2,12 @@
 local folder; after a SIGKILL of the whole group the ranks agree on the newest step both hold and
 resume from it, bitwise equal to the continuous run (tests/distributed/conftest.py)."""
 
-import json
 
+from helpers import flip_byte
 from launch import kill_tree, run, start, tail, train_args, wait_step
-from procs import assert_same_run
+from procs import assert_same_run, events
 
 STEPS = 12
-
-
-def starts(run_dir) -> list[dict]:
-    return [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["event"] == "start"]
 
 
 def killed_group(tmp_path) -> tuple:
@@ -36,7 +32,8 @@ def test_group_sigkill_resumes_from_the_local_tier_bitwise(tmp_path, continuous)
     run_dir, run_folder, args, log = killed_group(tmp_path)
     newest = min(steps_of(run_folder / "rank-00000")[-1], steps_of(run_folder / "rank-00001")[-1])
     assert run(args, log) == 0, tail(log)
-    assert (starts(run_dir)[-1]["resumed_from"], starts(run_dir)[-1]["resumed_tier"]) == (newest, "local")
+    last_start = events(run_dir, "start")[-1]
+    assert (last_start["resumed_from"], last_start["resumed_tier"]) == (newest, "local")
     assert newest >= 6
     assert_same_run(continuous, run_dir, STEPS)
 
@@ -49,13 +46,11 @@ def test_ranks_agree_on_a_step_every_rank_holds(tmp_path, continuous):
     held = steps_of(rank1)
     assert len(held) == 2, held
     model = rank1 / "checkpoints" / f"step-{held[-1]:08d}" / "model.safetensors"
-    data = bytearray(model.read_bytes())
-    data[-9] ^= 0x10
-    model.write_bytes(bytes(data))
+    flip_byte(model, at=-9, mask=0x10)
     assert run(args, log) == 0, tail(log)
-    assert (starts(run_dir)[-1]["resumed_from"], starts(run_dir)[-1]["resumed_tier"]) == (held[0], "local")
-    (rejected,) = [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
-                   if e["event"] == "checkpoint_rejected"]
+    last_start = events(run_dir, "start")[-1]
+    assert (last_start["resumed_from"], last_start["resumed_tier"]) == (held[0], "local")
+    (rejected,) = events(run_dir, "checkpoint_rejected")
     assert (rejected["rank"], rejected["step"]) == (1, held[-1]) and "model.safetensors" in rejected["problem"]
     assert_same_run(continuous, run_dir, STEPS)
 

@@ -17,13 +17,9 @@ from harness.checkpoint import CheckpointStore
 from harness.checkpoint.manifest import MANIFEST_FILE
 from harness.data import TokenDataset
 from launch import kill_tree, rank_process, run, start, tail, train_args, wait_step
-from procs import TINY, assert_same_run, final_checkpoint, harness
+from procs import TINY, assert_same_run, events, final_checkpoint, harness
 
 STEPS = 12
-
-
-def events(run_dir):
-    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
 
 
 def test_checkpoint_has_every_rank_and_one_manifest(continuous):

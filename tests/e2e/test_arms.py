@@ -16,6 +16,7 @@ from harness.config import load_config
 from harness.errors import UserError
 from harness.experiments.comparison import summarize
 from png import png_size
+from procs import events
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
@@ -134,14 +135,14 @@ def _recompute(run_dir: Path) -> dict:
     """The table's numbers, straight from run.json, metrics.jsonl and events.jsonl."""
     config = json.loads((run_dir / "run.json").read_text())["config"]
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    run_events = events(run_dir)
     train = [r for r in lines if "loss" in r]
     evals = [r["eval_loss"] for r in lines if "eval_loss" in r]
     tokens = config["data"]["batch_size"] * config["data"]["seq_len"] * config["train"]["grad_accum"]
-    blocking = [e["blocking_s"] for e in events if e["event"] == "checkpoint"]
+    blocking = [e["blocking_s"] for e in run_events if e["event"] == "checkpoint"]
     assert len(train) == 6 and len(evals) >= 2 and len(blocking) >= 2 and all(b > 0 for b in blocking)
-    assert not any(e["event"] == "restart" for e in events)
-    start = events[0]["time"] - events[0].get("startup_s", 0.0)
+    assert not any(e["event"] == "restart" for e in run_events)
+    start = run_events[0]["time"] - run_events[0].get("startup_s", 0.0)
     return {
         "optimizer": config["optim"]["type"],
         "steps": max(r["step"] for r in train),
@@ -150,7 +151,7 @@ def _recompute(run_dir: Path) -> dict:
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in train),
         "optim_share": sum(r["optim_s"] for r in train) / sum(tokens / r["tokens_per_s"] for r in train),
         "checkpoint_s": sum(blocking),
-        "wall_s": events[-1]["time"] - start,
+        "wall_s": run_events[-1]["time"] - start,
     }
 
 

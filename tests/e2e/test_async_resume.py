@@ -5,24 +5,18 @@ run that saved synchronously (so async and sync saves also agree end to end).
 test_resume_bitwise.py covers every optimizer arm with async saves on (the default).
 """
 
-import json
 import signal
 import time
 
 from harness.checkpoint import CheckpointStore
-from procs import TINY, assert_same_run, harness, start
+from procs import TINY, assert_same_run, events, harness, start
 
 STEPS = 12
 PERSIST_DELAY_S = 2.0
 
 
-def events(run) -> list[dict]:
-    path = run / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def steps_of(run, kind: str) -> set[int]:
-    return {e["step"] for e in events(run) if e["event"] == kind}
+    return {e["step"] for e in events(run, missing_ok=True) if e["event"] == kind}
 
 
 def test_sigkill_during_a_background_persist_keeps_the_previous_checkpoint(tmp_path):

@@ -1,6 +1,7 @@
 """A run dir whose every checkpoint is damaged: `harness train` refuses to start over (exit 2,
 naming them) and changes nothing, unless told `--resume never` (real processes)."""
 
+from helpers import flip_byte
 from procs import TINY, assert_one_line_error, events, harness, kill_at_step
 
 
@@ -18,9 +19,7 @@ def test_every_checkpoint_damaged_is_refused_and_kept(tmp_path):
     assert kill_at_step(["train", str(TINY), "--run-dir", str(run), *sync], run, 10) != 0
     for step in (4, 8):
         model = run / "checkpoints" / f"step-{step:08d}" / "model.safetensors"
-        data = bytearray(model.read_bytes())
-        data[-9] ^= 0x10
-        model.write_bytes(bytes(data))
+        flip_byte(model, at=-9, mask=0x10)
     before = snapshot(run)
 
     refused = harness("train", str(TINY), "--run-dir", str(run))

@@ -2,10 +2,9 @@
 supervisor all finish bitwise equal to an uninterrupted run (tests/data/tiny.toml, 12 steps,
 a checkpoint every 4). Each real process pays the torch import, so all but the mid-run SIGTERM
 case are marked `slow` (the default run includes them; `-m 'not slow'` leaves them out), and each
-has a fast counterpart with fake children in test_signals.py / test_supervisor.py.
+has a fast counterpart with fake children in tests/process/test_signals.py and test_supervisor.py.
 """
 
-import json
 import random
 import signal
 import time
@@ -14,7 +13,7 @@ import pytest
 
 from harness.checkpoint import CheckpointStore
 from harness.exit_codes import FINISHED, GAVE_UP, PREEMPTED
-from procs import TINY, assert_same_run, harness, losses, start, wait_for_step
+from procs import TINY, assert_same_run, events, harness, losses, start, wait_for_step
 
 STEPS = 12
 DEADLINE_S = 25.0  # checkpoint.preempt_deadline_s default
@@ -28,8 +27,7 @@ def reference(tmp_path_factory):
 
 
 def restarts(run) -> list[dict]:
-    lines = (run / "events.jsonl").read_text().splitlines()
-    return [e for e in map(json.loads, lines) if e["event"] == "restart"]
+    return events(run, "restart")
 
 
 def sigterm_then_resume(tmp_path, reference, step: int) -> None:

@@ -9,6 +9,7 @@ import zlib
 
 import pytest
 
+from helpers import flip_byte
 from procs import TINY, assert_one_line_error, assert_same_run, events, final_checkpoint, harness, kill_at_step
 
 STEPS = 12
@@ -79,21 +80,15 @@ def test_a_finished_run_whose_last_checkpoint_is_damaged_trains_its_last_steps_a
     harness(*args, check=True)
     last = final_checkpoint(run, 8) / "model.safetensors"
     original = last.read_bytes()
-    flip_a_byte(last)
+    flip_byte(last, at=-5, mask=0x40)
     again = harness(*args, check=True)
     assert "already finished" not in again.stderr
     assert "skipping a checkpoint that fails verification" in again.stderr
     assert [e for e in events(run) if e["event"] == "start"][-1]["resumed_from"] == 4
     assert last.read_bytes() == original
     for step in (4, 8):
-        flip_a_byte(final_checkpoint(run, step) / "model.safetensors")
+        flip_byte(final_checkpoint(run, step) / "model.safetensors", at=-5, mask=0x40)
     assert_one_line_error(harness(*args), "fails verification")
-
-
-def flip_a_byte(path):
-    data = bytearray(path.read_bytes())
-    data[-5] ^= 0x40
-    path.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "truncated"])
@@ -109,12 +104,10 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, dama
     args = ["train", str(TINY), "--run-dir", str(intr), *sync]
     assert kill_at_step(args, intr, 10) != 0
     newest = final_checkpoint(intr, 8) / "optim.safetensors"
-    data = bytearray(newest.read_bytes())
     if damage == "flipped byte":
-        data[-5] ^= 0x40
+        flip_byte(newest, at=-5, mask=0x40)
     else:
-        del data[-7:]
-    newest.write_bytes(bytes(data))
+        newest.write_bytes(newest.read_bytes()[:-7])
     resumed = harness(*args, check=True)
     assert "skipping a checkpoint that fails verification" in resumed.stderr
     start = [e for e in events(intr) if e["event"] == "start"][-1]

@@ -4,24 +4,19 @@ without update clipping; float32 statistics; 2D only."""
 import pytest
 import torch
 
+from helpers import make_params, random_tensors
 from optim.adafactor import Adafactor2D
 
 SHAPES = [(8, 16), (16, 8), (12, 12)]
 
 
 def grads_for(step):
-    g = torch.Generator().manual_seed(400 + step)
-    return [torch.randn(*s, generator=g) for s in SHAPES]
-
-
-def make_params():
-    g = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in SHAPES]
+    return random_tensors(SHAPES, 400 + step)
 
 
 def reference_adafactor(steps, lr, beta2, eps, clip, wd):
     """The reference's step, including its float() max and clip branch."""
-    params = [p.detach().clone() for p in make_params()]
+    params = [p.detach().clone() for p in make_params(SHAPES)]
     rs = [torch.zeros(p.shape[0]) for p in params]
     cs = [torch.zeros(p.shape[1]) for p in params]
     clipped = 0
@@ -47,7 +42,7 @@ def reference_adafactor(steps, lr, beta2, eps, clip, wd):
 @pytest.mark.parametrize(("beta2", "clip", "wd", "clips"),
                          [(0.999, 1.0, 0.0, "all"), (0.0, 4.0, 0.1, "none"), (0.9, 0.5, 0.0, "all")])
 def test_update_is_bitwise_the_reference_rule(beta2, clip, wd, clips):
-    params = make_params()
+    params = make_params(SHAPES)
     opt = Adafactor2D(params, lr=1e-2, beta2=beta2, clip=clip, wd=wd)
     for step in range(3):
         for p, g in zip(params, grads_for(step)):

@@ -3,25 +3,20 @@
 import pytest
 import torch
 
+from helpers import make_params, random_tensors
 from optim.lion import Lion
 
 SHAPES = [(8, 16), (16,), (3, 4, 5)]
 
 
 def grads_for(step):
-    g = torch.Generator().manual_seed(200 + step)
-    return [torch.randn(*s, generator=g) for s in SHAPES]
-
-
-def make_params():
-    g = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in SHAPES]
+    return random_tensors(SHAPES, 200 + step)
 
 
 def reference_lion(steps, lr, betas, wd):
     """Direct formula: u = sign(b1 m + (1-b1) g); decay; p -= lr u; then m = b2 m + (1-b2) g."""
     b1, b2 = betas
-    params = [p.detach().clone() for p in make_params()]
+    params = [p.detach().clone() for p in make_params(SHAPES)]
     ms = [torch.zeros_like(p) for p in params]
     for step in range(steps):
         for p, m, g in zip(params, ms, grads_for(step)):
@@ -35,7 +30,7 @@ def reference_lion(steps, lr, betas, wd):
 
 @pytest.mark.parametrize(("lr", "betas", "wd"), [(3e-4, (0.9, 0.99), 0.0), (1e-2, (0.8, 0.95), 0.1)])
 def test_update_is_bitwise_the_reference_rule(lr, betas, wd):
-    params = make_params()
+    params = make_params(SHAPES)
     opt = Lion(params, lr=lr, betas=betas, wd=wd)
     for step in range(4):
         for p, g in zip(params, grads_for(step)):

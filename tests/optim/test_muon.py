@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from helpers import make_params, random_tensors
 from optim.muon import Muon
 from optim.newton_schulz import newton_schulz
 from procs import MKL_BITWISE_ON_INTEL
@@ -10,14 +11,8 @@ from procs import MKL_BITWISE_ON_INTEL
 SHAPES = [(8, 16), (16, 8), (12, 12), (12, 12)]
 
 
-def make_params(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in SHAPES]
-
-
 def grads_for(step):
-    g = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(*s, generator=g) for s in SHAPES]
+    return random_tensors(SHAPES, 100 + step)
 
 
 def run(opt, params, steps=3):
@@ -30,7 +25,7 @@ def run(opt, params, steps=3):
 
 def reference_muon(ns, steps=3, lr=0.02, momentum=0.95, nesterov=True):
     """The reference rule written out: buf = m*buf + g, Nesterov mix, NS, sqrt(max(1, r/c))."""
-    params = [p.detach().clone() for p in make_params()]
+    params = [p.detach().clone() for p in make_params(SHAPES)]
     bufs = [torch.zeros_like(p) for p in params]
     for step in range(steps):
         for p, buf, g in zip(params, bufs, grads_for(step)):
@@ -44,7 +39,7 @@ def reference_muon(ns, steps=3, lr=0.02, momentum=0.95, nesterov=True):
 
 @pytest.mark.parametrize("nesterov", [True, False])
 def test_per_matrix_path_is_bitwise_the_reference(nesterov, ref_ns):
-    params = make_params()
+    params = make_params(SHAPES)
     got = run(Muon(params, nesterov=nesterov, ns_batched=False), params)
     for x, y in zip(got, reference_muon(ref_ns, nesterov=nesterov)):
         assert torch.equal(x, y)
@@ -55,21 +50,21 @@ def test_per_matrix_path_is_bitwise_the_reference(nesterov, ref_ns):
 def test_batched_and_default_paths_are_bitwise_the_reference_on_cpu(ns_batched, ref_ns):
     """SHAPES hold a transposed pair, (8, 16) and (16, 8), which share one batch: the default
     float32 CPU path (auto dtype, auto batching, foreach elementwise ops) changes no rounding."""
-    params = make_params()
+    params = make_params(SHAPES)
     got = run(Muon(params, ns_batched=ns_batched), params)
     for x, y in zip(got, reference_muon(ref_ns)):
         assert torch.equal(x, y)
 
 
 def test_bfloat16_ns_tracks_the_float32_path():
-    params, fp32 = make_params(), make_params()
+    params, fp32 = make_params(SHAPES), make_params(SHAPES)
     got = run(Muon(params, ns_dtype="bfloat16"), params)
     want = run(Muon(fp32, ns_dtype="float32"), fp32)
     assert relative_update_error(got, want) < 0.05
 
 
 def relative_update_error(ours, theirs):
-    start = make_params()
+    start = make_params(SHAPES)
     return max(((a - b).norm() / (a - s).norm()).item() for a, b, s in zip(ours, theirs, start))
 
 
@@ -81,7 +76,7 @@ def test_matches_torch_muon_within_bfloat16_precision(consistent_rms, adjust_lr_
     # and runs NS in bfloat16, so the updates agree to bfloat16 precision, not bitwise. Over 3
     # steps: 2.5% of the update's norm against our float32 NS (measured 1.4%), 6% against our
     # bfloat16 NS, whose roundings fall elsewhere (measured 3.9%).
-    ours_p, theirs_p = make_params(), make_params()
+    ours_p, theirs_p = make_params(SHAPES), make_params(SHAPES)
     ours = run(Muon(ours_p, consistent_rms=consistent_rms, weight_decay=wd, ns_dtype=ns_dtype),
                ours_p)
     theirs = run(torch.optim.Muon(theirs_p, lr=0.02, momentum=0.95, adjust_lr_fn=adjust_lr_fn,
@@ -125,7 +120,7 @@ def test_bfloat16_parameters_use_ns_dtype_not_the_parameter_dtype(ref_ns):
     closer to a float64 evaluation); with ns_dtype="bfloat16" (whose NS fuses its sums into the
     products, as torch.optim.Muon does) every matrix's update agrees with the reference's to
     bfloat16 precision."""
-    start = [p.detach().bfloat16() for p in make_params()]
+    start = [p.detach().bfloat16() for p in make_params(SHAPES)]
     grads = [g.bfloat16() for g in grads_for(0)]
 
     def ours(**kw):

@@ -3,23 +3,18 @@
 import pytest
 import torch
 
+from helpers import make_params, random_tensors
 from optim.olion import OLion
 
 SHAPES = [(8, 16), (16, 8), (12, 12), (12, 12)]
 
 
 def grads_for(step):
-    g = torch.Generator().manual_seed(300 + step)
-    return [torch.randn(*s, generator=g) for s in SHAPES]
-
-
-def make_params():
-    g = torch.Generator().manual_seed(0)
-    return [torch.nn.Parameter(torch.randn(*s, generator=g)) for s in SHAPES]
+    return random_tensors(SHAPES, 300 + step)
 
 
 def run(steps, **kw):
-    params = make_params()
+    params = make_params(SHAPES)
     opt = OLion(params, **kw)
     for step in range(steps):
         for p, g in zip(params, grads_for(step)):
@@ -31,7 +26,7 @@ def run(steps, **kw):
 def reference_olion(ns, steps, lr, betas, gamma, wd):
     """Direct formula: m = b2 m + (1-b2) g first; mix (1-b1) g + b1 m; NS; p -= lr gamma sign."""
     b1, b2 = betas
-    params = [p.detach().clone() for p in make_params()]
+    params = [p.detach().clone() for p in make_params(SHAPES)]
     ms = [torch.zeros_like(p) for p in params]
     for step in range(steps):
         for p, m, g in zip(params, ms, grads_for(step)):
@@ -73,7 +68,7 @@ def test_non_2d_parameter_is_refused_by_name():
 def test_bfloat16_parameters_get_float32_newton_schulz(ref_ns):
     """The docstring's claim: NS in float32 whatever the parameter dtype (the reference: in the
     parameter dtype); the update is the rule with float32 NS, bitwise."""
-    start = [p.detach().bfloat16() for p in make_params()]
+    start = [p.detach().bfloat16() for p in make_params(SHAPES)]
     grads = [g.bfloat16() for g in grads_for(0)]
     params = [torch.nn.Parameter(p.clone()) for p in start]
     for p, g in zip(params, grads):

@@ -20,7 +20,7 @@ from harness.run.cadence import CheckpointClock
 from harness.run.trainer import Trainer
 from harness.storage.retry import StorageUnavailable
 
-from .conftest import torch_state
+from ..conftest import torch_state
 
 TINY = "tests/data/tiny.toml"
 ARMS = ["adamw", "muon", "lion", "olion", "adafactor", "sgdm"]

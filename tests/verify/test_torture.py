@@ -14,7 +14,9 @@ import harness.checkpoint.store as store_module
 from harness.checkpoint import CheckpointStore
 from harness.cli import main
 from harness.verify.torture import ALL_MODES, Torture, corruption_sweep, format_table
-from s3.conftest import options
+from s3server import options
+
+pytestmark = pytest.mark.usefixtures("quiet_logs")  # tests/conftest.py
 
 
 def _assert_clean(torture: Torture, tallies) -> None:

@@ -15,7 +15,7 @@ from harness.records.events import EventLog
 from harness.records.goodput import account
 from harness.records.run_files import events_url
 
-REPO = str(Path(__file__).resolve().parents[1])
+REPO = str(Path(__file__).resolve().parents[2])
 
 # A crash after step 15 (checkpoint at 10), a supervisor restart, a resumed process that finishes.
 CRASHED_THEN_FINISHED = [

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from procs import ENV, ROOT, TINY, harness
+from procs import ENV, ROOT, TINY, events, harness
 from s3server import FAKE_ENV
 
 
@@ -28,6 +28,6 @@ def test_fsdp_shards_on_s3_resume_in_one_process(s3_server, s3_url, tmp_path):
     assert s3_server.open_multipart_uploads() == []
 
     harness(*args, "--set", "train.steps=10", "--allow-config-change", env=env, check=True)
-    starts = [e for e in map(json.loads, (tmp_path / "events.jsonl").read_text().splitlines()) if e["event"] == "start"]
+    starts = events(tmp_path, "start")
     assert [e["resumed_from"] for e in starts] == [None, 8]
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 10

@@ -24,8 +24,7 @@ from harness.errors import UserError
 from harness.storage.filesystem import open_filesystem
 from harness.storage.retry import RetryPolicy, StorageError, StorageUnavailable, is_transient
 from s3proxy import FaultPlan
-
-from .conftest import options
+from s3server import options
 
 
 def client_error(code: str, status: int) -> ClientError:

@@ -17,9 +17,7 @@ from harness.checkpoint.save import local_first
 from harness.checkpoint.save.local_first import LocalFirst, UploadError
 from procs import TINY, harness
 from s3proxy import FaultPlan
-from s3server import FAKE_ENV
-
-from .conftest import options
+from s3server import FAKE_ENV, options
 
 
 def snapshot(step: int):

@@ -14,7 +14,7 @@ from torch.distributed import TCPStore
 from harness import exit_codes
 from harness.config import batch_shape, load_config
 
-OPS = Path(__file__).resolve().parents[1] / "ops"
+OPS = Path(__file__).resolve().parents[2] / "ops"
 SHELL_SCRIPTS = [OPS / "slurm/train.sbatch", OPS / "torchrun/train.sh"]
 
 

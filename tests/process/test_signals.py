@@ -22,7 +22,7 @@ from harness.exit_codes import PREEMPTED, SAVE_DEADLINE_MISSED
 from harness.process.signals import PreemptionWatch, SaveDeadline
 
 # Children import harness from this checkout, installed or not.
-ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
 
 CHILD = textwrap.dedent(
     """

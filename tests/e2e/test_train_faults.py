@@ -12,6 +12,8 @@ import procs
 from harness.checkpoint import CheckpointStore
 from procs import TINY, assert_same_run, harness
 
+pytestmark = pytest.mark.usefixtures("quiet_logs")  # tests/conftest.py
+
 STEPS = 12          # tests/data/tiny.toml: checkpoints at 4, 8, 12
 
 
@@ -55,7 +57,7 @@ def _after_fault(run: Path) -> CheckpointStore:
 def test_kill_inside_a_save_then_resume_is_bitwise_equal(reference, tmp_path, monkeypatch):
     ref_run, ops = reference
     # The last moment before the commit: every file written, the manifest not yet fsynced. Every
-    # other point of a save is covered at the store level by test_sweep.py.
+    # other point of a save is covered at the store level by tests/verify/test_torture.py.
     at = _first(ops, "fsync", "step-00000008.tmp-", "manifest.json")
     run, proc = _faulty_run(tmp_path, monkeypatch, f"kill@{at}")
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]

@@ -21,7 +21,7 @@ from harness.run.environment import environment_fingerprint, warn_if_changed
 from harness.run.trainer import Trainer
 from procs import DEFAULT_THREADS_ENV, MKL_BITWISE_ON_INTEL, ROOT, TINY, assert_same_run, harness, kill_at_step, start
 
-PROBE = ROOT / "tests" / "numerics" / "mkl_threads_probe.py"
+PROBE = ROOT / "tests" / "repro" / "mkl_threads_probe.py"
 
 
 def run_probe(**env: str) -> dict:

@@ -25,7 +25,7 @@ from harness.exit_codes import FINISHED, GAVE_UP, PREEMPTED, STORAGE_UNAVAILABLE
 from harness.process.supervisor import Supervisor, describe_exit, strip_flags
 from harness.records.events import EventLog
 
-ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
 
 TRAINER = textwrap.dedent(
     """
@@ -130,9 +130,9 @@ class Run:
 
     def __init__(self, root: Path, steps=12, every=4, step_s=0.01) -> None:
         self.dir = root
-        (root / "run/trainer.py").write_text(TRAINER)
+        (root / "trainer.py").write_text(TRAINER)
         (root / "driver.py").write_text(DRIVER)
-        self.cmd = [sys.executable, str(root / "run/trainer.py"), str(root), str(steps), str(every), str(step_s)]
+        self.cmd = [sys.executable, str(root / "trainer.py"), str(root), str(steps), str(every), str(step_s)]
         self.steps = steps
         self.events = EventLog(root / "events.jsonl")
 

@@ -4,8 +4,7 @@
 from __future__ import annotations
 
 from harness.checkpoint import CheckpointStore
-
-from .conftest import options
+from s3server import options
 
 
 def test_lease_checks_while_the_heartbeat_rewrites_it(s3_server, s3_url):

@@ -12,6 +12,8 @@ from harness.storage.faults import FaultPlan, FaultyFileSystem, SimulatedCrash, 
 from harness.storage.filesystem import LocalDiskFileSystem, open_filesystem
 from harness.verify.torture import tiny_state
 
+pytestmark = pytest.mark.usefixtures("quiet_logs")  # tests/conftest.py
+
 
 def test_plan_parse_and_refusal():
     assert FaultPlan.parse("kill@17") == FaultPlan("kill", 17)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import flip_byte
 from procs import TINY, assert_one_line_error, assert_same_run, events, harness, kill_at_step
 
 STEPS = 12  # TINY's train.steps
@@ -64,9 +65,7 @@ def test_a_damaged_local_copy_is_skipped_and_reported(tmp_path, continuous, dama
     step6 = local_steps(local)[6]
     model = step6 / "model.safetensors"
     if damage == "flip":
-        data = bytearray(model.read_bytes())
-        data[-9] ^= 0x10
-        model.write_bytes(bytes(data))
+        flip_byte(model, at=-9, mask=0x10)
     else:
         model.unlink()
     harness(*args, check=True)

@@ -11,6 +11,8 @@ import torch
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.errors import CheckpointError
 
+pytestmark = pytest.mark.usefixtures("quiet_logs")  # tests/conftest.py
+
 
 def _state(step: int) -> dict:
     return {"model": {"w": torch.full((100_000,), float(step))}, "trainer": {"step": step}}  # 400 kB

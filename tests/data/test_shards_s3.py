@@ -13,10 +13,8 @@ from harness.data.prepare import PrepareSpec, prepare
 from harness.data.shard_reader import ShardReader
 from procs import TINY, assert_same_run, harness, kill_at_step
 from s3proxy import FaultPlan
-from s3server import FAKE_ENV
+from s3server import FAKE_ENV, options
 from shard_data import batch_hashes, make_sources, sources_args
-
-from .conftest import options
 
 STEPS = 12
 

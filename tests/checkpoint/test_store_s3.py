@@ -9,9 +9,7 @@ from torch import nn
 
 from harness.checkpoint import CheckpointStore, load
 from s3proxy import FaultPlan
-from s3server import FAKE_KEY, FAKE_SECRET
-
-from .conftest import options
+from s3server import FAKE_KEY, FAKE_SECRET, options
 
 
 def parts(seed: int) -> dict:
