@@ -462,7 +462,7 @@ class LogSection(Section):
             "'harness[tensorboard]'; event files in LOG_DIR/tensorboard, re-run steps replace the old points), "
             "\"wandb\" (pip install 'harness[wandb]'; one W&B run per harness run, its id the run id, continued by "
             "every restart), \"mlflow\" (pip install 'harness[mlflow]'; one MLflow run per harness run, found again by "
-            "its tag harness.records.run_id). A tracker that fails warns and never stops training."
+            "its tag harness.run_id). A tracker that fails warns and never stops training."
         ),
     )
     wandb_mode: Literal["offline", "online"] = Field(

@@ -69,7 +69,7 @@ def test_mlflow_after_two_kills_and_a_rollback_holds_one_run_with_every_step_onc
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the tracker does for this local store
     client = MlflowClient(tracking_uri=(run / "mlruns").resolve().as_uri())
     (found,) = client.search_runs([client.get_experiment_by_name("harness").experiment_id])
-    assert found.data.tags["harness.records.run_id"] == run_id and found.info.status == "FINISHED"
+    assert found.data.tags["harness.run_id"] == run_id and found.info.status == "FINISHED"
     history = client.get_metric_history(found.info.run_id, "loss")
     assert [m.step for m in history] == list(range(1, 13))
     logged = losses(run)

@@ -1,6 +1,6 @@
 """MLflow: one MLflow run per harness run, found again by every restart, each step drawn once.
 
-MLflow chooses its own run ids, so the harness run id is kept as the run's tag `harness.records.run_id`
+MLflow chooses its own run ids, so the harness run id is kept as the run's tag `harness.run_id`
 and every process looks the run up by that tag (`search_runs`) before it creates one: restarts,
 requeues and rollbacks continue the same run. MLflow keeps every point it is sent, repeats
 included, and has no call that deletes points, so the steps a crash re-runs, already logged with
@@ -23,7 +23,7 @@ from typing import Any
 from harness.health.trackers.packages import require
 
 SCALARS = ("loss", "grad_norm", "tokens_per_s", "eval_loss")
-RUN_TAG = "harness.records.run_id"
+RUN_TAG = "harness.run_id"
 SUBDIR = "mlruns"
 
 
