@@ -1,7 +1,7 @@
 """`harness ...`: the command line, one module per command.
 
-The code a command drives lives in the library (harness/...), which never imports from here,
-except the torture sweep's check of what `harness ckpt verify` says (harness.verify.torture, lazily).
+The code a command drives lives in the library (harness/...), which never imports from here
+(tests/test_import_layers.py).
 
 Every command module exposes `register(subparsers)`, which adds its parser and sets
 `func(args) -> int` (the exit code); arguments several commands share are declared once, in

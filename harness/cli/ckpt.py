@@ -8,7 +8,7 @@ or `-o retry.deadline_s=30`. A checkpoint is named by its folder
 checkpoint in it. `consolidate` writes a checkpoint's model, whole, as `DIR/model.safetensors`
 (checkpoint/consolidate.py; sharded or not); `export --format hf` writes a transformers model's
 checkpoint as a Hugging Face model folder (config, weights, generation config, tokenizer;
-export/hf.py). `gc` applies the run's own retention policy (`checkpoint.keep_last` /
+export/hf_folder.py). `gc` applies the run's own retention policy (`checkpoint.keep_last` /
 `keep_every` from its run.json; `--keep-last` / `--keep-every` override), never removes the
 newest checkpoint that verifies, removes no committed checkpoint while none verifies, and with
 `--dry-run` only lists what it would remove. Exit codes: 0 good/equal, 1 a verification failure
@@ -119,7 +119,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from harness.export.hf import export_hf  # transformers, for this command only
+    from harness.export.hf_folder import export_hf  # transformers, for this command only
 
     store, ref = _checkpoint(args.checkpoint, storage_options_of(args))
     done = export_hf(store, ref, args.out, dtype=args.dtype, max_shard_bytes=args.max_shard_size,
@@ -132,7 +132,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def _shard_size(text: str) -> int:
-    from harness.export.hf import parse_size
+    from harness.export.hf_folder import parse_size
 
     try:
         return parse_size(text)

@@ -1,5 +1,5 @@
 """`harness torture RUN_DIR_URL`: crash-consistency torture of the checkpoint store (the sweep
-itself and what it checks: harness/verify/torture.py)."""
+itself and what it checks: harness/verify/torture_sweep.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from harness.checkpoint.errors import CheckpointError
 from harness.cli.args import storage_option_parser, storage_options_of
 from harness.log import configure
 from harness.storage.location import output_folder
-from harness.verify.torture import (
+from harness.verify.torture_sweep import (
     ALL_MODES,
     DEFAULT_MODES,
     Torture,

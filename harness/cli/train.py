@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         return supervise_self(sys.argv[1:], args.max_restarts, args.crash_loop_limit, cfg.run_dir,
                               cfg.checkpoint.storage_options, log_dir=cfg.log_dir)
     from harness.parallel.distributed import process_group
-    from harness.run.train import train
+    from harness.run.session import train
 
     try:
         with process_group():  # under torchrun with WORLD_SIZE > 1; otherwise nothing

@@ -6,7 +6,7 @@ asked (`start_new_session`), the client's stdin/stdout/stderr on fds 0-2, the wo
 program's subprocesses get it), argv, and new sys.stdin/stdout/stderr made as the interpreter
 makes them at start-up (buffering follows the new fds: a terminal is line-buffered, a pipe not).
 What it cannot redo is what the server's libraries read at their start-up; the server refuses
-a request whose environment differs there (harness/forkserver/environment.py).
+a request whose environment differs there (harness/forkserver/inherited_env.py).
 
 Randomness: Python's `random` reseeds itself in a forked child; numpy's global generator is
 reseeded here from the OS as a fresh import would seed it; torch's default generator was never

@@ -6,7 +6,7 @@ send_signal/terminate/kill, pid, returncode) for `[sys.executable, "-m", "harnes
 with the options `ForkServer.popen` takes. Its child is a child of the server, not of the
 caller: its exit code comes from the server, which reaps it, and signals go through a pidfd, so
 they cannot reach another process that took its pid. A command line of another form, or a
-request the server refuses (an environment it cannot honour: harness/forkserver/environment.py),
+request the server refuses (an environment it cannot honour: harness/forkserver/inherited_env.py),
 starts a fresh interpreter through Popen's own code: the same object, the same behaviour. So does
 a server that found it cannot fork safely (server.UNSERVABLE); one gone otherwise raises
 `ForkServerError` (a bug, not a reason to fall back quietly).

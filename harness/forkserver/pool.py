@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from harness.forkserver.client import ForkServer, served
-from harness.forkserver.environment import signature
+from harness.forkserver.inherited_env import signature
 
 # Linux only: pidfds (Linux 5.3, Python 3.9) and SOCK_SEQPACKET unix sockets; elsewhere every
 # process starts fresh.

@@ -29,12 +29,12 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from harness.forkserver import environment, protocol
+from harness.forkserver import inherited_env, protocol
 from harness.repro import numerics
 
 # What `harness train` imports besides its command module (torch._dynamo comes with torch's
 # optimizers): about 6 CPU-seconds per process that every child is spared.
-PRELOAD = ("torch", "torch._dynamo", "harness.cli", "harness.run.train", "harness.run.trainer",
+PRELOAD = ("torch", "torch._dynamo", "harness.cli", "harness.run.session", "harness.run.trainer",
            "harness.models.gpt", "optim")
 
 UNSERVABLE = 3  # the server's exit code when it cannot fork safely: its clients start fresh interpreters
@@ -157,7 +157,7 @@ def _receive(conn: socket.socket, preloaded: Preloaded, home: str) -> Request | 
 
 
 def _refusal(request: Request, preloaded: Preloaded, home: str) -> str | None:
-    wanted, signature = environment.signature(request.env), environment.signature(preloaded.env)
+    wanted, signature = inherited_env.signature(request.env), inherited_env.signature(preloaded.env)
     differ = {name for name in wanted.keys() | signature.keys() if wanted.get(name) != signature.get(name)}
     differ |= {name for name in preloaded.effects if request.env.get(name) != preloaded.env.get(name)}
     if differ:

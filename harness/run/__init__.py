@@ -1,6 +1,6 @@
-"""Running training: one process from start to exit (`train.train`, what `harness train` runs).
+"""Running training: one process from start to exit (`session.train`, what `harness train` runs).
 
-train.py        lease, resume, run files and logs, the loop; the exit code
+session.py      lease, resume, run files and logs, the loop; the exit code
 resume.py       which checkpoint to start from (`--resume`), loading it, compatibility checks
 elastic.py      a resume (or rollback) at another world size: batch shape, event, random streams
 loop.py         the step loop: metrics, evaluation, saves, preemption, `[debug]` fault hooks
@@ -10,6 +10,6 @@ state.py        the named state parts a checkpoint holds
 cadence.py      when to save (`CheckpointClock`)
 environment.py  the environment recorded with a run and compared on resume
 
-Kept light on purpose (no imports here): importing `harness.run.train` must not pull in the
+Kept light on purpose (no imports here): importing `harness.run.session` must not pull in the
 trainer's torch-heavy modules before the numerics settings are made.
 """

@@ -1,4 +1,4 @@
-"""Fault injection under the checkpoint store, for the crash-consistency torture (verify/torture.py).
+"""Fault injection under the checkpoint store, for the crash-consistency torture (verify/torture_sweep.py).
 
 `FaultyFileSystem` wraps the filesystem that `open_filesystem` built (local disk, `memory://`,
 S3) and counts every storage operation the store makes: open, write, flush, fsync, fsync_dir,

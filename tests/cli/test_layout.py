@@ -27,7 +27,7 @@ def test_argparse_only_in_the_cli_package():
 
 def test_the_library_does_not_import_the_cli():
     probe = ("import sys, harness.testing, harness.verify.resume_equivalence, harness.experiments.arms, "
-             "harness.experiments.comparison, harness.run.train; "
+             "harness.experiments.comparison, harness.run.session; "
              "print(sorted(m for m in sys.modules if m == 'harness.cli' or m.startswith('harness.cli.')))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -10,7 +10,7 @@ import pytest
 from harness.checkpoint import CheckpointStore
 from harness.storage.faults import FaultPlan, FaultyFileSystem, SimulatedCrash, wrap_filesystem
 from harness.storage.filesystem import LocalDiskFileSystem, open_filesystem
-from harness.verify.torture import tiny_state
+from harness.verify.torture_sweep import tiny_state
 
 pytestmark = pytest.mark.usefixtures("quiet_logs")  # tests/conftest.py
 

@@ -13,7 +13,7 @@ import pytest
 import harness.checkpoint.store as store_module
 from harness.checkpoint import CheckpointStore
 from harness.cli import main
-from harness.verify.torture import ALL_MODES, Torture, corruption_sweep, format_table
+from harness.verify.torture_sweep import ALL_MODES, Torture, corruption_sweep, format_table
 from s3server import options
 
 pytestmark = pytest.mark.usefixtures("quiet_logs")  # tests/conftest.py
