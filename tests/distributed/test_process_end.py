@@ -1,6 +1,6 @@
 """A process that joined a process group ends without the interpreter's finalization
 (harness/process/process_end.py): in it, gloo worker threads that outlive the group (DTensor's caches
-keep an FSDP mesh's group alive) aborted finished runs with SIGABRT (issue 20). A single
+keep an FSDP mesh's group alive) aborted finished runs with SIGABRT. A single
 process still exits normally."""
 
 from pathlib import Path

@@ -1,4 +1,4 @@
-"""Reproducibility with the threading users get (issue 16): the harness's numerical settings make
+"""Reproducibility with the threading users get: the harness's numerical settings make
 `harness train` repeatable run to run on a busy machine, not only in one-thread tests.
 
 The cause found: torch's CPU build multiplies matrices with oneMKL, whose default mode lets it
@@ -53,7 +53,7 @@ def test_the_probe_sees_mkl_threads_without_strict_mode():
 
 
 @pytest.mark.xfail(numerics.residual_platform(), strict=False,
-                   reason="issue 16, open: on Intel CPUs with AVX-512, in about 1 of 5 fresh-clone runs the "
+                   reason="open: on Intel CPUs with AVX-512, in about 1 of 5 fresh-clone runs the "
                    "killed-and-resumed run's steps 2 and 7 differed by one ulp (cause not found); still run, "
                    "reported as XFAIL/XPASS there, and a failure anywhere else")
 def test_concurrent_default_threaded_runs_and_a_killed_one_are_bitwise_equal(tmp_path):
