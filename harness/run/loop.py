@@ -274,7 +274,7 @@ class Loop:
     def interval_chosen(self, choice: dict, tier: str = PERSISTENT) -> None:
         log.info("checkpoint interval chosen (Young/Daly)", tier=tier,
                  **{k: round(v, 4) if isinstance(v, float) else v for k, v in choice.items()})
-        self.events.emit("checkpoint_interval", step=self.trainer.step, **choice)
+        self.events.emit("checkpoint_interval", step=self.trainer.step, tier=tier, **choice)
 
     def preempt(self, watch: PreemptionWatch) -> int:
         step = self.trainer.step

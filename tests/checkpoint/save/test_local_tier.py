@@ -2,7 +2,6 @@
 the newest local checkpoint and ends bitwise equal to an uninterrupted run; a damaged local copy,
 or another run's, is skipped and reported, never loaded."""
 
-import re
 import shutil
 from pathlib import Path
 
@@ -167,16 +166,17 @@ def test_auto_is_accepted_for_the_local_tier_and_other_words_are_not():
 
 def test_local_auto_measures_one_local_save_then_saves_at_the_interval_it_chose(tmp_path):
     """`checkpoint.local.every_steps = "auto"` beside a fixed persistent interval (10): a local save
-    after step 1 measures the tier, the interval is chosen after 3 more timed steps (logged with
-    tier=local) and the local saves follow it, at the steps where no persistent save is due. A
-    tiny MTBF makes the interval a few steps at most, so 12 steps show it."""
+    after step 1 measures the tier, the interval is chosen after 3 more timed steps (a
+    `checkpoint_interval` event with tier = "local") and the local saves follow it, at the steps
+    where no persistent save is due. A tiny MTBF makes the interval a few steps at most, so 12
+    steps show it."""
     run, local = tmp_path / "run", tmp_path / "local"
-    proc = harness(*train(run, "--set", "checkpoint.every_steps=10", "--set", "checkpoint.mtbf_hours=0.0001",
-                          "--set", f"checkpoint.local.dir='{local}'", "--set", 'checkpoint.local.every_steps="auto"'),
-                   check=True)
-    (line,) = [x for x in proc.stderr.splitlines() if "interval chosen" in x]
-    assert "tier=local" in line
-    every = int(re.search(r"\bevery_steps=(\d+)", line).group(1))
+    harness(*train(run, "--set", "checkpoint.every_steps=10", "--set", "checkpoint.mtbf_hours=0.0001",
+                   "--set", f"checkpoint.local.dir='{local}'", "--set", 'checkpoint.local.every_steps="auto"'),
+            check=True)
+    (choice,) = events(run, "checkpoint_interval")
+    assert choice["tier"] == "local" and choice["mtbf_s"] == pytest.approx(0.36)
+    every = choice["every_steps"]
     expected, last = [1], 1
     for step in range(1 + CheckpointClock.AUTO_WARMUP_STEPS, STEPS):  # chosen after step 4, before its save
         if step % 10 and step - last >= every:
