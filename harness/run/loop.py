@@ -197,6 +197,7 @@ class Loop:
         self.clock.saved(step)
         self.trackers.rewind(step)
         if self.local_tier is not None:
+            self.local_clock.saved(step)
             self.local_tier.drop_after(step)
 
     def hung(self, report: HangReport) -> None:

@@ -272,6 +272,16 @@ def test_one_clock_per_tier_each_from_its_own_save_cost():
     assert not persistent.due(1200) and persistent.due(1201) and not local.due(121) and local.due(122)
 
 
+def test_the_measuring_save_stays_due_until_a_save_measured_its_cost():
+    """A rollback (or a skipped save) resets the count without a blocking time: "auto" must still
+    take its measuring save, or it would never choose an interval."""
+    clock = CheckpointClock("auto", 0.0, 10_000, mtbf_s=3600.0, clock=lambda: 0.0)
+    clock.saved(3)
+    assert clock.due(4)
+    clock.saved(4, blocking_s=0.5)
+    assert not clock.due(5)
+
+
 def test_fixed_interval_is_unchanged():
     clock = CheckpointClock(4, 0.0, 10)
     assert [s for s in range(1, 11) if clock.due(s)] == [4, 8, 10]
