@@ -266,7 +266,13 @@ class LocalTierSection(Section):
             "run never finds another's."
         ),
     )
-    every_steps: int = Field(ge=1, description="Save a local checkpoint every N optimizer steps.")
+    every_steps: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        description=(
+            "Save a local checkpoint every N optimizer steps, or \"auto\": as checkpoint.every_steps = \"auto\" with "
+            "this tier's own measured save time (save once after the first step, then every sqrt(2 * blocking_s * "
+            "mtbf) seconds' worth of steps; checkpoint.mtbf_hours), logged with its inputs and tier = \"local\"."
+        ),
+    )
     keep: int = Field(2, ge=2, description="Local checkpoints kept (>= 2: the newest may be one a crash cut short).")
     peer_jump: int | None = Field(
         None, ge=0,

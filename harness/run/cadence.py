@@ -14,8 +14,8 @@ class CheckpointClock:
     the last step.
 
     `every_steps="auto"` chooses N from measurements (Young/Daly): the loop saves once after its
-    first step (`due` is true while nothing was saved), reports the blocking time of that save
-    (`saved`), the seconds it took to commit (`committed`; longer than the blocking time for a
+    first step (`due` is true until a save reported its blocking time), reports the blocking time
+    of that save (`saved`), the seconds it took to commit (`committed`; longer than the blocking time for a
     background save) and the seconds of the following steps (`observe_step`). Once that save is
     committed and `AUTO_WARMUP_STEPS` steps were timed after it, the interval is
     `max(sqrt(2 * blocking_s * mtbf_s), persist_s)` seconds, rounded up to whole steps, and
@@ -50,7 +50,7 @@ class CheckpointClock:
         if step >= self.last_step:
             return True
         if self.auto:
-            if self.last_saved_step is None:
+            if self.blocking_s is None:  # the measuring save; a skipped save or a rollback measured nothing
                 return True
             if self.every_steps and step - self.last_saved_step >= self.every_steps:
                 return True

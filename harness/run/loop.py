@@ -7,6 +7,7 @@ deadline, the fault hooks of `[debug]` (harness/health/debug_hooks.py), and the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -16,7 +17,7 @@ from typing import Any
 from tqdm import tqdm
 
 from harness import exit_codes
-from harness.checkpoint import CheckpointStore, Committed, LocalTier, open_saver
+from harness.checkpoint import LOCAL, PERSISTENT, CheckpointStore, Committed, LocalTier, open_saver
 from harness.config import RunConfig, public_config
 from harness.health.debug_hooks import DebugHooks
 from harness.health.watchdog import HangReport, HangWatchdog
@@ -50,6 +51,10 @@ class Loop:
         c = cfg.checkpoint
         self.clock = CheckpointClock(c.every_steps, c.every_minutes, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
                                      report=self.interval_chosen)
+        # One clock per tier: the local tier's "auto" is Young/Daly from its own (cheaper) saves.
+        self.local_clock = None if local_tier is None else CheckpointClock(
+            c.local.every_steps, 0.0, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
+            report=functools.partial(self.interval_chosen, tier=LOCAL))
         # Every save goes through this one saver (sync or async; group, local-first or direct).
         self.saver = open_saver(store, background=c.async_save, local_dir=c.local_dir, when_busy=c.when_busy,
                                 save_deadline_s=c.save_deadline_s, per_rank=trainer.state.per_rank,
@@ -100,6 +105,8 @@ class Loop:
                     self.poll()
                     self.train_s += result.seconds
                     self.clock.observe_step(result.seconds)
+                    if self.local_clock is not None:
+                        self.local_clock.observe_step(result.seconds)
                     self.record(result)
                     bar.update(1)
                     bar.set_postfix(loss=f"{result.loss:.4f}")
@@ -110,7 +117,7 @@ class Loop:
                     if distributed.rank0_flag(self.clock.due(trainer.step)):
                         with self.watch("save", **self.save_limits()):
                             self.save()
-                    elif self.local_tier is not None and self.local_tier.due(trainer.step):
+                    elif self.local_clock is not None and self.local_due(trainer.step):
                         with self.watch("save"):
                             self.save_local()
                     self.debug.end_of_step()
@@ -190,6 +197,7 @@ class Loop:
         self.clock.saved(step)
         self.trackers.rewind(step)
         if self.local_tier is not None:
+            self.local_clock.saved(step)
             self.local_tier.drop_after(step)
 
     def hung(self, report: HangReport) -> None:
@@ -230,12 +238,21 @@ class Loop:
         self.events.emit("checkpoint", step=step, blocking_s=blocking, background=self.saver.background)
         self.events.emit("progress", step=step, train_s=self.train_s, save_s=self.save_s)
 
+    def local_due(self, step: int) -> bool:
+        """Whether the local tier saves at `step`. An "auto" interval is measured on each rank, so
+        rank 0's decision is taken everywhere (every rank saves, and exchanges peer copies, at the
+        same steps); a fixed one is the same on every rank already."""
+        due = self.local_clock.due(step)
+        return distributed.rank0_flag(due) if self.local_clock.auto else due
+
     def save_local(self) -> None:
         """Checkpoint the current step to the local tier, in this thread (node-local disk or tmpfs:
         fast), with the same finite-state check as `save`."""
         self.trainer.check_finite_state()
         step = self.trainer.step
         submitted = self.local_tier.save(step, self.trainer.state.parts(), self.checkpoint_meta())
+        self.local_clock.saved(step, submitted.blocking_s)
+        self.local_clock.committed(submitted.blocking_s)  # synchronous: committed when it returns
         self.save_s += submitted.blocking_s
         self.events.emit("local_checkpoint", step=step, blocking_s=submitted.blocking_s, bytes=submitted.nbytes)
 
@@ -255,10 +272,10 @@ class Loop:
     def slow_save(self, step: int, seconds: float) -> None:
         self.events.emit("save_slow", step=step, seconds=seconds)
 
-    def interval_chosen(self, choice: dict) -> None:
-        log.info("checkpoint interval chosen (Young/Daly)",
+    def interval_chosen(self, choice: dict, tier: str = PERSISTENT) -> None:
+        log.info("checkpoint interval chosen (Young/Daly)", tier=tier,
                  **{k: round(v, 4) if isinstance(v, float) else v for k, v in choice.items()})
-        self.events.emit("checkpoint_interval", step=self.trainer.step, **choice)
+        self.events.emit("checkpoint_interval", step=self.trainer.step, tier=tier, **choice)
 
     def preempt(self, watch: PreemptionWatch) -> int:
         step = self.trainer.step

@@ -63,3 +63,18 @@ def test_fsdp_with_a_local_tier_is_refused_in_one_line(tmp_path):
     assert run(args, log) != 0
     assert "error: checkpoint.local (the local tier) is not built for parallel.strategy" in tail(log)
     assert not local.exists()
+
+
+def test_local_auto_interval_is_rank_0s_on_every_rank(tmp_path):
+    """`checkpoint.local.every_steps = "auto"` at world size 2: each rank times its own saves and
+    steps, rank 0's decision is taken by both, so both ranks save (and keep) the same local steps."""
+    run_dir, local, log = tmp_path / "run", tmp_path / "local", tmp_path / "torchrun.log"
+    args = train_args(run_dir, "--set", "checkpoint.every_steps=10", "--set", f"checkpoint.local.dir='{local}'",
+                      "--set", 'checkpoint.local.every_steps="auto"', "--set", "checkpoint.local.keep=20",
+                      "--set", "checkpoint.mtbf_hours=0.0001")
+    assert run(args, log) == 0, tail(log)
+    (choice,) = events(run_dir, "checkpoint_interval")
+    assert choice["tier"] == "local"
+    (run_folder,) = local.iterdir()
+    saved = steps_of(run_folder / "rank-00000")
+    assert saved[0] == 1 and saved == steps_of(run_folder / "rank-00001")

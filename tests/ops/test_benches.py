@@ -1,6 +1,7 @@
-"""ops/bench/optim_step.py, sharded_muon.py (under torchrun), harness_overhead.py, data_wait.py, s3_io.py and
-prepare_rss.py still run (tiny sizes) and print every figure docs/bench-optim.md, docs/bench-data.md and README
-quote. They time nothing here: no figure is asserted."""
+"""ops/bench/optim_step.py, sharded_muon.py (under torchrun), harness_overhead.py, data_wait.py, s3_io.py,
+prepare_rss.py, recovery.py and goodput_model.py still run (tiny sizes) and print every figure docs/bench-optim.md,
+docs/bench-data.md, docs/checkpoint-tiers.md and README quote. They time nothing here: no measured figure is
+asserted (the goodput model's are arithmetic on its defaults)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,20 @@ def test_prepare_rss_reports_peak_rss_at_both_sizes_and_the_ratio():
         for size in ("1mb", "2mb"):
             assert set(out[kind][size]) == {"input_mib", "peak_rss_mib", "wall_s", "tokens"}
             assert out[kind][size]["tokens"] > 0
+
+
+def test_recovery_bench_runs_all_three_arms_and_reports_every_figure():
+    """ops/bench/recovery.py at a tiny size: the local-disk, S3 (its own moto server) and S3 + local
+    tier arms each resume once and print what docs/checkpoint-tiers.md quotes."""
+    out = bench("recovery.py", "--steps", "8", "--failures", "1", "--persistent-every", "4", "--local-every", "2",
+                "--d-model", "16", "--layers", "1")
+    for arm in ("disk", "s3", "s3+local"):
+        assert f"\n{arm:<9} mean: " in out, out
+    assert "(local)" in out and "local_checkpoint save" in out and "MiB" in out
+
+
+def test_goodput_model_prints_the_figures_docs_quote():
+    out = bench("goodput_model.py")
+    figures = dict(line.split() for line in out.splitlines())
+    assert figures["goodput_persistent_alone"] == "0.8068" and figures["goodput_with_local"] == "0.8974"
+    assert figures["local_interval_s"] == "1,003.9" and figures["persistent_with_local_interval_s"] == "13,266.9"

@@ -68,7 +68,7 @@ def not_mine(state: Mapping[str, Any], run_id: str, rank: int, world: int) -> st
 
 
 class LocalTier:
-    """Saves the live state every `section.every_steps` steps into the local tier of run `run_id`.
+    """Saves the live state into the local tier of run `run_id` (when: the loop's clock for this tier).
 
     `resumed_step`: the step the state was restored from (0 when fresh); local checkpoints past it
     are deleted now (module docstring), peer copies past it too. `per_rank`: as `Saver`'s. With
@@ -76,7 +76,7 @@ class LocalTier:
 
     def __init__(self, section: LocalTierSection, run_id: str, resumed_step: int,
                  per_rank: Collection[str] = ()) -> None:
-        self.every, self.run_id = section.every_steps, run_id
+        self.run_id = run_id
         self.store = local_store(section, run_id, distributed.rank())
         jump = peer_jump(section, distributed.world())
         self.peers = PeerCopies(section, run_id, jump) if jump else None
@@ -89,9 +89,6 @@ class LocalTier:
             for ref in store.list():
                 if ref.step > step:
                     store.delete(ref)
-
-    def due(self, step: int) -> bool:
-        return step % self.every == 0
 
     def save(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any]) -> Submitted:
         """Commit `parts` as `step` in this rank's local folder, its meta stamped with the run id and

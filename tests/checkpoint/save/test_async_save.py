@@ -254,6 +254,34 @@ def test_auto_interval_never_shorter_than_the_persist():
     assert clock.every_steps == 6  # sqrt(2 * 0.01 * 1) = 0.14 s, but the persist takes 3 s
 
 
+def test_one_clock_per_tier_each_from_its_own_save_cost():
+    """The persistent and the local tier's "auto" clocks see the same steps and MTBF but their own
+    saves: a local save 100x cheaper (synchronous: committed when it returns) gives a 10x shorter
+    interval, and neither save moves the other clock."""
+    persistent = CheckpointClock("auto", 0.0, 10_000, mtbf_s=3600.0, clock=lambda: 0.0)
+    local = CheckpointClock("auto", 0.0, 10_000, mtbf_s=3600.0, clock=lambda: 0.0)
+    persistent.saved(1, blocking_s=2.0)
+    persistent.committed(2.0)
+    assert local.due(2)  # the local tier's own measuring save
+    local.saved(2, blocking_s=0.02)
+    local.committed(0.02)
+    for _ in range(3):
+        persistent.observe_step(0.1)
+        local.observe_step(0.1)
+    assert (persistent.every_steps, local.every_steps) == (1200, 120)  # sqrt(2 * 2 * 3600) = 120 s; 12 s
+    assert not persistent.due(1200) and persistent.due(1201) and not local.due(121) and local.due(122)
+
+
+def test_the_measuring_save_stays_due_until_a_save_measured_its_cost():
+    """A rollback (or a skipped save) resets the count without a blocking time: "auto" must still
+    take its measuring save, or it would never choose an interval."""
+    clock = CheckpointClock("auto", 0.0, 10_000, mtbf_s=3600.0, clock=lambda: 0.0)
+    clock.saved(3)
+    assert clock.due(4)
+    clock.saved(4, blocking_s=0.5)
+    assert not clock.due(5)
+
+
 def test_fixed_interval_is_unchanged():
     clock = CheckpointClock(4, 0.0, 10)
     assert [s for s in range(1, 11) if clock.due(s)] == [4, 8, 10]

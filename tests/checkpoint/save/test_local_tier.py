@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.run.cadence import CheckpointClock
 from helpers import flip_byte
 from procs import TINY, assert_one_line_error, assert_same_run, events, harness, kill_at_step
 
@@ -149,3 +150,37 @@ def test_a_resume_or_a_rollback_deletes_the_local_checkpoints_past_its_step(tmp_
     tier.drop_after(2)
     assert steps() == [2]
 
+
+
+def test_auto_is_accepted_for_the_local_tier_and_other_words_are_not():
+    from harness.config import load_config
+    from harness.errors import UserError
+
+    folder = "checkpoint.local.dir='/tmp/local-tier'"
+    assert load_config(TINY, [folder, 'checkpoint.local.every_steps="auto"']).checkpoint.local.every_steps == "auto"
+    assert load_config(TINY, [folder, "checkpoint.local.every_steps=3"]).checkpoint.local.every_steps == 3
+    for wrong in ('"autox"', "0"):
+        with pytest.raises(UserError, match="every_steps"):
+            load_config(TINY, [folder, f"checkpoint.local.every_steps={wrong}"])
+
+
+def test_local_auto_measures_one_local_save_then_saves_at_the_interval_it_chose(tmp_path):
+    """`checkpoint.local.every_steps = "auto"` beside a fixed persistent interval (10): a local save
+    after step 1 measures the tier, the interval is chosen after 3 more timed steps (a
+    `checkpoint_interval` event with tier = "local") and the local saves follow it, at the steps
+    where no persistent save is due. A tiny MTBF makes the interval a few steps at most, so 12
+    steps show it."""
+    run, local = tmp_path / "run", tmp_path / "local"
+    harness(*train(run, "--set", "checkpoint.every_steps=10", "--set", "checkpoint.mtbf_hours=0.0001",
+                   "--set", f"checkpoint.local.dir='{local}'", "--set", 'checkpoint.local.every_steps="auto"'),
+            check=True)
+    (choice,) = events(run, "checkpoint_interval")
+    assert choice["tier"] == "local" and choice["mtbf_s"] == pytest.approx(0.36)
+    every = choice["every_steps"]
+    expected, last = [1], 1
+    for step in range(1 + CheckpointClock.AUTO_WARMUP_STEPS, STEPS):  # chosen after step 4, before its save
+        if step % 10 and step - last >= every:
+            expected.append(step)
+            last = step
+    assert [e["step"] for e in events(run, "local_checkpoint")] == expected
+    assert [e["step"] for e in events(run, "checkpoint")] == [10, 12]
