@@ -44,6 +44,9 @@ def format_report(run_dir: str, g: Goodput) -> str:
         row("other", g.other_s, "eval, logging, data stalls, untracked gaps"),
         row("wall clock", g.wall_s),
         f"  goodput {100 * g.goodput:.1f} %",
+        *([f"  without the local tier: goodput {100 * g.goodput_without_local:.1f} % at most "
+           f"({g.extra_steps_without_local} more step(s) re-run, {g.local_saving_s:.1f} s of local saves not spent)"]
+          if g.goodput_without_local is not None else []),
         *([f"  rollbacks: {len(g.rollbacks)} ({describe_rollbacks(g.rollbacks)})"] if g.rollbacks else []),
         *([f"  resumes: {describe_resumes(g.resumes)}"] if g.resumes else []),
     ])

@@ -60,6 +60,11 @@ Accounting (`account(events)`), with one "process" = the events from one "start"
 - wall clock: from the first process's start (its start time minus startup_s) to the last event.
 - resumes: one record per process after the first: the step and tier it resumed from, the steps
   it lost (the previous process's last step minus that step) and its restore_s.
+- without the local tier (`goodput_without_local`, None for a run that never saved to it): the
+  same run had every resume from the local or peer tier gone to the newest persistent checkpoint
+  committed before it instead (more steps re-run, at the mean step time), and no local save
+  blocked the loop. Restore and startup times are taken as they were: on a shared file system or
+  S3 a persistent restore is slower, so the figure is an upper bound.
 """
 
 from __future__ import annotations
@@ -77,6 +82,7 @@ class _Process:
     train_s: float = 0.0
     train_s_step: int | None = None  # the step at which train_s was last reported
     last_step: int | None = None
+    newest_persistent: int | None = None  # the newest persistent checkpoint committed before its start
 
     @property
     def first_step(self) -> int:
@@ -93,6 +99,7 @@ class Goodput:
     wall_s: float = 0.0
     training_s: float = 0.0
     saving_s: float = 0.0
+    local_saving_s: float = 0.0  # the part of saving_s spent on the local tier
     restarting_s: float = 0.0
     recompute_s: float = 0.0
     recompute_steps: int = 0
@@ -102,6 +109,8 @@ class Goodput:
     exit_reason: str | None = None  # of the last process: an "exit" reason, "gave_up" or None
     rollbacks: list[dict] = field(default_factory=list)  # distinct "anomaly" events with action "rollback"
     resumes: list[dict] = field(default_factory=list)  # step, tier, steps_lost, restore_s per later process
+    extra_steps_without_local: int = 0  # steps the local and peer resumes saved over the persistent tier
+    mean_step_s: float = 0.0
 
     @property
     def other_s(self) -> float:
@@ -112,6 +121,15 @@ class Goodput:
         """Productive training time as a fraction of wall clock (0 for an empty run)."""
         return self.training_s / self.wall_s if self.wall_s > 0 else 0.0
 
+    @property
+    def goodput_without_local(self) -> float | None:
+        """The goodput the run would have had without the local tier (module docstring); None
+        when it never saved to that tier."""
+        if self.local_saving_s <= 0 and not self.extra_steps_without_local:
+            return None
+        wall = self.wall_s - self.local_saving_s + self.extra_steps_without_local * self.mean_step_s
+        return self.training_s / wall if wall > 0 else 0.0
+
 
 def account(events: Iterable[dict]) -> Goodput:
     """Fold a run's events (in file order) into a `Goodput`; unknown kinds are ignored."""
@@ -119,6 +137,7 @@ def account(events: Iterable[dict]) -> Goodput:
     procs: list[_Process] = []
     first_time = last_time = None
     rolled_back = 0  # steps computed again after rollbacks
+    persistent: int | None = None  # the newest persistent checkpoint committed so far
     for e in events:
         kind, t = e.get("event"), float(e.get("time", 0.0))
         last_time = t
@@ -126,7 +145,7 @@ def account(events: Iterable[dict]) -> Goodput:
             if procs and isinstance(e.get("previous_reached"), int):
                 procs[-1].reached(e["previous_reached"])
             procs.append(_Process(e.get("resumed_from"), float(e.get("startup_s", 0.0)), e.get("resumed_tier"),
-                                  float(e.get("restore_s", 0.0))))
+                                  float(e.get("restore_s", 0.0)), newest_persistent=persistent))
             g.exit_reason = None
             if first_time is None:
                 first_time = t - procs[-1].startup_s
@@ -155,6 +174,10 @@ def account(events: Iterable[dict]) -> Goodput:
         p.reached(int(e["step"]))
         if kind in ("checkpoint", "local_checkpoint"):
             g.saving_s += float(e.get("blocking_s", 0.0))
+        if kind == "local_checkpoint":
+            g.local_saving_s += float(e.get("blocking_s", 0.0))
+        if kind == "checkpoint":
+            persistent = int(e["step"]) if persistent is None else max(persistent, int(e["step"]))
         if kind == "exit":
             g.exit_reason = e.get("reason")
         if kind in ("progress", "exit") and "train_s" in e:
@@ -169,12 +192,14 @@ def account(events: Iterable[dict]) -> Goodput:
     covered = sum(max(0, p.train_s_step - p.first_step)
                   for p in procs if p.train_s_step is not None)
     covered += rolled_back
-    mean_step_s = total_train / covered if covered else 0.0
+    mean_step_s = g.mean_step_s = total_train / covered if covered else 0.0
     g.recompute_steps = rolled_back + sum(max(0, (prev.last_step or 0) - nxt.first_step)
                                           for prev, nxt in zip(procs, procs[1:]))
     g.recompute_s = g.recompute_steps * mean_step_s
     g.resumes = [{"step": nxt.resumed_from, "tier": nxt.tier, "restore_s": nxt.restore_s,
                   "steps_lost": max(0, (prev.last_step or 0) - nxt.first_step)} for prev, nxt in zip(procs, procs[1:])]
+    g.extra_steps_without_local = sum(max(0, nxt.first_step - (nxt.newest_persistent or 0))
+                                      for nxt in procs[1:] if nxt.tier not in (None, "persistent"))
     g.training_s = total_train - g.recompute_s
     return g
 

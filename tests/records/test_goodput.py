@@ -127,3 +127,24 @@ def test_recomputed_counts_every_step_the_interrupted_process_logged():
     ]
     g = account(events)
     assert g.recompute_steps == 7 and g.last_step == 20
+
+
+def test_goodput_without_the_local_tier_adds_the_steps_a_local_resume_saved_and_drops_its_saves():
+    # Persistent checkpoint at 4, local ones at 2, 4 and 6, a crash after step 7, a resume from
+    # the local step 6: without the local tier it would have resumed at 4 (2 more steps re-run).
+    events = [
+        {"time": 0.0, "event": "start", "resumed_from": None, "startup_s": 1.0},
+        {"time": 2.0, "event": "local_checkpoint", "step": 2, "blocking_s": 0.5},
+        {"time": 4.0, "event": "checkpoint", "step": 4, "blocking_s": 1.0},
+        {"time": 6.5, "event": "local_checkpoint", "step": 6, "blocking_s": 0.5},
+        {"time": 7.5, "event": "progress", "step": 7, "train_s": 7.0},
+        {"time": 10.0, "event": "start", "resumed_from": 6, "resumed_tier": "local", "startup_s": 1.0},
+        {"time": 12.0, "event": "checkpoint", "step": 8, "blocking_s": 1.0},
+        {"time": 12.5, "event": "exit", "reason": "finished", "step": 8, "train_s": 2.0},
+    ]
+    g = account(events)
+    assert (g.recompute_steps, g.extra_steps_without_local, g.local_saving_s) == (1, 2, 1.0)
+    # mean step 1 s (9 s over 9 steps); wall 13.5 s: without the local tier 13.5 - 1 + 2 = 14.5 s.
+    assert g.goodput == pytest.approx(8.0 / 13.5)
+    assert g.goodput_without_local == pytest.approx(8.0 / 14.5)
+    assert account(CRASHED_THEN_FINISHED).goodput_without_local is None
