@@ -10,7 +10,7 @@ assembled from its stored chunks (a sharded checkpoint: the DCP metadata says wh
 where, checkpoint/dcp.py) and written; peak memory is the largest tensor, never the model.
 An unsharded checkpoint's tensors are read one at a time from its `model.safetensors` likewise.
 `whole_tensors` is that reading for any part (verify-resume compares the optimizer state whole too);
-`harness ckpt export --format hf` (export_hf.py) writes the model's tensors through it as well.
+`harness ckpt export --format hf` (harness/export/hf_folder.py) writes the model's tensors through it as well.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ pickles its `.metadata` and carries no content hashes; here
   written by the coordinator (rank 0); tensors only: a non-tensor value of a sharded part stays
   in state.json, so a `BYTE_IO` item (DCP would `torch.save` it) is refused;
 * every file is written through the store (`write_file`: durable, hashed), reported in the
-  group commit's outcome and listed in the manifest rank 0 writes last (distributed_commit.py);
+  group commit's outcome and listed in the manifest rank 0 writes last (checkpoint/save/group_commit.py);
 * reading opens only files the manifest lists (`open_file`), in offset order, so a verified
   load hashes every byte as it lands in the live tensors (loading.py, `Verify.WHILE`).
 

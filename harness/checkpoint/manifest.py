@@ -2,7 +2,7 @@
 
 A checkpoint exists only when its manifest exists, parses, and every file it lists has the
 listed size and digest. Each file's entry names its hash algorithm as the key of its digest
-(`{"name", "size", "blake3": hex}`; digest.py): version 2, written now, names BLAKE3; version 1
+(`{"name", "size", "blake3": hex}`; harness/storage/digest.py): version 2, written now, names BLAKE3; version 1
 (harness releases before it) named sha256, and such checkpoints are still read and verified. An
 older harness refuses a version 2 manifest with a message naming the version, never by
 misreading it. The manifest names files, never paths: a listed name must be a plain file name
@@ -36,7 +36,7 @@ _DIGEST = re.compile(rf"[0-9a-f]{{{HEX_DIGITS}}}")
 
 @dataclass(frozen=True)
 class FileRecord:
-    """One data file of a checkpoint: its size and its digest under `algorithm` (digest.py)."""
+    """One data file of a checkpoint: its size and its digest under `algorithm` (harness/storage/digest.py)."""
 
     name: str
     size: int

@@ -183,7 +183,7 @@ class CheckpointStore:
         """
         if SHARDED in snapshot.tensors:
             raise CheckpointError("a snapshot with sharded parts (FSDP) is committed by every rank of its group "
-                                  "(distributed_commit.GroupCommit), not by one process")
+                                  "(checkpoint/save/group_commit.py: GroupCommit), not by one process")
 
         with self.committing(step) as commit:
             commit.records += [self.write_file(commit.work, commit.ref, name, chunks)
@@ -225,7 +225,7 @@ class CheckpointStore:
             self.loc.fs.makedirs(work, exist_ok=True)
             return ref, work
         # One request: an object store has no folders to make (s3fs's makedirs asked whether the
-        # bucket exists; a missing one fails the first write, retry.py says how), and removing
+        # bucket exists; a missing one fails the first write, harness/storage/retry.py says how), and removing
         # a manifest that is not there is no error (asking first took two more).
         with suppress(FileNotFoundError):
             self.loc.fs.rm(f"{ref.path}/{MANIFEST_FILE}")

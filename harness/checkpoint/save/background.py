@@ -1,6 +1,6 @@
 """One job at a time in a background thread, its failure kept for the thread that owns it.
 
-The primitive under background saves (async_save.py: the persist) and local-first uploads
+The primitive under background saves (async_saver.py: the persist) and local-first uploads
 (local_first.py: the upload), so both wait, watch and report failures the same way:
 
     job = BackgroundJob("ckpt-persist", "the background save", failed=wrap)

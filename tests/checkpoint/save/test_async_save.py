@@ -1,4 +1,4 @@
-"""async_save.py: the same bytes as a synchronous save, a snapshot taken at the step boundary,
+"""async_saver.py: the same bytes as a synchronous save, a snapshot taken at the step boundary,
 staging buffers reused across saves, one save in flight, background failures raised later,
 and the "auto" checkpoint interval of CheckpointClock."""
 
