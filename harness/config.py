@@ -503,8 +503,8 @@ class DebugSection(Section):
     persist_delay_s: float = Field(
         0.0, ge=0.0,
         description=(
-            "Sleep this long in the background persist before writing (async_save), to give kill tests a window in "
-            "which a save is in flight."
+            "Sleep this long in the background persist before writing (async_save), and before each background peer "
+            "exchange of the local tier, to give tests a window in which a save or a peer copy is in flight."
         ),
     )
     fail_save_rank: int | None = Field(

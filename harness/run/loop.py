@@ -135,6 +135,8 @@ class Loop:
                 self.metrics.close()
                 self.trackers.close()
                 self.saver.close()  # on an error exit: let a good in-flight save (and upload) end first
+                if self.local_tier is not None:
+                    self.local_tier.close()  # the same for a peer exchange, within a bound
         self.events.emit("exit", reason="finished", step=trainer.step, train_s=self.train_s, save_s=self.save_s)
         log.info("finished", step=trainer.step, eval_loss=round(final_eval, 4), run_dir=cfg.run_dir)
         return exit_codes.FINISHED
@@ -214,8 +216,11 @@ class Loop:
         self.store.poll_lease()
 
     def finish_saves(self) -> None:
-        """Wait until the newest checkpoint is committed (and, local-first, published remotely)."""
+        """Wait until the newest checkpoint is committed (and, local-first, published remotely) and
+        the local tier's last peer copy exchanged (it ran in the background meanwhile)."""
         self.saver.finish()
+        if self.local_tier is not None:
+            self.local_tier.finish()
 
     def save(self, must: bool = False) -> None:
         """Checkpoint the current step. Synchronous: commit it here. Async: snapshot it into the
@@ -247,7 +252,8 @@ class Loop:
 
     def save_local(self) -> None:
         """Checkpoint the current step to the local tier, in this thread (node-local disk or tmpfs:
-        fast), with the same finite-state check as `save`."""
+        fast), with the same finite-state check as `save`; its peer copy is exchanged in the
+        background (checkpoint/save/local_tier.py)."""
         self.trainer.check_finite_state()
         step = self.trainer.step
         submitted = self.local_tier.save(step, self.trainer.state.parts(), self.checkpoint_meta())

@@ -121,7 +121,8 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             resumed_here = chosen is not None and chosen.store is store
             trackers = open_trackers(cfg.log, log_dir, trainer.step, run_id) if lead else distributed.Silent()
             tier = cfg.checkpoint.local
-            local_tier = None if tier is None else LocalTier(tier, run_id, trainer.step, trainer.state.per_rank)
+            local_tier = None if tier is None else LocalTier(tier, run_id, trainer.step, trainer.state.per_rank,
+                                                             peer_delay_s=cfg.debug.persist_delay_s)
             loop = Loop(cfg, trainer, store, metrics, events, log_dir,
                         last_committed=ref.step if resumed_here else None, trackers=trackers, local_tier=local_tier)
             try:

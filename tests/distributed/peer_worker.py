@@ -40,6 +40,7 @@ def main() -> None:
         model = torch.nn.Linear(4, 4)
         for step in (2, 4):
             tier.save(step, {"model": model}, {})
+        tier.finish()  # the exchange of step 4 ran in the background
         distributed.barrier()
         if rank == 1:
             shutil.rmtree(tmp / "node1")

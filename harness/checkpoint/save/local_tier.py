@@ -26,12 +26,14 @@ does (checkpoint/save/local_first.py).
 
 Peer copies. With several ranks each local save is also sent to a rank on another node, which
 keeps it in its own local folder (checkpoint/save/peer_copies.py), so a node that is gone with its
-disk loses nothing that a peer holds (recovery: harness/checkpoint/save/peer_recovery.py).
+disk loses nothing that a peer holds (recovery: harness/checkpoint/save/peer_recovery.py). The
+exchange runs in the background; this tier waits for the one in flight before its next save, a
+`drop_after` and at the end of the run (`finish`), so no local checkpoint or peer copy is deleted
+while it is being sent or received.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Collection, Mapping
 from dataclasses import replace
 from typing import Any
@@ -72,19 +74,22 @@ class LocalTier:
 
     `resumed_step`: the step the state was restored from (0 when fresh); local checkpoints past it
     are deleted now (module docstring), peer copies past it too. `per_rank`: as `Saver`'s. With
-    peer copies (`peer_jump`) every rank makes it at the same point."""
+    peer copies (`peer_jump`) every rank makes it at the same point; `peer_delay_s`: `PeerCopies`'
+    `delay_s`."""
 
     def __init__(self, section: LocalTierSection, run_id: str, resumed_step: int,
-                 per_rank: Collection[str] = ()) -> None:
+                 per_rank: Collection[str] = (), peer_delay_s: float = 0.0) -> None:
         self.run_id = run_id
         self.store = local_store(section, run_id, distributed.rank())
         jump = peer_jump(section, distributed.world())
-        self.peers = PeerCopies(section, run_id, jump) if jump else None
+        self.peers = PeerCopies(section, run_id, jump, peer_delay_s) if jump else None
         self.drop_after(resumed_step)
         self.saver = Saver(Committer(self.store), rank=distributed.rank(), per_rank=per_rank)
 
     def drop_after(self, step: int) -> None:
-        """Delete the local checkpoints and peer copies past `step`: the live state went back to `step`."""
+        """Delete the local checkpoints and peer copies past `step`: the live state went back to `step`
+        (once the exchange in flight is over: it may be reading or writing one of them)."""
+        self.finish()
         for store in [self.store, *(self.peers.stores() if self.peers else [])]:
             for ref in store.list():
                 if ref.step > step:
@@ -92,13 +97,25 @@ class LocalTier:
 
     def save(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any]) -> Submitted:
         """Commit `parts` as `step` in this rank's local folder, its meta stamped with the run id and
-        the world size; returns when committed (retention applied) and, with peer copies, exchanged
-        (`blocking_s` counts both)."""
+        the world size; returns when committed (retention applied). With peer copies the previous
+        exchange is waited for first (`blocking_s` counts that wait), and this step's is started in
+        the background (not counted)."""
         meta = {**meta, RUN_ID_KEY: self.run_id, WORLD_SIZE_KEY: distributed.world()}
+        waited = self.peers.wait() if self.peers is not None else 0.0
         submitted = self.saver.save(step, parts, meta=meta)
         assert submitted is not None  # a synchronous saver never skips
         if self.peers is None:
             return submitted
-        t0 = time.perf_counter()
-        self.peers.exchange(self.store, step)
-        return replace(submitted, blocking_s=submitted.blocking_s + time.perf_counter() - t0)
+        self.peers.start(self.store, step)
+        return replace(submitted, blocking_s=submitted.blocking_s + waited, waited_s=waited)
+
+    def finish(self) -> None:
+        """Wait for the peer exchange in flight: at the end of a run, its last peer copy is committed
+        when this returns (or the copies stopped, logged: `PeerCopies`)."""
+        if self.peers is not None:
+            self.peers.wait()
+
+    def close(self) -> None:
+        """On an error exit: wait for the peer exchange in flight, within a bound (`PeerCopies.close`)."""
+        if self.peers is not None:
+            self.peers.close()

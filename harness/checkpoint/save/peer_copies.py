@@ -14,15 +14,24 @@ backend), point to point: the manifest's length, the manifest, then each file as
 one at a time (memory: the largest file). Sending and receiving run at once (`isend`/`irecv`),
 so a ring of ranks that each send and receive cannot deadlock.
 
-Synchronous: the step loop waits for the exchange after each local save (a local copy of a
-small state over the network is fast; a background copy is not built). Recovery from peer
-copies is harness/checkpoint/save/peer_recovery.py.
+In the background (`PeerCopies`): the exchange of a local save runs in a `BackgroundJob`
+(background.py) while training goes on. Every rank makes its local saves at the same steps, so
+the exchange threads of all ranks run the same sequence of exchanges and partners meet. One
+exchange in flight at most: the local tier waits for it (`wait`) before its next local save, a
+`drop_after` (a rollback or a resume), and at the end of the run (local_tier.py), so retention
+never deletes a checkpoint while it is being sent, memory stays one file each way, and the last
+peer copy exists when a run finishes. The exchange uses only the peer group, which is separate
+from the training group and from the persistent saver's side group, so its thread and the
+training collectives never interleave on one group; the group is made in the main thread, by
+every rank at the same point (`PeerCopies()`). Recovery from peer copies is
+harness/checkpoint/save/peer_recovery.py: it sees committed copies only.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import time
 from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass
@@ -34,6 +43,7 @@ import torch.distributed as dist
 from harness.checkpoint.discovery import CheckpointRef
 from harness.checkpoint.errors import CheckpointCorrupt
 from harness.checkpoint.manifest import MAX_MANIFEST_BYTES, FileRecord, parse_manifest
+from harness.checkpoint.save.background import BackgroundJob
 from harness.checkpoint.store import CheckpointStore
 from harness.config import LocalTierSection
 from harness.log import get_logger
@@ -48,6 +58,9 @@ PEER_DIR = re.compile(r"peer-of-rank-(\d{5,})")
 # A peer that dies mid-copy must not hold its partner for gloo's default 30 minutes; the hang
 # watchdog around the save usually ends the process sooner.
 PEER_TIMEOUT_S = 300.0
+# On an error exit a partner may be held in a training collective by this very rank and never
+# take its side of the exchange in flight: the exit waits this long for it, not PEER_TIMEOUT_S.
+CLOSE_WAIT_S = 10.0
 
 
 def peer_jump(section: LocalTierSection, world: int) -> int:
@@ -170,27 +183,77 @@ def _swap(group: Any, to: int | None, out: torch.Tensor | None, sender: int | No
     return into
 
 
+class PeerCopyFailed(RuntimeError):
+    """A background exchange failed other than by a damaged copy (the partner died or timed out,
+    a disk error); the original exception is its `__cause__`."""
+
+
 class PeerCopies:
     """This rank's side of the peer copies of the run `run_id` at a `jump` > 0 (`peer_jump`):
-    after each local save, `exchange` sends the new checkpoint to rank (rank + jump) mod world and
-    commits the one of rank (rank - jump) mod world in `store`. Made by every rank at the same
-    point (it makes the group)."""
+    after each local save, `start` sends the new checkpoint to rank (rank + jump) mod world and
+    commits the one of rank (rank - jump) mod world in `store`, in the background (module
+    docstring). Made by every rank at the same point (it makes the group). `delay_s` sleeps
+    before each exchange: a test hook that widens the window in which one is in flight (config
+    `debug.persist_delay_s`).
 
-    def __init__(self, section: LocalTierSection, run_id: str, jump: int) -> None:
+    Failures. A copy that arrives damaged is logged and dropped (`exchange`). Any other failure
+    is logged as a warning by the next `wait`, and this rank's peer copies stop for the rest of
+    the process: a failure half-way leaves messages of the pair unmatched, so a later exchange
+    could not be framed. Its partners then fail at their next exchange, left waiting for
+    PEER_TIMEOUT_S (their next local save waits for that once), and stop too. Training goes on
+    either way: a peer copy is a spare (the owner keeps its original, the persistent tier is
+    untouched), and a partner that died also fails the training collectives, which end the run
+    on their own."""
+
+    def __init__(self, section: LocalTierSection, run_id: str, jump: int, delay_s: float = 0.0) -> None:
         rank, world = distributed.rank(), distributed.world()
         self.to, self.owner = (rank + jump) % world, (rank - jump) % world
-        self.section, self.run_id = section, run_id
+        self.section, self.run_id, self.delay_s = section, run_id, delay_s
         self.store = peer_store(section, run_id, self.owner)
+        self.job = BackgroundJob("peer-copy", "the peer copy", failed=self._failed)
+        self.stopped = False
         peer_group()
+
+    def start(self, source: CheckpointStore, step: int) -> None:
+        """Exchange this rank's local checkpoint `step` (committed in `source`) in the background;
+        the previous exchange must be over (`wait`). Nothing once the copies stopped."""
+        if not self.stopped:
+            self.job.start(step, self.exchange, source, step)
 
     def exchange(self, source: CheckpointStore, step: int) -> None:
         """Send this rank's local checkpoint `step` (committed in `source`), receive and commit the
         owner's. A copy that arrives damaged is logged and dropped, and training goes on: a peer
         copy is a spare, its owner still has the original."""
+        if self.delay_s:
+            time.sleep(self.delay_s)
         try:
             transfer(Outgoing(self.to, source, source.ref(step)), Incoming(self.owner, self.store))
         except CheckpointCorrupt as e:
             log.warning("peer copy dropped", step=step, owner=self.owner, problem=str(e)[:300])
+
+    def wait(self) -> float:
+        """Wait until no exchange is in flight (at most PEER_TIMEOUT_S per message, the group's
+        timeout); a failed one is logged and stops the copies (class docstring). Returns the
+        seconds waited."""
+        t0 = time.perf_counter()
+        try:
+            self.job.finish()
+        except PeerCopyFailed as e:
+            log.warning("peer copies stopped: an exchange failed; training goes on without them", step=self.job.step,
+                        to=self.to, owner=self.owner, error=str(e)[:300])
+            self.stopped = True
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """On an error exit: `wait`, but at most CLOSE_WAIT_S; an exchange still running then is
+        left to its daemon thread (logged), so the error being raised ends the process."""
+        if self.job.wait(CLOSE_WAIT_S):
+            self.wait()
+        else:
+            log.warning("peer copy abandoned at an error exit", step=self.job.step, waited_s=CLOSE_WAIT_S)
+
+    def _failed(self, step: int, e: BaseException) -> PeerCopyFailed:
+        return PeerCopyFailed(f"the peer exchange of step {step} failed: {type(e).__name__}: {e}")
 
     def stores(self) -> list[CheckpointStore]:
         """Every peer folder of this run on this node (an earlier jump's too)."""
