@@ -3,7 +3,8 @@ processes: two torchrun agents on this machine stand for two nodes of one rank e
 its own local folder. Node 0 is lost with its disk (its agent and worker SIGKILLed, its local
 folder deleted): the restarted run resumes from rank 0's part as node 1 kept it, bitwise equal
 to the continuous world-size-2 run (tests/distributed/conftest.py). With both local folders gone
-it falls back to the persistent tier, bitwise too. A damaged peer copy is skipped and reported."""
+it falls back to the persistent tier, bitwise too. A damaged peer copy is skipped and reported.
+The exchange runs in the background of training, and the last one is waited for at the end."""
 
 from __future__ import annotations
 
@@ -17,12 +18,13 @@ import pytest
 import torch
 
 from harness.checkpoint.format import WORLD_SIZE_KEY
+from harness.checkpoint.manifest import MANIFEST_FILE
 from harness.checkpoint.save.peer_copies import peer_store
 from harness.checkpoint.save.peer_recovery import PeerHoldings
 from harness.config import LocalTierSection
 from harness.records.run_id import RUN_ID_KEY
-from launch import COMMON, HARNESS, kill_tree, run, start, tail, torchrun, wait_step
-from procs import TINY, assert_same_run, harness
+from launch import COMMON, HARNESS, kill_tree, run, start, tail, torchrun, train_args, wait_step
+from procs import TINY, assert_same_run, events, harness
 
 STEPS = 12
 # Persistent every 4 steps (4, 8, 12), local every 2 where no persistent save is due (2, 6, 10):
@@ -46,6 +48,11 @@ def agents(run_dir: Path, locals_: list[Path], logs: list[Path]) -> list:
                    "--max-restarts", "0", "--no-python", HARNESS, "train", str(TINY), "--run-dir", str(run_dir),
                    *COMMON, *CADENCE, "--set", f"checkpoint.local.dir='{locals_[node]}'"], logs[node])
             for node in range(2)]
+
+
+# Each exchange sleeps this long first (debug.persist_delay_s): longer than the steps between a
+# local save and the next, which only a background exchange lets go on meanwhile.
+EXCHANGE_DELAY_S = 3.0
 
 
 def steps_in(folder: Path) -> set[int]:
@@ -148,3 +155,30 @@ def test_three_ranks_recover_a_lost_nodes_part_and_refuse_a_copy_damaged_on_the_
     # Rank 1 got back step 4 only (its step 2 went with its node).
     assert [result["kept"] for result in results] == [[2], [], [2]]
     assert "model.safetensors" in results[1]["damaged"] and results[1]["inbox"] == []
+
+
+def test_the_exchange_runs_while_training_goes_on_and_the_last_one_is_waited_for(tmp_path):
+    """World size 2 on one node (peer_jump 1), local saves at 2, 6 and 10, each exchange held
+    EXCHANGE_DELAY_S: the steps after a local save are logged before its peer copy is committed,
+    a local save's blocking time leaves the exchange out, and at the end of the run every copy,
+    the last one too, is committed and verifies."""
+    run_dir, local, log = tmp_path / "run", tmp_path / "local", tmp_path / "torchrun.log"
+    args = train_args(run_dir, *CADENCE, "--set", f"checkpoint.local.dir='{local}'", "--set",
+                      "checkpoint.local.keep=3", "--set", "checkpoint.local.peer_jump=1", "--set",
+                      f"debug.persist_delay_s={EXCHANGE_DELAY_S}")
+    assert run(args, log) == 0, tail(log)
+    (run_folder,) = local.iterdir()
+    section = LocalTierSection(dir=str(local), every_steps=2, keep=3)
+    logged = {e["step"]: e["time"] for e in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+              if "loss" in e}
+    for owner in (0, 1):
+        store = peer_store(section, run_folder.name, owner)
+        assert [ref.step for ref in store.list()] == [2, 6, 10]
+        assert store.verify(store.ref(10)) == []
+        committed = (Path(store.ref(2).path) / MANIFEST_FILE).stat().st_mtime
+        assert logged[3] < committed - EXCHANGE_DELAY_S / 2, (logged[3], committed)
+    first, *later = events(run_dir, "local_checkpoint")
+    assert first["step"] == 2 and first["blocking_s"] < EXCHANGE_DELAY_S / 2, first
+    assert [e["step"] for e in later] == [6, 10]
+    (finished,) = events(run_dir, "exit")
+    assert finished["reason"] == "finished"
