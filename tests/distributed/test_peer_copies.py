@@ -4,7 +4,8 @@ its own local folder. Node 0 is lost with its disk (its agent and worker SIGKILL
 folder deleted): the restarted run resumes from rank 0's part as node 1 kept it, bitwise equal
 to the continuous world-size-2 run (tests/distributed/conftest.py). With both local folders gone
 it falls back to the persistent tier, bitwise too. A damaged peer copy is skipped and reported.
-The exchange runs in the background of training, and the last one is waited for at the end."""
+The exchange runs in the background of training, and the last one is waited for at the end; a
+partner lost during one stops the copies, not training."""
 
 from __future__ import annotations
 
@@ -182,3 +183,18 @@ def test_the_exchange_runs_while_training_goes_on_and_the_last_one_is_waited_for
     assert [e["step"] for e in later] == [6, 10]
     (finished,) = events(run_dir, "exit")
     assert finished["reason"] == "finished"
+
+
+def test_a_partner_lost_during_the_exchange_stops_the_copies_not_training(tmp_path):
+    """tests/distributed/peer_failure_worker.py: rank 1 gone while its exchange is held; rank 0's
+    exchange fails on the closed connection (a gloo error, not a damaged copy), its next local
+    saves go on at once, the failure logged as a warning and no later exchange tried."""
+    log = tmp_path / "worker.log"
+    assert run(torchrun(str(Path(__file__).with_name("peer_failure_worker.py")), str(tmp_path), python=True),
+               log) == 0, tail(log)
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["stopped"] and result["kept"] == [4, 6]
+    assert result["waited"][1] < 1 and result["seconds"] < 60, result
+    (warning,) = result["warnings"]
+    assert warning["event"].startswith("peer copies stopped") and warning["step"] == 2
+    assert "the peer exchange of step 2 failed" in warning["error"] and "Corrupt" not in warning["error"]
