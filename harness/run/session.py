@@ -12,7 +12,7 @@ Contract of `train(cfg, ...)` (what `harness train` does):
   optim/bundle.py) and a `config_changed` event records old -> new per key and any re-planned
   schedule. Warns when the torch version, device type or numerical settings (harness.repro.numerics)
   differ from the checkpoint's (bitwise equality is not promised there).
-- With a local tier (`[checkpoint.local]`, checkpoint/save/local_tier.py; one process or DDP) `--resume auto`
+- With a local tier (`[checkpoint.local]`, checkpoint/save/local_tier.py; one process, DDP or FSDP) `--resume auto`
   also considers this run's local checkpoints and loads the newest step that verifies in either
   tier (with several ranks: on every rank; with peer copies, a part whose node lost it comes from
   the rank holding its copy, checkpoint/save/peer_copies.py);
@@ -121,7 +121,8 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             resumed_here = chosen is not None and chosen.store is store
             trackers = open_trackers(cfg.log, log_dir, trainer.step, run_id) if lead else distributed.Silent()
             tier = cfg.checkpoint.local
-            local_tier = None if tier is None else LocalTier(tier, run_id, trainer.step, trainer.state.per_rank)
+            local_tier = None if tier is None else LocalTier(tier, run_id, trainer.step, trainer.state.per_rank,
+                                                             trainer.state.sharded)
             loop = Loop(cfg, trainer, store, metrics, events, log_dir,
                         last_committed=ref.step if resumed_here else None, trackers=trackers, local_tier=local_tier)
             try:
@@ -163,12 +164,8 @@ def local_source(cfg: RunConfig, resume: str) -> LocalSource | None:
 
 def open_store(cfg: RunConfig) -> CheckpointStore:
     """The run dir's store. `checkpoint.local_dir` (commit there first, upload in the background:
-    checkpoint/save/local_first.py) is the saver's business, and works with one process only; the
-    local tier (`checkpoint.local`) with one process or DDP, not FSDP."""
+    checkpoint/save/local_first.py) is the saver's business, and works with one process only."""
     c = cfg.checkpoint
-    if c.local is not None and distributed.is_distributed() and cfg.parallel.strategy == "fsdp":
-        raise UserError("checkpoint.local (the local tier) is not built for parallel.strategy = \"fsdp\" (sharded "
-                        "parts); remove [checkpoint.local] or use ddp")
     if c.local_dir is not None and distributed.is_distributed():
         raise UserError("checkpoint.local_dir works with one process only; with several ranks unset it "
                         "(every rank then writes its part straight to the run dir)")
