@@ -153,9 +153,15 @@ def exit_reason(error: BaseException) -> tuple[str, int]:
 def local_source(cfg: RunConfig, resume: str) -> LocalSource | None:
     """This run's local tier as a source to resume from: with `--resume auto` and a run id already
     in the run dir's run.json (before the first start no local checkpoint can be this run's); with
-    peer copies (checkpoint/save/peer_copies.py) the ones this node holds too."""
+    peer copies (checkpoint/save/peer_copies.py) the ones this node holds too. Collective: every
+    rank calls it at the same point."""
     tier = cfg.checkpoint.local
-    run_id = existing_run_id(cfg) if tier is not None and resume == "auto" else None
+    if tier is None or resume != "auto":
+        return None
+    # Rank 0 reads run.json for all: a rank slower to get here could find the one rank 0 has just
+    # written for a fresh start (nothing in building an FSDP trainer holds rank 0 back), and ranks
+    # that disagree on having a local source never meet in its collectives.
+    run_id = distributed.on_rank0(existing_run_id, cfg)
     if run_id is None:
         return None
     peers = PeerHoldings(tier, run_id) if peer_jump(tier, distributed.world()) else None
