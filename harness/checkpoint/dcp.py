@@ -14,7 +14,10 @@ pickles its `.metadata` and carries no content hashes; here
 * every file is written through the store (`write_file`: durable, hashed), reported in the
   group commit's outcome and listed in the manifest rank 0 writes last (checkpoint/save/group_commit.py);
 * reading opens only files the manifest lists (`open_file`), in offset order, so a verified
-  load hashes every byte as it lands in the live tensors (loading.py, `Verify.WHILE`).
+  load hashes every byte as it lands in the live tensors (loading.py, `Verify.WHILE`);
+* a rank's own checkpoint (the local tier: `save_shards(own=True)`) is the same with that rank
+  its own coordinator: its shard file and a metadata file listing its chunks alone, read back by
+  the same `load_shards` after `check_fit` found them covering its live shares.
 
 A tensor of a sharded part is referenced in state.json as `{"$tensor": ["$dcp", FQN]}`
 (`SHARDED`, not a file name a manifest can hold), so the JSON side of the part stays where every
