@@ -359,8 +359,8 @@ class CheckpointSection(Section):
         None,
         description=(
             "[checkpoint.local]: a local checkpoint tier with its own cadence, used by `--resume auto` when it holds a "
-            "newer checkpoint of this run that verifies (one process or DDP; not FSDP). Not `local_dir`, which only "
-            "stages uploads."
+            "newer checkpoint of this run that verifies (one process, DDP or FSDP: each rank keeps its own shards). "
+            "Not `local_dir`, which only stages uploads."
         ),
     )
     local_dir: str | None = Field(

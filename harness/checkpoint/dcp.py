@@ -14,7 +14,10 @@ pickles its `.metadata` and carries no content hashes; here
 * every file is written through the store (`write_file`: durable, hashed), reported in the
   group commit's outcome and listed in the manifest rank 0 writes last (checkpoint/save/group_commit.py);
 * reading opens only files the manifest lists (`open_file`), in offset order, so a verified
-  load hashes every byte as it lands in the live tensors (loading.py, `Verify.WHILE`).
+  load hashes every byte as it lands in the live tensors (loading.py, `Verify.WHILE`);
+* a rank's own checkpoint (the local tier: `save_shards(own=True)`) is the same with that rank
+  its own coordinator: its shard file and a metadata file listing its chunks alone, read back by
+  the same `load_shards` after `check_fit` found them covering its live shares.
 
 A tensor of a sharded part is referenced in state.json as `{"$tensor": ["$dcp", FQN]}`
 (`SHARDED`, not a file name a manifest can hold), so the JSON side of the part stays where every
@@ -26,6 +29,7 @@ process start).
 from __future__ import annotations
 
 import json
+import math
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -51,6 +55,7 @@ from torch.futures import Future
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.shard_files import METADATA_FILE, shard_file
 from harness.checkpoint.tensorfile import CODES, DTYPES, TensorEntry, read_tensor, serialize
+from optim.dtensor import is_dtensor
 
 if TYPE_CHECKING:  # manifest.py imports format.py, which imports this module
     from harness.checkpoint.manifest import FileRecord
@@ -197,14 +202,20 @@ class ShardWriter(StorageWriter):
 
 
 def save_shards(tensors: Mapping[str, torch.Tensor], write_file: WriteFile, rank: int, where: str,
-                group: Any = None) -> list[FileRecord]:
+                group: Any = None, *, own: bool = False) -> list[FileRecord]:
     """Write this rank's share of the sharded tensors (`fqn -> DTensor or tensor`) with DCP's
     `save` and default planner; collective over `group` (every rank calls it at the same point;
-    a rank's failure raises on every rank). Returns the records of the files this rank wrote."""
+    a rank's failure raises on every rank). Returns the records of the files this rank wrote.
+
+    `own`: a checkpoint of this rank's own instead (the local tier): no collective, this rank
+    its own coordinator, so it writes its shards, every replicated tensor of the parts and a
+    metadata file listing its chunks alone; only this rank, at this world size, can load it
+    (`check_fit` refuses a live tensor whose share the stored chunks do not cover)."""
     writer = ShardWriter(write_file, rank, where)
-    with raising_the_failure():
+    with warnings.catch_warnings(), raising_the_failure():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # `own`, one process: meant so
         dcp.save(dict(tensors), storage_writer=writer, planner=DefaultSavePlanner(), process_group=group,
-                 no_dist=not _in_group())
+                 no_dist=own or not _in_group())
     return writer.records
 
 
@@ -283,7 +294,9 @@ class ShardReader(StorageReader):
 
 def check_fit(metadata: Metadata, dest: Mapping[str, torch.Tensor], where: str) -> list[str]:
     """Every way the live tensors `dest` (fqn -> tensor, global shapes) do not fit the sharded
-    checkpoint: a tensor it lacks, another shape or dtype."""
+    checkpoint: a tensor it lacks, another shape or dtype, or stored chunks that do not cover
+    this rank's share of it (a rank's own checkpoint, `save_shards(own=True)`, loaded into
+    another sharding: DCP would leave the uncovered elements as they were)."""
     problems = []
     for fqn, t in dest.items():
         meta = metadata.state_dict_metadata.get(fqn)
@@ -292,7 +305,28 @@ def check_fit(metadata: Metadata, dest: Mapping[str, torch.Tensor], where: str) 
         elif tuple(meta.size) != tuple(t.shape) or meta.properties.dtype != t.dtype:
             problems.append(f"{fqn}: checkpoint {str(meta.properties.dtype).removeprefix('torch.')}{list(meta.size)}, "
                             f"live {str(t.dtype).removeprefix('torch.')}{list(t.shape)}")
+        elif _covered(*(share := _share(t)), meta.chunks) != math.prod(share[1]):
+            offsets, sizes = share
+            problems.append(f"{fqn}: the chunks {where} stores do not cover this rank's share (offsets {offsets}, "
+                            f"sizes {sizes}); it holds another rank's or another sharding's")
     return problems
+
+
+def _share(t: torch.Tensor) -> tuple[list[int], list[int]]:
+    """(offsets, sizes) of the part of the global tensor `t` that this rank holds."""
+    if not is_dtensor(t):
+        return [0] * t.dim(), list(t.shape)
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    sizes, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return list(offsets), list(sizes)
+
+
+def _covered(offsets: list[int], sizes: list[int], chunks: Iterable[ChunkStorageMetadata]) -> int:
+    """How many elements of the block at `offsets` of `sizes` the stored `chunks` (disjoint, as
+    DCP writes them) hold."""
+    return sum(math.prod(max(0, min(o + s, co + cs) - max(o, co))
+                         for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes)) for c in chunks)
 
 
 def load_shards(metadata: Metadata, dest: Mapping[str, torch.Tensor], open_file: OpenFile) -> None:

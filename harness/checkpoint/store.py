@@ -174,18 +174,25 @@ class CheckpointStore:
         """`commit(step, capture(parts, per_rank=per_rank), meta=meta)`."""
         return self.commit(step, capture(parts, per_rank=per_rank), meta=meta)
 
-    def commit(self, step: int, snapshot: Snapshot, *, meta: Mapping[str, Any] | None = None) -> CheckpointRef:
+    def commit(self, step: int, snapshot: Snapshot, *, meta: Mapping[str, Any] | None = None,
+               own_shards: bool = False) -> CheckpointRef:
         """Serialize, hash, write and atomically commit `snapshot` as `step`, then apply retention.
 
         Data files are byte-identical for the same snapshot, step and meta. A checkpoint already
         committed at `step` is replaced (its manifest is removed first). Raises `CheckpointError`
         if this store held the lease and lost it.
+
+        A snapshot with sharded parts (FSDP) is committed by every rank of its group
+        (checkpoint/save/group_commit.py) and refused here, unless `own_shards`: then it becomes
+        this rank's own checkpoint, its shards alone beside every other file (`write_shards`
+        with `own`; the local tier), which only this rank at this world size can load.
         """
-        if SHARDED in snapshot.tensors:
+        if SHARDED in snapshot.tensors and not own_shards:
             raise CheckpointError("a snapshot with sharded parts (FSDP) is committed by every rank of its group "
                                   "(checkpoint/save/group_commit.py: GroupCommit), not by one process")
 
         with self.committing(step) as commit:
+            commit.records += self.write_shards(commit.work, commit.ref, snapshot, own=True)
             commit.records += [self.write_file(commit.work, commit.ref, name, chunks)
                                for name, chunks in snapshot_files(step, snapshot, meta, commit.ref.url)]
         return commit.ref
@@ -235,6 +242,18 @@ class CheckpointStore:
         """Write one file of the checkpoint `ref` into `work` (durably on local disk)."""
         size, digest = write_stream(self.loc, f"{work}/{name}", chunks)
         return FileRecord(name, size, digest)
+
+    def write_shards(self, work: str, ref: CheckpointRef, snapshot: Snapshot, *, group: Any = None,
+                     own: bool = False) -> list[FileRecord]:
+        """Write this rank's shards of the sharded parts of `snapshot` (none: nothing) into `work`
+        through DCP (checkpoint/dcp.py `save_shards`: collective over `group`, or with `own` this
+        rank's checkpoint alone); the records of the files written."""
+        if SHARDED not in snapshot.tensors:
+            return []
+        from harness.checkpoint.dcp import save_shards  # DCP: only sharded runs load it (shard_files.py)
+
+        return save_shards(snapshot.tensors[SHARDED], lambda name, chunks: self.write_file(work, ref, name, chunks),
+                           snapshot.rank, ref.url, group=group, own=own)
 
     def seal(self, ref: CheckpointRef, work: str, records: list[FileRecord]) -> Manifest:
         """The commit point: write the manifest listing `records`; on local disk fsync and rename

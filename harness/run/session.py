@@ -12,7 +12,7 @@ Contract of `train(cfg, ...)` (what `harness train` does):
   optim/bundle.py) and a `config_changed` event records old -> new per key and any re-planned
   schedule. Warns when the torch version, device type or numerical settings (harness.repro.numerics)
   differ from the checkpoint's (bitwise equality is not promised there).
-- With a local tier (`[checkpoint.local]`, checkpoint/save/local_tier.py; one process or DDP) `--resume auto`
+- With a local tier (`[checkpoint.local]`, checkpoint/save/local_tier.py; one process, DDP or FSDP) `--resume auto`
   also considers this run's local checkpoints and loads the newest step that verifies in either
   tier (with several ranks: on every rank; with peer copies, a part whose node lost it comes from
   the rank holding its copy, checkpoint/save/peer_copies.py);
@@ -122,6 +122,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             trackers = open_trackers(cfg.log, log_dir, trainer.step, run_id) if lead else distributed.Silent()
             tier = cfg.checkpoint.local
             local_tier = None if tier is None else LocalTier(tier, run_id, trainer.step, trainer.state.per_rank,
+                                                             trainer.state.sharded,
                                                              peer_delay_s=cfg.debug.persist_delay_s)
             loop = Loop(cfg, trainer, store, metrics, events, log_dir,
                         last_committed=ref.step if resumed_here else None, trackers=trackers, local_tier=local_tier)
@@ -153,9 +154,15 @@ def exit_reason(error: BaseException) -> tuple[str, int]:
 def local_source(cfg: RunConfig, resume: str) -> LocalSource | None:
     """This run's local tier as a source to resume from: with `--resume auto` and a run id already
     in the run dir's run.json (before the first start no local checkpoint can be this run's); with
-    peer copies (checkpoint/save/peer_copies.py) the ones this node holds too."""
+    peer copies (checkpoint/save/peer_copies.py) the ones this node holds too. Collective: every
+    rank calls it at the same point."""
     tier = cfg.checkpoint.local
-    run_id = existing_run_id(cfg) if tier is not None and resume == "auto" else None
+    if tier is None or resume != "auto":
+        return None
+    # Rank 0 reads run.json for all: a rank slower to get here could find the one rank 0 has just
+    # written for a fresh start (nothing in building an FSDP trainer holds rank 0 back), and ranks
+    # that disagree on having a local source never meet in its collectives.
+    run_id = distributed.on_rank0(existing_run_id, cfg)
     if run_id is None:
         return None
     peers = PeerHoldings(tier, run_id) if peer_jump(tier, distributed.world()) else None
@@ -164,12 +171,8 @@ def local_source(cfg: RunConfig, resume: str) -> LocalSource | None:
 
 def open_store(cfg: RunConfig) -> CheckpointStore:
     """The run dir's store. `checkpoint.local_dir` (commit there first, upload in the background:
-    checkpoint/save/local_first.py) is the saver's business, and works with one process only; the
-    local tier (`checkpoint.local`) with one process or DDP, not FSDP."""
+    checkpoint/save/local_first.py) is the saver's business, and works with one process only."""
     c = cfg.checkpoint
-    if c.local is not None and distributed.is_distributed() and cfg.parallel.strategy == "fsdp":
-        raise UserError("checkpoint.local (the local tier) is not built for parallel.strategy = \"fsdp\" (sharded "
-                        "parts); remove [checkpoint.local] or use ddp")
     if c.local_dir is not None and distributed.is_distributed():
         raise UserError("checkpoint.local_dir works with one process only; with several ranks unset it "
                         "(every rank then writes its part straight to the run dir)")

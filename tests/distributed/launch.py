@@ -35,6 +35,16 @@ def train_args(run_dir: Path, *extra: str, nproc: int = 2, max_restarts: int = 0
                     max_restarts=max_restarts)
 
 
+def fsdp_sets(arm: str) -> list[str]:
+    """The `--set`s of an FSDP run with the optimizer `arm`."""
+    return ["--set", "parallel.strategy=fsdp", "--set", f"optim.type={arm}"]
+
+
+def fsdp_args(run_dir: Path, arm: str, *extra: str) -> list[str]:
+    """`harness train` of the tiny config with FSDP at world size 2, optimizer `arm`."""
+    return torchrun("train", str(TINY), "--run-dir", str(run_dir), *fsdp_sets(arm), *extra)
+
+
 def start(args: list[str], log: Path, env: dict[str, str] | None = None, new_session: bool = False) -> subprocess.Popen:
     """Start a command with its output in `log` (a file: a pipe nobody reads would block it);
     `new_session`: in a process group of its own, as a terminal's job or ops/torchrun/train.sh

@@ -1,9 +1,7 @@
 """FSDP2 at world size 2 (torchrun, gloo, real processes): sharded checkpoints through DCP with our
 own storage layer, interrupted vs continuous bitwise, resharding to DDP and to one process, a
-damaged shard skipped for the previous checkpoint.
-
-`ARMS` are the optimizers every guarantee is checked with; the sharded ones (muon, olion,
-adafactor) join it once they step on DTensors.
+damaged shard skipped for the previous checkpoint. The continuous run (`fsdp_run`, one per
+optimizer arm) is tests/distributed/conftest.py's.
 """
 
 from __future__ import annotations
@@ -18,26 +16,11 @@ from safetensors.torch import load_file
 
 from harness.checkpoint import CheckpointStore
 from helpers import flip_byte
-from launch import kill_tree, run, start, tail, torchrun, wait_step
+from launch import fsdp_args, kill_tree, run, start, tail, torchrun, wait_step
 from procs import TINY, assert_same_run, events, final_checkpoint, harness
 
 STEPS = 12
-ARMS = ["adamw"]
 WORKER = str(Path(__file__).with_name("gather_worker.py"))
-
-
-def fsdp_args(run_dir: Path, arm: str, *extra: str) -> list[str]:
-    return torchrun("train", str(TINY), "--run-dir", str(run_dir), "--set", "parallel.strategy=fsdp",
-                    "--set", f"optim.type={arm}", *extra)
-
-
-@pytest.fixture(scope="module", params=ARMS)
-def fsdp_run(request, tmp_path_factory):
-    """(arm, the continuous FSDP run at world size 2, async saves: the default)."""
-    run_dir = tmp_path_factory.mktemp(f"fsdp-{request.param}")
-    log = run_dir.parent / f"fsdp-{request.param}.log"
-    assert run(fsdp_args(run_dir, request.param), log) == 0, tail(log)
-    return request.param, run_dir
 
 
 def test_checkpoint_holds_each_ranks_shards_and_json_metadata(fsdp_run):

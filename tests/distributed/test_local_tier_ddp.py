@@ -55,16 +55,6 @@ def test_ranks_agree_on_a_step_every_rank_holds(tmp_path, continuous):
     assert_same_run(continuous, run_dir, STEPS)
 
 
-def test_fsdp_with_a_local_tier_is_refused_in_one_line(tmp_path):
-    log = tmp_path / "torchrun.log"
-    local = tmp_path / "local"
-    args = train_args(tmp_path / "run", "--set", "parallel.strategy='fsdp'",
-                      "--set", f"checkpoint.local.dir='{local}'", "--set", "checkpoint.local.every_steps=2")
-    assert run(args, log) != 0
-    assert "error: checkpoint.local (the local tier) is not built for parallel.strategy" in tail(log)
-    assert not local.exists()
-
-
 def test_local_auto_interval_is_rank_0s_on_every_rank(tmp_path):
     """`checkpoint.local.every_steps = "auto"` at world size 2: each rank times its own saves and
     steps, rank 0's decision is taken by both, so both ranks save (and keep) the same local steps."""

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,75 +22,14 @@ from harness.checkpoint.save.peer_copies import peer_store
 from harness.checkpoint.save.peer_recovery import PeerHoldings
 from harness.config import LocalTierSection
 from harness.records.run_id import RUN_ID_KEY
-from launch import COMMON, HARNESS, kill_tree, run, start, tail, torchrun, train_args, wait_step
-from procs import TINY, assert_same_run, events, harness
+from launch import run, tail, torchrun, train_args
+from nodes import CADENCE, node_0_lost, restart, steps_in
+from procs import assert_same_run, events, harness
 
 STEPS = 12
-# Persistent every 4 steps (4, 8, 12), local every 2 where no persistent save is due (2, 6, 10):
-# a loss after step 7 finds persistent 4 and local 6.
-CADENCE = ["--set", "checkpoint.every_steps=4", "--set", "checkpoint.async_save=false",
-           "--set", "checkpoint.local.every_steps=2"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def agents(run_dir: Path, locals_: list[Path], logs: list[Path]) -> list:
-    """Two torchrun agents, node ranks 0 and 1, one rank each, meeting at a static rendezvous on
-    localhost; node i's local tier is in `locals_[i]`."""
-    port = str(free_port())
-    return [start([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                   "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
-                   "--max-restarts", "0", "--no-python", HARNESS, "train", str(TINY), "--run-dir", str(run_dir),
-                   *COMMON, *CADENCE, "--set", f"checkpoint.local.dir='{locals_[node]}'"], logs[node])
-            for node in range(2)]
-
-
 # Each exchange sleeps this long first (debug.persist_delay_s): longer than the steps between a
 # local save and the next, which only a background exchange lets go on meanwhile.
 EXCHANGE_DELAY_S = 3.0
-
-
-def steps_in(folder: Path) -> set[int]:
-    return {int(p.name.removeprefix("step-")) for p in (folder / "checkpoints").glob("step-*")}
-
-
-def starts(run_dir: Path) -> list[dict]:
-    return [e for e in map(json.loads, (run_dir / "events.jsonl").read_text().splitlines()) if e["event"] == "start"]
-
-
-def node_0_lost(tmp_path: Path) -> tuple[Path, list[Path], list[Path]]:
-    """Both nodes trained past step 7, then node 0 SIGKILLed (agent and worker) and node 1's
-    worker gone with it: (run dir, local folders, logs)."""
-    run_dir = tmp_path / "run"
-    locals_ = [tmp_path / "node0-local", tmp_path / "node1-local"]
-    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
-    nodes = agents(run_dir, locals_, logs)
-    try:
-        wait_step(nodes[0], run_dir, 7, logs[0])
-        kill_tree(nodes[0].pid)
-        nodes[0].wait(60)
-        assert nodes[1].wait(120) != 0, tail(logs[1])
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                kill_tree(node.pid)
-                node.wait(60)
-    return run_dir, locals_, logs
-
-
-def restart(run_dir: Path, locals_: list[Path], logs: list[Path]) -> None:
-    nodes = agents(run_dir, locals_, logs)
-    try:
-        for node, log in zip(nodes, logs):
-            assert node.wait(300) == 0, tail(log)
-    finally:
-        for node in nodes:
-            if node.poll() is None:
-                kill_tree(node.pid)
 
 
 def test_a_lost_node_resumes_from_its_peer_copy_bitwise(tmp_path, continuous):
@@ -104,7 +41,7 @@ def test_a_lost_node_resumes_from_its_peer_copy_bitwise(tmp_path, continuous):
     assert steps_in(locals_[0] / run_folder.name / "peer-of-rank-00001")  # node 0 held node 1's, too
     shutil.rmtree(locals_[0])
     restart(run_dir, locals_, logs)
-    start = starts(run_dir)[-1]
+    start = events(run_dir, "start")[-1]
     assert (start["resumed_from"], start["resumed_tier"]) == (max(whole), "peer")
     assert max(whole) in steps_in(locals_[0] / run_folder.name / "rank-00000")  # committed there, then loaded
     assert_same_run(continuous, run_dir, STEPS)
@@ -116,7 +53,7 @@ def test_both_local_folders_lost_fall_back_to_the_persistent_tier_bitwise(tmp_pa
     for folder in locals_:
         shutil.rmtree(folder)
     restart(run_dir, locals_, logs)
-    start = starts(run_dir)[-1]
+    start = events(run_dir, "start")[-1]
     assert (start["resumed_from"], start["resumed_tier"]) == (4, "persistent")
     assert_same_run(continuous, run_dir, STEPS)
 

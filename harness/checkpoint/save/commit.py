@@ -31,10 +31,12 @@ class Committed:
 
 
 class Committer:
-    """Commits a snapshot to `store` (the run dir) from this process."""
+    """Commits a snapshot to `store` (the run dir) from this process. `own_shards`: a snapshot
+    with sharded parts (FSDP) is committed as this rank's own checkpoint, its shards alone
+    (`CheckpointStore.commit`; the local tier)."""
 
-    def __init__(self, store: CheckpointStore) -> None:
-        self.store = store
+    def __init__(self, store: CheckpointStore, *, own_shards: bool = False) -> None:
+        self.store, self.own_shards = store, own_shards
 
     @property
     def url(self) -> str:
@@ -43,7 +45,7 @@ class Committer:
 
     def __call__(self, step: int, snapshot: Snapshot, *, meta: Mapping[str, Any] | None = None) -> CheckpointRef:
         """Commit `snapshot` as `step`; returns its ref in the run dir. Raises what the store raised."""
-        return self.store.commit(step, snapshot, meta=meta)
+        return self.store.commit(step, snapshot, meta=meta, own_shards=self.own_shards)
 
     def mine(self, snapshot: Snapshot) -> Snapshot:
         """The part of `snapshot` this process writes (what a background save stages): all of it."""

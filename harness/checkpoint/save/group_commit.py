@@ -43,7 +43,6 @@ from typing import Any
 from harness.checkpoint.format import WORLD_SIZE_KEY, Snapshot, rank_file, snapshot_files
 from harness.checkpoint.manifest import FileRecord
 from harness.checkpoint.save.commit import Committer
-from harness.checkpoint.shard_files import SHARDED
 from harness.checkpoint.store import CheckpointRef, CheckpointStore
 from harness.log import get_logger
 from harness.parallel import distributed
@@ -135,12 +134,8 @@ class GroupCommit(Committer):
 
     def _write_own(self, ref: CheckpointRef, work: str, snapshot: Snapshot, meta: dict[str, Any]) -> list[FileRecord]:
         rank = snapshot.rank
-        records = []
-        if SHARDED in snapshot.tensors:  # every rank its own shards, through DCP (a collective on the group)
-            from harness.checkpoint.dcp import save_shards  # DCP: only sharded runs load it (shard_files.py)
-
-            records += save_shards(snapshot.tensors[SHARDED], lambda name, chunks: self.store.write_file(
-                work, ref, name, chunks), rank, ref.url, group=self.group)
+        # Every rank its own shards first, through DCP (a collective on the group).
+        records = self.store.write_shards(work, ref, snapshot, group=self.group)
         for file, chunks in snapshot_files(ref.step, snapshot, meta, ref.url, own=rank != 0):
             if file == rank_file(rank) and self._failing(rank, ref.step):
                 chunks = _fail_after_first(chunks, rank, ref.step)

@@ -7,11 +7,13 @@ cadence, `every_steps`, in a local folder: `DIR/<run id>/rank-NNNNN/` is an ordi
 `keep`), written by each training process itself, synchronously, at the steps where no persistent
 save is due. A tmpfs folder (`/dev/shm`) makes it a RAM tier: no other code.
 
-Several ranks (DDP). Each rank keeps a whole checkpoint of its own in its own folder (the
-replicated parts, its per-rank parts, its rank and the world size in state.json): what it needs to
-resume without any other rank's files, so a node-local disk per node is enough. At a resume the
-ranks agree, with one all-gather of the steps each can verify, on the newest step every rank holds
-(run/resume.py). FSDP (sharded parts) is not built: refused before anything is written.
+Several ranks (DDP, FSDP). Each rank keeps a whole checkpoint of its own in its own folder (the
+replicated parts, its per-rank parts, its rank and the world size in state.json; under FSDP its
+shards of the sharded parts, written through DCP as by the run dir's checkpoints but with this
+rank as its own coordinator: `shards-NNNNN.safetensors` and a `dcp-metadata.json` listing its
+chunks alone, checkpoint/dcp.py): what it needs to resume without any other rank's files, so a
+node-local disk per node is enough. At a resume the ranks agree, with one all-gather of the steps
+each can verify, on the newest step every rank holds (run/resume.py).
 
 Trust. The run dir stays the source of truth; a local checkpoint is used only when it is newer,
 belongs to this run and verifies byte for byte (run/resume.py). Keying the folder by the run id
@@ -73,18 +75,19 @@ class LocalTier:
     """Saves the live state into the local tier of run `run_id` (when: the loop's clock for this tier).
 
     `resumed_step`: the step the state was restored from (0 when fresh); local checkpoints past it
-    are deleted now (module docstring), peer copies past it too. `per_rank`: as `Saver`'s. With
-    peer copies (`peer_jump`) every rank makes it at the same point; `peer_delay_s`: `PeerCopies`'
-    `delay_s`."""
+    are deleted now (module docstring), peer copies past it too. `per_rank`, `sharded`: as
+    `Saver`'s. With peer copies (`peer_jump`) every rank makes it at the same point;
+    `peer_delay_s`: `PeerCopies`' `delay_s`."""
 
     def __init__(self, section: LocalTierSection, run_id: str, resumed_step: int,
-                 per_rank: Collection[str] = (), peer_delay_s: float = 0.0) -> None:
+                 per_rank: Collection[str] = (), sharded: Collection[str] = (), peer_delay_s: float = 0.0) -> None:
         self.run_id = run_id
         self.store = local_store(section, run_id, distributed.rank())
         jump = peer_jump(section, distributed.world())
         self.peers = PeerCopies(section, run_id, jump, peer_delay_s) if jump else None
         self.drop_after(resumed_step)
-        self.saver = Saver(Committer(self.store), rank=distributed.rank(), per_rank=per_rank)
+        self.saver = Saver(Committer(self.store, own_shards=True), rank=distributed.rank(), per_rank=per_rank,
+                           sharded=sharded)
 
     def drop_after(self, step: int) -> None:
         """Delete the local checkpoints and peer copies past `step`: the live state went back to `step`
