@@ -70,6 +70,14 @@ def in_thread(fn, *args) -> threading.Thread:
     return t
 
 
+def until(condition, timeout: float = 30.0) -> None:
+    """Wait for `condition()` to hold (what another thread does next has no fixed time)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def steps(tier: LocalTier) -> list[int]:
     return [ref.step for ref in tier.store.list()]
 
@@ -78,7 +86,8 @@ def test_a_save_returns_while_its_exchange_runs_and_the_next_save_waits_for_it(t
     w = wire(monkeypatch, hold=4)
     save(tier, 2)
     submitted = save(tier, 4)  # waited for the exchange of 2 (not held), starts that of 4
-    assert tier.peers.job.busy and w.sent == [2, 4]
+    assert tier.peers.job.busy
+    until(lambda: w.sent == [2, 4])  # the exchange thread has reached the (held) wire
     assert submitted.waited_s < 5
     results = []
     t = in_thread(lambda: results.append(save(tier, 6)))
@@ -88,11 +97,11 @@ def test_a_save_returns_while_its_exchange_runs_and_the_next_save_waits_for_it(t
     w.gate.set()
     t.join(30)
     (after,) = results
+    tier.finish()  # the exchange of 6 runs in the background after its save returned
+    assert not tier.peers.job.busy
     assert w.files_there == {2: True, 4: True, 6: True} and w.sent == [2, 4, 6]
     assert steps(tier) == [4, 6]
     assert after.waited_s >= 0.4 and after.blocking_s >= after.waited_s
-    tier.finish()
-    assert not tier.peers.job.busy
 
 
 def test_drop_after_and_the_end_of_the_run_wait_for_the_exchange(tier, monkeypatch):
