@@ -143,17 +143,23 @@ def test_train_sh_exits_3_once_a_supervisor_gave_up(tmp_path):
 @pytest.mark.parametrize("fault", ["crash", "preempted-rank"])
 def test_train_sh_still_restarts_a_crash_or_a_preempted_rank(tmp_path, continuous, fault):
     """The codes to retry are retried by torchrun's restarts: a crash of every rank after step 6
-    (exit 13), or a stop signal that reached one rank only (the group saves and exits 75)."""
+    (exit 13), or a stop signal that reached one rank only (the group saves and exits 75). The
+    crash is taken with a local tier on (local saves at 1-3 and 5): the restarted group on the
+    same node resumes from its local step 5, not the persistent step 4."""
     run_dir, log = tmp_path / "run", tmp_path / "train.log"
     env = {"NPROC": "2", "MAX_RESTARTS": "1", "RUN_DIR": str(run_dir)}
-    extra = ["--set", "debug.crash_at_step=6"] if fault == "crash" else SLOW_STEPS
+    local_tier = ["--set", f"checkpoint.local.dir='{tmp_path / 'local'}'", "--set", "checkpoint.local.every_steps=1"]
+    extra = ["--set", "debug.crash_at_step=6", *local_tier] if fault == "crash" else SLOW_STEPS
     proc = launch([str(TRAIN_SH), str(TINY), *COMMON, *extra], log, env)
     if fault == "preempted-rank":
         wait_step(proc, run_dir, 5, log)
         rank_process(proc, 1).send_signal(signal.SIGTERM)
     assert finish(proc, log) == exit_codes.FINISHED, tail(log)
-    resumed = [e["resumed_from"] for e in events(run_dir, "start")]
+    starts = events(run_dir, "start")
+    resumed = [e["resumed_from"] for e in starts]
     assert resumed[0] is None and len(resumed) == 2 and resumed[1] >= 4, resumed
+    if fault == "crash":
+        assert (resumed[1], starts[1]["resumed_tier"]) == (5, "local"), starts[1]
     assert_same_run(continuous, run_dir, 12)
 
 

@@ -71,6 +71,10 @@ def test_k8s_job_policy_matches_the_exit_codes(tmp_path):
     (tmp_path / "run.toml").write_text(docs["ConfigMap"]["data"]["run.toml"])
     cfg = load_config(tmp_path / "run.toml")
     assert pod["terminationGracePeriodSeconds"] > cfg.checkpoint.preempt_deadline_s + 10
+    # The local tier is the pod's RAM: a memory-backed emptyDir mounted where the config puts it.
+    [local] = [m for m in container["volumeMounts"] if m["mountPath"] == cfg.checkpoint.local.dir]
+    [volume] = [v for v in pod["volumes"] if v["name"] == local["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
 
 
 def test_k8s_elastic_job_regroups_at_every_size_its_config_splits(tmp_path):
