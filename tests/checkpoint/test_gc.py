@@ -1,4 +1,4 @@
-"""Issue 17 item 7: `harness ckpt gc` applies the run's own retention policy (run.json), never
+"""`harness ckpt gc` applies the run's own retention policy (run.json), never
 removes the newest good checkpoint, lists what it would remove with --dry-run, and is a one-line
 error on a read-only run dir."""
 

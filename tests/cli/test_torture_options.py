@@ -1,4 +1,4 @@
-"""Issue 25 item 6: `harness torture` takes storage options as `-o KEY=VALUE` like every other
+"""`harness torture` takes storage options as `-o KEY=VALUE` like every other
 command (it took one JSON string, `--storage-options`)."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Issue 17 item 9: inputs the README promises a one-line error and exit 2 for (no traceback,
+"""Inputs the README promises a one-line error and exit 2 for (no traceback,
 nothing written), that gave a traceback or exit 1 before."""
 
 import json

@@ -1,4 +1,4 @@
-"""Issue 17 item 10: every way a process ends by itself leaves an `exit` event (a crash and a
+"""Every way a process ends by itself leaves an `exit` event (a crash and a
 missed save deadline had none), and goodput counts every re-run step, not only those up to the
 last `progress` event (emitted every `train.log_every` steps)."""
 

@@ -1,4 +1,4 @@
-"""Issue 17 item 9: `harness train` on a disk that fills up is a one-line error and exit 2, for
+"""`harness train` on a disk that fills up is a one-line error and exit 2, for
 synchronous and background saves alike, and says truthfully what is still committed (it claimed
 a previous checkpoint when there was none). A real size-limited tmpfs (this machine runs tests as
 root; skipped where mounting is not allowed: tests/checkpoint/save/test_async_save.py covers the

@@ -1,4 +1,4 @@
-"""Issue 17 item 10: the user-model example of docs/models.md trains as documented, resumes
+"""The user-model example of docs/models.md trains as documented, resumes
 bitwise, and its tied weights are stored once in model.safetensors (old checkpoints, with the tied
 tensor stored under each name, still load)."""
 

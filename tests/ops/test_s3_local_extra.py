@@ -1,4 +1,4 @@
-"""Issue 17 item 10: ops/s3/local_server.py's packages are an installable extra (`s3-local`), the
+"""The packages of ops/s3/local_server.py are an installable extra (`s3-local`), the
 README says to install it, and without them the script says so in one line instead of a
 traceback."""
 

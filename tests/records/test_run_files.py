@@ -1,4 +1,4 @@
-"""Issue 17 item 6: a run's logs are its own. A remote run dir gets a log folder no other run dir
+"""A run's logs are its own. A remote run dir gets a log folder no other run dir
 shares, every log record carries the run id kept in run.json, and a run refuses to append to the
 logs of another run."""
 

@@ -99,7 +99,7 @@ INTEL_AVX512 = numerics.Cpu("GenuineIntel", "Intel(R) Xeon(R) Platinum", frozens
     (numerics.Cpu("GenuineIntel", "Intel(R) Core(TM)", frozenset({"avx2"})), 2, "cpu", False),
 ])
 def test_the_open_residual_is_named_where_it_was_seen(monkeypatch, cpu, threads, device, named):
-    """Issue 16's residual is known on Intel CPUs with AVX-512 and more than one CPU thread: a
+    """The open residual (docs/verify-resume.md) is known on Intel CPUs with AVX-512 and more than one CPU thread: a
     CPU run there names it, nowhere else."""
     monkeypatch.setattr(numerics, "cpu", lambda: cpu)
     torch.set_num_threads(threads)

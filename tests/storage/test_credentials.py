@@ -1,4 +1,4 @@
-"""Issue 17 item 9: no cloud credentials at all is a one-line error naming the fix, exit 2
+"""No cloud credentials at all is a one-line error naming the fix, exit 2
 (botocore's NoCredentialsError was a traceback and exit 1)."""
 
 import os
