@@ -10,6 +10,7 @@ import argparse
 
 from harness.config import RunConfig, load_config
 from harness.config_layers import apply_assignments, toml_string
+from harness.errors import UserError
 
 
 def add_config_args(p: argparse.ArgumentParser, *, run_dir: bool = True) -> None:
@@ -35,11 +36,20 @@ def add_allow_config_change(p: argparse.ArgumentParser) -> None:
 
 
 def add_restart_args(p: argparse.ArgumentParser) -> None:
-    """--max-restarts and --crash-loop-limit: every command that supervises training."""
+    """--max-restarts, --crash-loop-limit and --backoff-initial: every command that supervises training."""
     p.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="supervise: restart after a transient crash up to N times (default 0: no supervisor)")
     p.add_argument("--crash-loop-limit", type=int, default=3, metavar="K",
                    help="with --max-restarts: give up after K crashes in a row without a newer checkpoint")
+    p.add_argument("--backoff-initial", type=float, default=1.0, metavar="S",
+                   help="with --max-restarts: seconds before the first restart of a crash streak, doubling "
+                        "with each crash in a row (default 1)")
+
+
+def check_restart_args(args: argparse.Namespace) -> None:
+    """A one-line error for restart arguments out of range."""
+    if args.max_restarts < 0 or args.crash_loop_limit < 1 or args.backoff_initial < 0:
+        raise UserError("--max-restarts and --backoff-initial must be >= 0 and --crash-loop-limit >= 1")
 
 
 def config_of(args: argparse.Namespace) -> RunConfig:

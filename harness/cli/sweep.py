@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from harness.cli.args import add_overrides, add_restart_args
-from harness.errors import UserError
+from harness.cli.args import add_overrides, add_restart_args, check_restart_args
 from harness.experiments.arms import (
     __doc__ as arms_doc,
     command_lines,
@@ -39,15 +38,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.max_restarts < 0 or args.crash_loop_limit < 1:
-        raise UserError("--max-restarts must be >= 0 and --crash-loop-limit >= 1")
+    check_restart_args(args)
     runs = plan(args.configs, args.overrides, parse_axes(args.grid, args.seeds))
     if args.print_commands:
         print("\n".join(command_lines(runs)), flush=True)
         return 0
     if args.launcher == "slurm":
-        print(slurm_array(runs, max_restarts=args.max_restarts), end="", flush=True)
+        print(slurm_array(runs, max_restarts=args.max_restarts, backoff_initial=args.backoff_initial), end="",
+              flush=True)
         return 0
-    results = sweep(runs, max_restarts=args.max_restarts, crash_loop_limit=args.crash_loop_limit)
+    results = sweep(runs, max_restarts=args.max_restarts, crash_loop_limit=args.crash_loop_limit,
+                    backoff_initial=args.backoff_initial)
     print(format_summary(results), flush=True)
     return exit_code(results)

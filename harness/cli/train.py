@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from harness.checkpoint.errors import USER_FIXABLE_ERRNOS, storage_errno
-from harness.cli.args import add_allow_config_change, add_config_args, add_restart_args, config_of
+from harness.cli.args import add_allow_config_change, add_config_args, add_restart_args, check_restart_args, config_of
 from harness.config import batch_shape
 from harness.errors import UserError
 from harness.topology import topology_from_env
@@ -30,6 +30,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_restart_args(args)
     cfg = config_of(args)
     topology = topology_from_env()
     batch_shape(cfg, topology.world_size)  # a world size the global batch cannot split: refused before joining a group
@@ -40,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
         from harness.process.supervisor import supervise_self
 
         return supervise_self(sys.argv[1:], args.max_restarts, args.crash_loop_limit, cfg.run_dir,
-                              cfg.checkpoint.storage_options, log_dir=cfg.log_dir)
+                              cfg.checkpoint.storage_options, log_dir=cfg.log_dir,
+                              backoff_initial=args.backoff_initial)
     from harness.parallel.distributed import process_group
     from harness.run.session import train
 

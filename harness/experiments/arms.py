@@ -112,7 +112,8 @@ def finished(cfg: RunConfig) -> tuple[int | None, bool]:
     return ref.step, ref.step >= cfg.train.steps and bool(store.open(ref).state["parts"]["trainer"]["finished"])
 
 
-def sweep(runs: list[PlannedRun], *, max_restarts: int = 0, crash_loop_limit: int = 3) -> list[ArmResult]:
+def sweep(runs: list[PlannedRun], *, max_restarts: int = 0, crash_loop_limit: int = 3,
+          backoff_initial: float = 1.0) -> list[ArmResult]:
     """Train each run in turn, skipping finished ones without starting a process; stops early
     only after a requeue (stop-signal) exit."""
     results = []
@@ -127,7 +128,8 @@ def sweep(runs: list[PlannedRun], *, max_restarts: int = 0, crash_loop_limit: in
         print(f"== {run.label} -> {cfg.run_dir}" + (f" (resuming from step {step})" if step else ""),
               file=sys.stderr, flush=True)
         code = Supervisor(run.command([sys.executable, "-m", "harness.cli"]), max_restarts=max_restarts,
-                          crash_loop_limit=crash_loop_limit, progress=checkpoint_progress(cfg.run_dir, storage),
+                          crash_loop_limit=crash_loop_limit, backoff_initial=backoff_initial,
+                          progress=checkpoint_progress(cfg.run_dir, storage),
                           events=EventLog(events_url(cfg.run_dir, cfg.log_dir))).run()
         results.append(ArmResult(run.label, cfg.run_dir, code, False))
         if code in REQUEUE:
@@ -153,9 +155,10 @@ def command_lines(runs: list[PlannedRun]) -> list[str]:
     return [shlex.join(run.command(["harness"])) for run in runs]
 
 
-def slurm_array(runs: list[PlannedRun], *, max_restarts: int) -> str:
+def slurm_array(runs: list[PlannedRun], *, max_restarts: int, backoff_initial: float = 1.0) -> str:
     """A SLURM array job running run i as task i (edit its #SBATCH lines for the cluster)."""
-    lines = [shlex.join(run.command(["harness"]) + ["--max-restarts", str(max_restarts)]) for run in runs]
+    restart = ["--max-restarts", str(max_restarts), "--backoff-initial", str(backoff_initial)]
+    lines = [shlex.join(run.command(["harness"]) + restart) for run in runs]
     body = "\n".join(f"  {shlex.quote(line)}" for line in lines)
     return f"""#!/usr/bin/env bash
 # `harness sweep` as a SLURM array job: task i trains run i ({len(runs)} runs). Submit from the

@@ -237,18 +237,20 @@ def _sleep_unless(watch: PreemptionWatch, seconds: float) -> bool:
 
 
 def supervise_self(argv: list[str], max_restarts: int, crash_loop_limit: int, run_dir: str,
-                   storage_options: dict | None = None, log_dir: str | None = None) -> int:
+                   storage_options: dict | None = None, log_dir: str | None = None,
+                   backoff_initial: float = 1.0) -> int:
     """Run `harness <argv>` under a Supervisor, minus the supervisor's own flags.
 
     For `harness train --max-restarts N`: the child is `python -m harness.cli` with the same
-    arguments except `--max-restarts` and `--crash-loop-limit`; progress is read from the
-    checkpoint store at `run_dir`, events go to the run's events file (`events_url`).
+    arguments except `--max-restarts`, `--crash-loop-limit` and `--backoff-initial`; progress is
+    read from the checkpoint store at `run_dir`, events go to the run's events file (`events_url`).
     """
-    child_argv = strip_flags(argv, ("--max-restarts", "--crash-loop-limit"))
+    child_argv = strip_flags(argv, ("--max-restarts", "--crash-loop-limit", "--backoff-initial"))
     return Supervisor(
         [sys.executable, "-m", "harness.cli", *child_argv],
         max_restarts=max_restarts,
         crash_loop_limit=crash_loop_limit,
+        backoff_initial=backoff_initial,
         progress=checkpoint_progress(run_dir, storage_options),
         events=EventLog(events_url(run_dir, log_dir)),
     ).run()

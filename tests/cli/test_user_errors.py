@@ -87,6 +87,15 @@ def test_extends_must_be_a_path(tmp_path, capsys):
     assert_one_line_error(done, 'extends = 5: expected the path of another TOML file as a string')
 
 
+@pytest.mark.parametrize("command", ["train", "sweep"])
+def test_a_negative_backoff_is_refused(tmp_path, capsys, command):
+    run = tmp_path / "run"
+    done = Finished(capsys, [command, str(TINY), "--max-restarts", "2", "--backoff-initial", "-1",
+                             *(["--run-dir", str(run)] if command == "train" else [])])
+    assert_one_line_error(done, "--max-restarts and --backoff-initial must be >= 0 and --crash-loop-limit >= 1")
+    assert not run.exists()
+
+
 def test_eval_fraction_zero_is_refused_by_validation(tmp_path, capsys):
     run = tmp_path / "run"
     done = Finished(capsys, ["train", str(TINY), "--run-dir", str(run), "--set", "data.eval_fraction=0"])

@@ -70,10 +70,13 @@ def test_transient_crash_is_restarted_by_train_max_restarts(tmp_path, reference)
 def test_crash_at_the_same_step_every_time_gives_up(tmp_path):
     run = tmp_path / "run"
     out = harness("train", str(TINY), "--run-dir", str(run), "--max-restarts", "5",
-                  "--crash-loop-limit", "2", "--set", "debug.crash_at_step=6",
+                  "--crash-loop-limit", "2", "--backoff-initial", "0.1", "--set", "debug.crash_at_step=6",
                   "--set", "debug.crash_once=false")
     assert out.returncode == GAVE_UP
     assert "gave up at step 4" in out.stderr and "2 times in a row" in out.stderr
+    # --backoff-initial reached the supervisor (not the child): 0.1 s, doubled once, plus at most 1 s of jitter
+    backoffs = [r["backoff_s"] for r in restarts(run)]
+    assert len(backoffs) == 2 and all(b < 0.1 * 2 + 1.0 for b in backoffs), backoffs
 
 
 @pytest.mark.slow
@@ -84,8 +87,9 @@ def test_sigkill_of_the_child_five_times_under_the_supervisor(tmp_path, referenc
     # 1 s steps: a child resumed from step 8 needs its startup plus 4 s to finish, so a kill drawn
     # from 1-4 s after it appears always finds it alive (with 0.3 s steps a quiet machine finished
     # the run between two kills).
+    # --backoff-initial 0.1: a streak of kills in startup would otherwise wait 1 + 2 + 4 + 8 s
     sup = start("train", str(TINY), "--run-dir", str(run), "--max-restarts", "10",
-                "--crash-loop-limit", "10", "--set", "debug.step_sleep_s=1.0")
+                "--crash-loop-limit", "10", "--backoff-initial", "0.1", "--set", "debug.step_sleep_s=1.0")
     rng, killed = random.Random(3), set()
     while len(killed) < 5:
         children = psutil.Process(sup.pid).children()

@@ -89,7 +89,7 @@ def test_print_commands_and_slurm_array(tmp_path, capsys):
     # Task 4 of the array runs the fifth printed command; bash (not SLURM) expands the array here.
     task = subprocess.run(["bash", "-c", script.replace('eval "exec ', 'echo "')], env={"SLURM_ARRAY_TASK_ID": "4"},
                           capture_output=True, text=True, check=True).stdout.strip()
-    assert task == lines[4] + " --max-restarts 2"
+    assert task == lines[4] + " --max-restarts 2 --backoff-initial 1.0"
     assert not (tmp_path / "s").exists()
 
 
