@@ -59,7 +59,7 @@ def test_sigterm_early_or_during_a_save(tmp_path, reference, step):
 @pytest.mark.slow
 def test_transient_crash_is_restarted_by_train_max_restarts(tmp_path, reference):
     run = tmp_path / "run"
-    out = harness("train", str(TINY), "--run-dir", str(run), "--max-restarts", "2",
+    out = harness("train", str(TINY), "--run-dir", str(run), "--max-restarts", "2", "--backoff-initial", "0.1",
                   "--set", "debug.crash_at_step=6")
     assert out.returncode == FINISHED, out.stderr[-3000:]
     assert [(r["cause"], r["step"]) for r in restarts(run)] == [("exit code 13", 4)]

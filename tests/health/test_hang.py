@@ -33,7 +33,7 @@ def assert_restarted_after_hang(run_dir, phase: str) -> None:
 
 def test_a_step_that_blocks_forever_is_dumped_and_restarted(tmp_path, continuous):
     run = tmp_path / "run"
-    proc = harness("train", str(TINY), "--run-dir", str(run), "--max-restarts", "2", *HANG)
+    proc = harness("train", str(TINY), "--run-dir", str(run), "--max-restarts", "2", "--backoff-initial", "0.1", *HANG)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "hang: no progress within the limit" in proc.stderr
     assert_restarted_after_hang(run, "step")
@@ -46,8 +46,8 @@ def test_a_data_worker_that_never_returns_is_dumped_and_restarted(tmp_path, cont
     """The hang is in a DataLoader worker: the trainer waits on the loader's queue. (The data
     order does not depend on the worker count, so the run equals the one without workers.)"""
     run = tmp_path / "run"
-    proc = harness("train", str(TINY), "--run-dir", str(run), "--max-restarts", "2", "--set", "data.num_workers=2",
-                   *HANG, "--set", 'debug.hang_in="data"')
+    proc = harness("train", str(TINY), "--run-dir", str(run), "--max-restarts", "2", "--backoff-initial", "0.1",
+                   "--set", "data.num_workers=2", *HANG, "--set", 'debug.hang_in="data"')
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_restarted_after_hang(run, "step")
     (dump,) = hang_dumps(run)

@@ -23,8 +23,9 @@ def test_status_of_a_run_that_stopped_mid_way(tmp_path):
 
 def test_status_of_a_finished_run_with_a_rollback_and_a_hang(tmp_path):
     run = tmp_path / "run"
-    harness("train", str(TINY), "--run-dir", str(run), "--max-restarts", "2", "--set", "debug.step_sleep_s=0.3",
-            "--set", 'train.on_anomaly="rollback"', "--set", "debug.nan_at_steps=[7]",
+    harness("train", str(TINY), "--run-dir", str(run), "--max-restarts", "2", "--backoff-initial", "0.1",
+            "--set", "debug.step_sleep_s=0.3", "--set", 'train.on_anomaly="rollback"',
+            "--set", "debug.nan_at_steps=[7]",
             "--set", "health.hang_floor_s=10", "--set", "health.hang_factor=2", "--set", "debug.hang_at_step=10",
             check=True)
     done = harness("status", str(run), check=True).stdout

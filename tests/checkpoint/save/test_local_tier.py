@@ -103,8 +103,8 @@ def test_another_runs_local_checkpoint_is_not_used(tmp_path, continuous):
 
 def test_supervisor_restart_resumes_from_the_local_tier(tmp_path, continuous):
     run, local = tmp_path / "run", tmp_path / "local"
-    harness(*train(run, "--max-restarts", "1", "--set", "checkpoint.every_steps=10", *local_tier(local),
-                   "--set", "debug.crash_at_step=7"), check=True)
+    harness(*train(run, "--max-restarts", "1", "--backoff-initial", "0.1", "--set", "checkpoint.every_steps=10",
+                   *local_tier(local), "--set", "debug.crash_at_step=7"), check=True)
     first, second = starts(run)
     assert first["resumed_from"] is None
     assert (second["resumed_from"], second["resumed_tier"]) == (6, "local")
