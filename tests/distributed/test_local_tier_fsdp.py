@@ -11,6 +11,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from helpers import flip_byte
 from launch import fsdp_args, fsdp_sets, kill_tree, run, start, tail, wait_step
 from nodes import CADENCE, node_0_lost, restart, steps_in
@@ -19,26 +21,37 @@ from procs import assert_same_run, events
 STEPS = 12
 
 
-def killed_group(tmp_path: Path, arm: str) -> tuple[Path, Path, list[str], Path]:
-    """An FSDP run (persistent at 4, 8, 12; local at 2, 6, 10) whose whole group is SIGKILLed after
-    step 7: (run dir, local folder of the run, its args, log)."""
-    run_dir, local, log = tmp_path / "run", tmp_path / "local", tmp_path / "torchrun.log"
-    args = fsdp_args(run_dir, arm, *CADENCE, "--set", f"checkpoint.local.dir='{local}'")
-    proc = start(args, log)
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, fsdp_run) -> tuple[Path, Path]:
+    """An FSDP run (persistent at 4, 8, 12; local at 2, 6, 10) whose whole group was SIGKILLed after
+    step 7, made once for the module: (its run dir, its local folder). Tests resume copies of it."""
+    base = tmp_path_factory.mktemp("killed-fsdp")
+    run_dir, local, log = base / "run", base / "local", base / "torchrun.log"
+    proc = start(fsdp_args(run_dir, fsdp_run[0], *CADENCE, "--set", f"checkpoint.local.dir='{local}'"), log)
     wait_step(proc, run_dir, 7, log)
     kill_tree(proc.pid)
     proc.wait(60)
+    return run_dir, local
+
+
+def copy_of(killed: tuple[Path, Path], tmp_path: Path, arm: str) -> tuple[Path, Path, list[str], Path]:
+    """This test's copy of the killed run: (run dir, local folder of the run, the args that resume
+    it, log)."""
+    run_dir, local = tmp_path / "run", tmp_path / "local"
+    shutil.copytree(killed[0], run_dir)
+    shutil.copytree(killed[1], local)
     (run_folder,) = local.iterdir()
-    return run_dir, run_folder, args, log
+    args = fsdp_args(run_dir, arm, *CADENCE, "--set", f"checkpoint.local.dir='{local}'")
+    return run_dir, run_folder, args, tmp_path / "torchrun.log"
 
 
 def local_step(run_folder: Path, rank: int, step: int) -> Path:
     return run_folder / f"rank-{rank:05d}" / "checkpoints" / f"step-{step:08d}"
 
 
-def test_group_sigkill_resumes_from_each_ranks_local_shards_bitwise(tmp_path, fsdp_run):
+def test_group_sigkill_resumes_from_each_ranks_local_shards_bitwise(tmp_path, fsdp_run, killed):
     arm, continuous = fsdp_run
-    run_dir, run_folder, args, log = killed_group(tmp_path, arm)
+    run_dir, run_folder, args, log = copy_of(killed, tmp_path, arm)
     for rank in (0, 1):  # its own shards and nothing gathered: half of each sharded weight
         ckpt = local_step(run_folder, rank, 6)
         names = {f["name"] for f in json.loads((ckpt / "manifest.json").read_text())["files"]}
@@ -53,12 +66,12 @@ def test_group_sigkill_resumes_from_each_ranks_local_shards_bitwise(tmp_path, fs
     assert_same_run(continuous, run_dir, STEPS)
 
 
-def test_a_damaged_local_shard_is_skipped_for_the_persistent_tier_bitwise(tmp_path, fsdp_run):
+def test_a_damaged_local_shard_is_skipped_for_the_persistent_tier_bitwise(tmp_path, fsdp_run, killed):
     """One byte of rank 1's newest local shards flipped: rank 1 rejects that step (reported in rank
     0's events), the only other local step both hold (2) is older than persistent 4, so both ranks
     resume from the persistent tier."""
     arm, continuous = fsdp_run
-    run_dir, run_folder, args, log = killed_group(tmp_path, arm)
+    run_dir, run_folder, args, log = copy_of(killed, tmp_path, arm)
     flip_byte(local_step(run_folder, 1, 6) / "shards-00001.safetensors", at=-3, mask=0x01)
     assert run(args, log) == 0, tail(log)
     last_start = events(run_dir, "start")[-1]
