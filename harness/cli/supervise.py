@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 
+from harness.cli.args import check_restart_args
 from harness.errors import UserError
 from harness.process.supervisor import Supervisor, checkpoint_progress
 from harness.records.events import EventLog
@@ -39,8 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if not cmd:
         raise UserError("no command to supervise: write it after `--`, e.g. "
                         "`harness supervise --run-dir runs/a -- harness train run.toml`")
-    if args.max_restarts < 0 or args.crash_loop_limit < 1:
-        raise UserError("--max-restarts must be >= 0 and --crash-loop-limit >= 1")
+    check_restart_args(args)
     return Supervisor(
         cmd,
         max_restarts=args.max_restarts,

@@ -87,11 +87,12 @@ def test_extends_must_be_a_path(tmp_path, capsys):
     assert_one_line_error(done, 'extends = 5: expected the path of another TOML file as a string')
 
 
-@pytest.mark.parametrize("command", ["train", "sweep"])
+@pytest.mark.parametrize("command", ["train", "sweep", "supervise"])
 def test_a_negative_backoff_is_refused(tmp_path, capsys, command):
     run = tmp_path / "run"
-    done = Finished(capsys, [command, str(TINY), "--max-restarts", "2", "--backoff-initial", "-1",
-                             *(["--run-dir", str(run)] if command == "train" else [])])
+    args = {"train": [str(TINY), "--run-dir", str(run)], "sweep": [str(TINY)],
+            "supervise": ["--run-dir", str(run), "--", "true"]}[command]
+    done = Finished(capsys, [command, "--max-restarts", "2", "--backoff-initial", "-1", *args])
     assert_one_line_error(done, "--max-restarts and --backoff-initial must be >= 0 and --crash-loop-limit >= 1")
     assert not run.exists()
 

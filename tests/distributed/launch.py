@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -22,6 +23,13 @@ TORCHRUN_ENV = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
 HARNESS = str(Path(sys.executable).with_name("harness"))
 # Muon under DDP in every run: its orthogonalisation must see the all-reduced gradient.
 COMMON = ["--set", "optim.type=muon"]
+
+
+def free_port() -> int:
+    """A TCP port on loopback that was free a moment ago (for a rendezvous or a master port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def torchrun(*script: str, nproc: int = 2, max_restarts: int = 0, python: bool = False) -> list[str]:

@@ -3,23 +3,16 @@ folder (the local tier's peer copies: tests/distributed/test_peer_copies.py, tes
 
 from __future__ import annotations
 
-import socket
 import sys
 from pathlib import Path
 
-from launch import COMMON, HARNESS, kill_tree, start, tail, wait_step
+from launch import COMMON, HARNESS, free_port, kill_tree, start, tail, wait_step
 from procs import TINY
 
 # Persistent every 4 steps (4, 8, 12), local every 2 where no persistent save is due (2, 6, 10):
 # a loss after step 7 finds persistent 4 and local 6.
 CADENCE = ["--set", "checkpoint.every_steps=4", "--set", "checkpoint.async_save=false",
            "--set", "checkpoint.local.every_steps=2"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def agents(run_dir: Path, locals_: list[Path], logs: list[Path], *extra: str) -> list:

@@ -2,17 +2,11 @@
 in one gloo process group, started directly (torchrun would kill the second rank as soon as the
 first exits, before it could say why)."""
 
-import socket
 import subprocess
 import sys
 
+from launch import free_port
 from procs import ENV, ROOT, TINY
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_nan_state_on_one_rank_stops_both_before_the_save(tmp_path):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.diff import compare_checkpoints
 from harness.verify.world_equivalence import DEFAULT_TOLERANCE, NUMERIC_PARTS
-from launch import kill_tree, run, start, tail, wait_step
+from launch import free_port, kill_tree, run, start, tail, wait_step
 from procs import ROOT, harness
 
 ELASTIC = ROOT / "tests" / "data" / "elastic.toml"  # global_batch 8, micro-batch 2: world 1, 2 or 4
@@ -98,12 +97,6 @@ def test_a_world_size_the_global_batch_cannot_split_is_refused_and_nothing_writt
     assert _snapshot(run_dir) == before
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _agent_of_rank(agents: list[subprocess.Popen], rank: int) -> subprocess.Popen:
     for agent in agents:
         for child in psutil.Process(agent.pid).children(recursive=True):
@@ -119,7 +112,7 @@ def test_torchrun_elastic_group_loses_a_node_and_finishes_at_world_size_1(tmp_pa
     survivor's torchrun restarts its worker in a group of one, which resumes at world size 1 with
     the global batch kept. Compared with one process run straight through: the same batch at every
     step, the final loss within verify-resume's tolerance."""
-    port = _free_port()
+    port = free_port()
     store = subprocess.Popen([sys.executable, str(ROOT / "ops/torchrun/rendezvous_store.py"), "--host", "127.0.0.1",
                               "--port", str(port)], stdout=subprocess.PIPE, text=True)
     try:
