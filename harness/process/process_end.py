@@ -30,6 +30,7 @@ import os
 import sys
 import threading
 import traceback
+from typing import NoReturn
 
 _joined = False
 
@@ -60,6 +61,12 @@ def end(code: int) -> int:
     """Finish the process with `code` (see the module docstring); returns only without a group."""
     if not _joined:
         return code
+    leave(code)
+
+
+def leave(code: int) -> NoReturn:
+    """End the process now with `code`: what a normal exit does up to finalization, then
+    `os._exit`. Also how a fork server's child ends (harness/forkserver/child.py)."""
     # What Py_FinalizeEx does before it starts tearing down objects: wait for non-daemon threads
     # (and stop thread pools, registered with threading's own exit hooks), run atexit handlers.
     threading._shutdown()  # type: ignore[attr-defined]

@@ -116,3 +116,37 @@ def test_a_forked_child_is_a_real_process(tmp_path, servers):
     os.killpg(alone.pid, signal.SIGTERM)
     code, _, err = finish(alone)
     assert code == 75, err
+
+
+EXIT_PROBE = '''
+import atexit, os, threading, time
+from harness.models.gpt import build_gpt as build
+
+def _late():
+    time.sleep(0.5)
+    os.write(2, b"non-daemon thread done\\n")
+
+class _Freed:
+    def __del__(self, write=os.write):
+        write(2, b"freed at finalization\\n")
+
+atexit.register(lambda: os.write(2, b"atexit handler ran\\n"))
+threading.Thread(target=_late).start()
+FREED = _Freed()
+'''
+
+
+def test_a_forked_child_ends_as_a_fresh_one_up_to_finalization(tmp_path, servers):
+    """A non-daemon thread is waited for and the atexit handlers run, as in a fresh interpreter;
+    then the child leaves without freeing what is still alive (harness/forkserver/child.py): an
+    object's `__del__` at finalization runs only in the fresh one."""
+    (tmp_path / "exit_probe.py").write_text(EXIT_PROBE)
+    args = ["train", str(TINY), "--set", "train.steps=1", "--set", 'model.factory="exit_probe:build"']
+    forked = launch(servers.popen, *args, "--run-dir", "forked", cwd=tmp_path)
+    assert forked.forked
+    code, _, err = finish(forked)
+    fresh_code, _, fresh_err = finish(launch(subprocess.Popen, *args, "--run-dir", "fresh", cwd=tmp_path))
+    for text in (err, fresh_err):  # the thread first, then the handlers, as Py_FinalizeEx orders them
+        assert 0 <= text.find("non-daemon thread done") < text.find("atexit handler ran"), text
+    assert code == fresh_code == 0, err
+    assert "freed at finalization" in fresh_err and "freed at finalization" not in err
