@@ -73,9 +73,14 @@ def assert_one_line_error(proc, needle: str) -> None:
 
 def start(*args: str, env: dict | None = None) -> subprocess.Popen:
     """`harness ARGS` started with stdout and stderr piped (text), in ROOT."""
-    popen = SERVERS.popen if SERVERS is not None else subprocess.Popen
-    return popen([sys.executable, "-m", "harness.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                 text=True, env=env or ENV, cwd=ROOT)
+    return popen(list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or ENV)
+
+
+def popen(args: list[str], **kwargs) -> subprocess.Popen:
+    """`harness ARGS` started in ROOT with Popen's `kwargs`, forked by the session's server if
+    there is one."""
+    start_process = SERVERS.popen if SERVERS is not None else subprocess.Popen
+    return start_process([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, **kwargs)
 
 
 def last_step(log_dir: Path) -> int:

@@ -1,4 +1,13 @@
-"""`harness train` under torchrun for the distributed tests: start, find a rank's process, kill."""
+"""`harness train` at world size > 1 for the distributed tests: start, find a rank's process, kill.
+
+Two ways to start a group. `torchrun(...)`: the launcher users run, for the tests of what torchrun
+does (restarts, a rank or agent killed, signals, node loss: test_torchrun.py, test_launchers.py).
+`Ranks` (what `train_args` and `fsdp_args` give): the ranks alone, each a `harness` process forked
+by the session's fork server (tests/procs.py) with the environment torchrun gives its workers, for
+the tests of what the ranks do (checkpoints, resume, tiers); torchrun's launcher and a fresh
+interpreter per rank cost about 6 CPU-seconds per group (docs/bench-runs.md). `start` and `run` take
+either; `kill_all` kills either at once, as a lost node goes.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +16,13 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
 from harness.checkpoint.manifest import MANIFEST_FILE
-from procs import ENV, ROOT, TINY, final_checkpoint, last_step
+from procs import ENV, ROOT, TINY, final_checkpoint, last_step, popen
 
 # torchrun shares its rendezvous store with the workers' process group by default, and a
 # restarted group then reads the previous group's gloo addresses (pytorch/pytorch#135712):
@@ -38,9 +48,21 @@ def torchrun(*script: str, nproc: int = 2, max_restarts: int = 0, python: bool =
     return [*launcher, *script] if python else [*launcher, "--no-python", HARNESS, *script]
 
 
-def train_args(run_dir: Path, *extra: str, nproc: int = 2, max_restarts: int = 0) -> list[str]:
-    return torchrun("train", str(TINY), "--run-dir", str(run_dir), *COMMON, *extra, nproc=nproc,
-                    max_restarts=max_restarts)
+@dataclass(frozen=True)
+class Ranks:
+    """`harness ARGS` as the `nproc` ranks of one group on this machine, without a launcher."""
+
+    args: tuple[str, ...]
+    nproc: int = 2
+
+
+def train_cli(run_dir: Path, *extra: str) -> list[str]:
+    """The `harness` arguments of a training of the tiny config with Muon."""
+    return ["train", str(TINY), "--run-dir", str(run_dir), *COMMON, *extra]
+
+
+def train_args(run_dir: Path, *extra: str, nproc: int = 2) -> Ranks:
+    return Ranks((*train_cli(run_dir, *extra),), nproc)
 
 
 def fsdp_sets(arm: str) -> list[str]:
@@ -48,27 +70,86 @@ def fsdp_sets(arm: str) -> list[str]:
     return ["--set", "parallel.strategy=fsdp", "--set", f"optim.type={arm}"]
 
 
-def fsdp_args(run_dir: Path, arm: str, *extra: str) -> list[str]:
+def fsdp_args(run_dir: Path, arm: str, *extra: str) -> Ranks:
     """`harness train` of the tiny config with FSDP at world size 2, optimizer `arm`."""
-    return torchrun("train", str(TINY), "--run-dir", str(run_dir), *fsdp_sets(arm), *extra)
+    return Ranks(("train", str(TINY), "--run-dir", str(run_dir), *fsdp_sets(arm), *extra))
 
 
-def start(args: list[str], log: Path, env: dict[str, str] | None = None, new_session: bool = False) -> subprocess.Popen:
-    """Start a command with its output in `log` (a file: a pipe nobody reads would block it);
-    `new_session`: in a process group of its own, as a terminal's job or ops/torchrun/train.sh
-    starts torchrun."""
+class RankGroup:
+    """The running ranks of a `Ranks`, kept as torchrun's agent keeps its workers: `poll` and
+    `wait` give 0 once every rank exited 0, else the first failed rank's code, and the ranks
+    still running after a rank failed are killed (SIGKILL) if they have not ended within
+    `FAILED_PEER_GRACE_S` (a rank whose peer is gone fails its next collective by itself)."""
+
+    FAILED_PEER_GRACE_S = 60
+
+    def __init__(self, ranks: Ranks, log: Path, env: dict[str, str] | None):
+        port, world = str(free_port()), str(ranks.nproc)
+        with log.open("ab") as out:
+            self.ranks = [popen(list(ranks.args), stdout=out, stderr=subprocess.STDOUT,
+                                env={**ENV, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                                     "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
+                                     "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+                          for rank in range(ranks.nproc)]
+        self.args = ranks.args
+        self.returncode: int | None = None
+        self._failed_at: float | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            codes = [rank.poll() for rank in self.ranks]
+            failed = [code for code in codes if code not in (None, 0)]
+            if failed and None in codes:
+                self._failed_at = self._failed_at or time.monotonic()
+                if time.monotonic() - self._failed_at > self.FAILED_PEER_GRACE_S:
+                    self.kill()
+            elif failed:
+                self.returncode = failed[0]
+            elif None not in codes:
+                self.returncode = 0
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(list(self.args), timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL every rank at once."""
+        for rank in self.ranks:
+            rank.kill()
+
+
+def start(args: list[str] | Ranks, log: Path, env: dict[str, str] | None = None,
+          new_session: bool = False) -> subprocess.Popen | RankGroup:
+    """Start a command line (or `Ranks`) with its output in `log` (a file: a pipe nobody reads
+    would block it); `new_session`: in a process group of its own, as a terminal's job or
+    ops/torchrun/train.sh starts torchrun."""
+    if isinstance(args, Ranks):
+        return RankGroup(args, log, env)
     with log.open("ab") as out:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**TORCHRUN_ENV, **(env or {})},
                                 cwd=ROOT, start_new_session=new_session)
 
 
-def run(args: list[str], log: Path, timeout: float = 300, env: dict[str, str] | None = None) -> int:
+def run(args: list[str] | Ranks, log: Path, timeout: float = 300, env: dict[str, str] | None = None) -> int:
     proc = start(args, log, env)
     try:
         return proc.wait(timeout)
     finally:
         if proc.poll() is None:
-            kill_tree(proc.pid)
+            kill_all(proc)
+
+
+def kill_all(proc: subprocess.Popen | RankGroup) -> None:
+    """SIGKILL a group at once: the ranks of a `RankGroup`, or a launcher and every process under it."""
+    if isinstance(proc, RankGroup):
+        proc.kill()
+    else:
+        kill_tree(proc.pid)
 
 
 def rank_process(launcher: subprocess.Popen, rank: int, timeout: float = 60) -> psutil.Process:
@@ -96,7 +177,7 @@ def kill_tree(pid: int, sig: int = 9) -> None:
             pass
 
 
-def wait_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, timeout: float = 180,
+def wait_step(proc: subprocess.Popen | RankGroup, run_dir: Path, step: int, log: Path, timeout: float = 180,
               committed: int | None = None) -> None:
     """Wait until rank 0 logged `step` in metrics.jsonl and, with `committed`, the checkpoint of
     that step is committed too: a background save can still be in flight steps later on a busy
@@ -107,7 +188,7 @@ def wait_step(proc: subprocess.Popen, run_dir: Path, step: int, log: Path, timeo
         if proc.poll() is not None:
             raise AssertionError(f"exited {proc.returncode} before step {step}:\n{tail(log)}")
         if time.monotonic() > deadline:
-            kill_tree(proc.pid)
+            kill_all(proc)
             raise AssertionError(f"no step {step} within {timeout}s:\n{tail(log)}")
         time.sleep(0.02)
 

@@ -9,7 +9,7 @@ import random
 import time
 
 from harness.checkpoint import CheckpointStore
-from launch import kill_tree, run, start, tail, train_args
+from launch import kill_all, run, start, tail, train_args
 from procs import assert_same_run, events
 
 STEPS = 12
@@ -35,7 +35,7 @@ def test_group_sigkill_during_background_persists_resumes_bitwise(tmp_path, cont
         proc = start(args, log)
         wait_for_event(proc, run_dir, "checkpoint", 8, log)  # rank 0 snapshotted step 8; every rank persists it
         time.sleep(rng.uniform(0, 0.8 * PERSIST_DELAY_S))
-        kill_tree(proc.pid)  # torchrun and both trainers at once, mid-persist
+        kill_all(proc)  # both trainers at once, mid-persist
         proc.wait(60)
         committed = [e["step"] for e in events(run_dir, missing_ok=True) if e["event"] == "committed"]
         assert 8 not in committed, f"seed {seed}: the kill landed after the commit of step 8"

@@ -14,7 +14,7 @@ import pytest
 
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.diff import compare_checkpoints
-from launch import run, tail, torchrun
+from launch import Ranks, run, tail
 from procs import ROOT, events, harness
 
 EXACT = ROOT / "tests" / "data" / "exact.toml"  # elastic.toml + exact_elastic, cpu_threads 1, 8 steps
@@ -52,7 +52,7 @@ def test_one_process_with_accumulation_is_bitwise_several_ranks(tmp_path, arm, w
     proc = harness("train", str(EXACT), "--run-dir", str(one), *sets, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     log = tmp_path / "many.log"
-    assert run(torchrun("train", str(EXACT), "--run-dir", str(many), *sets, nproc=world), log) == 0, tail(log)
+    assert run(Ranks(("train", str(EXACT), "--run-dir", str(many), *sets), world), log) == 0, tail(log)
     assert ("model sharded with FSDP2" in log.read_text()) == (strategy == "fsdp")
     assert _losses(one) == _losses(many) and sorted(_losses(one)) == [1, 2, 3, 4]
     assert _bitwise_differences(one, many, 4) == []
@@ -90,7 +90,7 @@ def test_a_rollback_decided_at_two_ranks_is_the_one_process_s_bit_for_bit(tmp_pa
     proc = harness("train", str(EXACT), "--run-dir", str(one), *sets, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     log = tmp_path / "two.log"
-    assert run(torchrun("train", str(EXACT), "--run-dir", str(two), *sets), log) == 0, tail(log)
+    assert run(Ranks(("train", str(EXACT), "--run-dir", str(two), *sets)), log) == 0, tail(log)
     for run_dir in (one, two):
         assert [e["step"] for e in events(run_dir, "anomaly")] == [3], events(run_dir)
     assert _losses(one) == _losses(two) and sorted(_losses(one)) == list(range(1, 7))

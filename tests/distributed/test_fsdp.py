@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from harness.checkpoint import CheckpointStore
 from helpers import flip_byte
-from launch import fsdp_args, kill_tree, run, start, tail, torchrun, wait_step
+from launch import Ranks, fsdp_args, kill_all, run, start, tail, torchrun, wait_step
 from procs import TINY, assert_same_run, events, final_checkpoint, harness
 
 STEPS = 12
@@ -42,7 +42,7 @@ def test_group_sigkill_resumes_bitwise(fsdp_run, tmp_path):
     args = fsdp_args(run_dir, arm)
     proc = start(args, log)
     wait_step(proc, run_dir, 6, log, committed=4)
-    kill_tree(proc.pid)  # torchrun and both ranks at once
+    kill_all(proc)  # both ranks at once
     proc.wait(60)
     assert run(args, log) == 0, tail(log)
     assert [e["resumed_from"] for e in events(run_dir) if e["event"] == "start"] == [None, 4]
@@ -176,8 +176,8 @@ def test_resharding_from_world_size_4(tmp_path):
     """Saved by FSDP at world size 4: loaded by FSDP at 4 and 2 and by one process, every
     gathered tensor bitwise equal; each trains on."""
     run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
-    args = torchrun("train", str(TINY), "--run-dir", str(run_dir), "--set", "parallel.strategy=fsdp",
-                    "--set", "train.steps=8", nproc=4)
+    args = Ranks(("train", str(TINY), "--run-dir", str(run_dir), "--set", "parallel.strategy=fsdp",
+                  "--set", "train.steps=8"), nproc=4)
     assert run(args, log) == 0, tail(log)
     ckpt = final_checkpoint(run_dir, 4)
     names = {f["name"] for f in json.loads((ckpt / "manifest.json").read_text())["files"]}

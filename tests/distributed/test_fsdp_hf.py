@@ -12,15 +12,15 @@ from harness.cli import main
 from harness.config import load_config
 from harness.models.hf import HF_CONFIG_META
 from harness.run.resume import agree_on_checkpoint, resume_newest
-from launch import kill_tree, run, start, tail, torchrun, wait_step
+from launch import Ranks, kill_all, run, start, tail, wait_step
 from procs import ROOT, assert_same_run, events, final_checkpoint
 
 HF_LLAMA = ROOT / "tests" / "models" / "data" / "hf-llama.toml"
 STEPS = 12
 
 
-def fsdp_args(run_dir: Path) -> list[str]:
-    return torchrun("train", str(HF_LLAMA), "--run-dir", str(run_dir), "--set", "parallel.strategy=fsdp")
+def fsdp_args(run_dir: Path) -> Ranks:
+    return Ranks(("train", str(HF_LLAMA), "--run-dir", str(run_dir), "--set", "parallel.strategy=fsdp"))
 
 
 def unsharded_copy(ckpt: Path, run_dir: Path) -> Path:
@@ -42,7 +42,7 @@ def test_group_sigkill_resumes_bitwise_and_the_sharded_checkpoint_exports_as_uns
     run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
     proc = start(fsdp_args(run_dir), log)
     wait_step(proc, run_dir, 6, log, committed=4)
-    kill_tree(proc.pid)  # torchrun and both ranks at once
+    kill_all(proc)  # both ranks at once
     proc.wait(60)
     assert run(fsdp_args(run_dir), log) == 0, tail(log)
     assert [e["resumed_from"] for e in events(run_dir) if e["event"] == "start"] == [None, 4]

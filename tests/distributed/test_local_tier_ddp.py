@@ -4,7 +4,7 @@ resume from it, bitwise equal to the continuous run (tests/distributed/conftest.
 
 
 from helpers import flip_byte
-from launch import kill_tree, run, start, tail, train_args, wait_step
+from launch import kill_all, run, start, tail, train_args, wait_step
 from procs import assert_same_run, events
 
 STEPS = 12
@@ -18,7 +18,7 @@ def killed_group(tmp_path) -> tuple:
                       "--set", "checkpoint.local.every_steps=2")
     proc = start(args, log)
     wait_step(proc, run_dir, 7, log)
-    kill_tree(proc.pid)
+    kill_all(proc)
     proc.wait(60)
     (run_folder,) = local.iterdir()
     return run_dir, run_folder, args, log

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import flip_byte
-from launch import fsdp_args, fsdp_sets, kill_tree, run, start, tail, wait_step
+from launch import fsdp_args, fsdp_sets, kill_all, run, start, tail, wait_step
 from nodes import CADENCE, node_0_lost, restart, steps_in
 from procs import assert_same_run, events
 
@@ -29,7 +29,7 @@ def killed(tmp_path_factory, fsdp_run) -> tuple[Path, Path]:
     run_dir, local, log = base / "run", base / "local", base / "torchrun.log"
     proc = start(fsdp_args(run_dir, fsdp_run[0], *CADENCE, "--set", f"checkpoint.local.dir='{local}'"), log)
     wait_step(proc, run_dir, 7, log)
-    kill_tree(proc.pid)
+    kill_all(proc)
     proc.wait(60)
     return run_dir, local
 

@@ -3,12 +3,14 @@
 keep an FSDP mesh's group alive) aborted finished runs with SIGABRT. A single
 process still exits normally."""
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from launch import run, tail, torchrun
-from procs import ENV, TINY, harness
+from procs import ENV, ROOT, TINY
 
 PROBE = ["--set", 'model.factory="finalize_probe:build"']
 PATH_ENV = {"PYTHONPATH": str(Path(__file__).parent)}
@@ -35,7 +37,10 @@ def test_a_user_error_under_torchrun_keeps_its_exit_code(tmp_path):
 
 
 def test_a_single_process_still_finalizes(tmp_path):
-    proc = harness("train", str(TINY), "--run-dir", str(tmp_path / "run"), "--set", "train.steps=2", *PROBE,
-                   env={**ENV, **PATH_ENV})
+    # A fresh interpreter, not one from the test session's fork server: a forked child leaves
+    # without finalizing whatever it ran (harness/forkserver/child.py).
+    proc = subprocess.run([sys.executable, "-m", "harness.cli", "train", str(TINY), "--run-dir", str(tmp_path / "run"),
+                           "--set", "train.steps=2", *PROBE], env={**ENV, **PATH_ENV}, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "interpreter finalized" in proc.stderr

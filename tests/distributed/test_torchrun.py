@@ -16,7 +16,7 @@ import psutil
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.manifest import MANIFEST_FILE
 from harness.data import TokenDataset
-from launch import kill_tree, rank_process, run, start, tail, train_args, wait_step
+from launch import kill_tree, rank_process, run, start, tail, torchrun, train_cli, wait_step
 from procs import TINY, assert_same_run, events, final_checkpoint, harness
 
 STEPS = 12
@@ -45,7 +45,7 @@ def test_only_rank_0_prints_the_step_lines(continuous):
 
 def test_sigkill_one_rank_torchrun_restarts_the_group(tmp_path, continuous):
     run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
-    proc = start(train_args(run_dir, max_restarts=1), log)
+    proc = start(torchrun(*train_cli(run_dir), max_restarts=1), log)
     wait_step(proc, run_dir, 6, log, committed=4)
     rank_process(proc, 1).kill()
     assert proc.wait(300) == 0, tail(log)
@@ -56,7 +56,7 @@ def test_sigkill_one_rank_torchrun_restarts_the_group(tmp_path, continuous):
 
 def test_lost_node_then_the_same_command_again(tmp_path, continuous):
     run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
-    args = train_args(run_dir)
+    args = torchrun(*train_cli(run_dir))
     proc = start(args, log)
     wait_step(proc, run_dir, 7, log)
     kill_tree(proc.pid)  # torchrun and both workers at once (they run in their own sessions)
@@ -72,7 +72,7 @@ def test_sigkill_of_the_agent_alone_ends_its_ranks_and_the_same_command_resumes(
     training on without it, and the same command started again at once takes the run dir's lease
     over from them and finishes as the continuous run did."""
     run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
-    args = train_args(run_dir)
+    args = torchrun(*train_cli(run_dir))
     agent = start(args, log, new_session=True)
     ranks = [rank_process(agent, rank) for rank in (0, 1)]
     wait_step(agent, run_dir, 6, log, committed=4)
@@ -104,7 +104,7 @@ def _running(process: psutil.Process) -> bool:
 
 def test_sigterm_to_one_rank_every_rank_saves_the_same_step(tmp_path, continuous):
     run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
-    args = train_args(run_dir)
+    args = torchrun(*train_cli(run_dir))
     proc = start(args, log)
     wait_step(proc, run_dir, 5, log)
     rank_process(proc, 1).send_signal(signal.SIGTERM)
@@ -120,7 +120,7 @@ def test_sigterm_to_one_rank_every_rank_saves_the_same_step(tmp_path, continuous
 
 def test_rank_failing_mid_save_commits_nothing(tmp_path):
     run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
-    args = train_args(run_dir, "--set", "debug.fail_save_rank=1", "--set", "debug.fail_save_step=8")
+    args = torchrun(*train_cli(run_dir, "--set", "debug.fail_save_rank=1", "--set", "debug.fail_save_step=8"))
     assert run(args, log) != 0
     assert "rank 1 fails while writing its part of step 8" in tail(log)
     store = CheckpointStore(str(run_dir))
@@ -136,7 +136,7 @@ def test_world_size_2_to_1_sees_every_sample_once(tmp_path):
     assert train_set.num_samples == 96
     run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
     extra = ["--set", f"data.url='{text}'", "--set", "debug.sample_log=true", "--set", "optim.type=muon"]
-    assert run(train_args(run_dir, *extra[:4], "--set", "debug.crash_at_step=6"), log) != 0
+    assert run(torchrun(*train_cli(run_dir, *extra[:4], "--set", "debug.crash_at_step=6")), log) != 0
     single = harness("train", str(TINY), "--run-dir", str(run_dir), *extra)
     assert single.returncode == 0, single.stderr[-3000:]
     assert "bitwise equality with an uninterrupted run is not promised across world sizes" in single.stderr

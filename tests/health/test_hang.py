@@ -11,7 +11,7 @@ from procs import TINY, assert_same_run, events, harness
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 
-from launch import run as run_launcher, tail, train_args  # noqa: E402
+from launch import run as run_launcher, tail, torchrun, train_cli  # noqa: E402
 
 # Limit max(2 x median step, 10 s): what a planted hang waits for. With 3 s, a step slowed by a
 # loaded machine could pass for a hang: a second restart the assertions would count.
@@ -60,7 +60,7 @@ def test_one_rank_of_a_gloo_group_hangs_and_torchrun_restarts_the_group(tmp_path
     """Rank 1 hangs in step 6; rank 0 waits for it in that step's collectives. Both watchdogs
     fire (79), torchrun restarts the group once, and the run finishes."""
     run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
-    args = train_args(run_dir, *HANG, "--set", "debug.hang_rank=1", max_restarts=1)
+    args = torchrun(*train_cli(run_dir, *HANG, "--set", "debug.hang_rank=1"), max_restarts=1)
     assert run_launcher(args, log) == 0, tail(log)
     assert "hang_in_step" in "".join(hang_dumps(run_dir, rank=1)), tail(log)
     hangs = [e for e in events(run_dir) if e["event"] == "hang"]
