@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import shutil
 import signal
@@ -13,6 +14,7 @@ from pathlib import Path
 from harness.cli.args import add_config_args
 from harness.config import RunConfig, batch_shape, load_config
 from harness.errors import UserError
+from harness.forkserver.pool import popen_for
 from harness.storage.location import output_folder
 from harness.verify.resume_equivalence import __doc__ as equivalence_doc, run_pair
 from harness.verify.world_equivalence import (
@@ -139,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
         tolerance = default if args.tolerance is None else args.tolerance
         verdict = run_worlds(args.config, steps, work, sets, args.world_sizes, points, sig, tolerance)
     else:
-        verdict = run_pair(args.config, steps, work, sets, points, sig)
+        with popen_for(os.environ, os.getcwd()) as popen:  # a fork server where it can: no torch import per run
+            verdict = run_pair(args.config, steps, work, sets, points, sig, popen)
     print(verdict, flush=True)
     if verdict and not args.work_dir:
         shutil.rmtree(work, ignore_errors=True)

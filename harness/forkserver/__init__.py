@@ -5,12 +5,13 @@ fresh interpreter would, with its own argv, environment, working folder, stdio a
 
 The children are real processes (pids, signals, exit codes, process groups as any Popen child's:
 the server shares its starter's group), children of the server. Modules:
-  environment.py  the variables read before a child's first line: a child must match its server there
+  inherited_env.py  the variables read before a child's first line: a child must match its server there
   protocol.py     the messages between client and server (JSON, fds over a unix socket)
   server.py       the server process: preload, serve, fork, reap
   child.py        the forked child made into a fresh `python -m harness.cli` process
   client.py       ForkServer (one server process) and ForkedPopen (a Popen of one of its children)
-  pool.py         ForkServers: a server per environment signature, for a test session or a command
+  pool.py         ForkServers: a server per environment signature, for a test session or a command;
+                  popen_for: a pool's popen where the environment lets it serve (verify-resume)
 """
 
 from harness.forkserver.client import ForkedPopen, ForkServer, ForkServerError

@@ -8,6 +8,9 @@ at most `limit` servers, each holds some 400 MiB until its children share it), o
 found it cannot fork safely there (OMP_NUM_THREADS other than 1: server.py), or every server's
 place is taken by another signature, or elsewhere than on Linux. `close()` ends the servers and removes their
 sockets; processes they started run on.
+
+`popen_for(env, cwd)`: a pool for the length of a block where `env` lets a server fork, else
+`subprocess.Popen` (verify-resume starts its runs with it).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 from harness.forkserver.client import ForkServer, served
@@ -56,3 +60,19 @@ class ForkServers:
             server.close()
         self._servers.clear()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@contextmanager
+def popen_for(env: Mapping[str, str], cwd: str | Path) -> Iterator[Callable[..., subprocess.Popen]]:
+    """What a command that starts several `harness` processes in turn (verify-resume) starts
+    them with: a pool's `popen` (closed when the block ends) where `env` lets a server fork
+    (OMP_NUM_THREADS=1: otherwise torch's import starts an OpenMP pool and the server could
+    only refuse, after paying for its imports), else `subprocess.Popen`."""
+    if not SUPPORTED or env.get("OMP_NUM_THREADS") != "1":
+        yield subprocess.Popen
+        return
+    servers = ForkServers(cwd)
+    try:
+        yield servers.popen
+    finally:
+        servers.close()

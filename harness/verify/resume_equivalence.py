@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from harness.records.run_files import METRICS_FILE
 from harness.repro.fingerprint import FIELDS, diagnose, differing_fields, ordered_parts
 
 START_TIMEOUT_S = 600.0
+Popen = Callable[..., subprocess.Popen]  # subprocess.Popen, or a fork server's (same arguments)
 
 
 @dataclass
@@ -134,11 +136,12 @@ def describe_fields(step: int, fields: list[str], a: dict | None, b: dict | None
 
 
 def run_pair(config: str, steps: int, work: Path, sets: list[str], points: list[int],
-             sig: signal.Signals) -> Verdict:
+             sig: signal.Signals, popen: Popen = subprocess.Popen) -> Verdict:
     """Train `config` (`steps` steps, with `--set` items `sets`) in `work`: A continuously, B interrupted by
     `sig` once it logged each step of `points`; then the verdict of `compare_runs`. Each run's
     output goes to `work/continuous.log` and `work/interrupted.log`; a run that fails on its
-    own is a UserError (with the tail of its log)."""
+    own is a UserError (with the tail of its log). `popen` starts each `harness` process (the
+    CLI passes a fork server's where it can: harness/forkserver/pool.py)."""
     runs = {"A": work / "continuous", "B": work / "interrupted"}
     for path in runs.values():
         if path.exists():
@@ -147,7 +150,7 @@ def run_pair(config: str, steps: int, work: Path, sets: list[str], points: list[
     # One run after the other, never side by side: each trains on torch's default thread count
     # (as the user's run does), and two such runs on the same cores spend most of their CPU time
     # in OpenMP threads spinning at barriers while their partner is off the core.
-    proc_a = start_train(config, runs["A"], sets, work / "continuous.log")
+    proc_a = start_train(config, runs["A"], sets, work / "continuous.log", popen=popen)
     try:
         code_a = proc_a.wait()
     except BaseException:
@@ -156,7 +159,7 @@ def run_pair(config: str, steps: int, work: Path, sets: list[str], points: list[
     if code_a != 0:
         raise UserError(f"the continuous run failed (exit {code_a}); see {work / 'continuous.log'}:\n"
                         + log_tail(work / "continuous.log"))
-    story, landed = _interrupted(config, runs["B"], sets, work / "interrupted.log", points, sig)
+    story, landed = _interrupted(config, runs["B"], sets, work / "interrupted.log", points, sig, popen)
     print("B: " + "; ".join(story), flush=True)
     verdict = compare_runs(runs["A"], runs["B"], steps, landed)
     if landed != points:
@@ -164,9 +167,10 @@ def run_pair(config: str, steps: int, work: Path, sets: list[str], points: list[
     return verdict
 
 
-def start_train(config: str, run_dir: Path, sets: list[str], log_path: Path, world: int = 1) -> subprocess.Popen:
+def start_train(config: str, run_dir: Path, sets: list[str], log_path: Path, world: int = 1,
+                popen: Popen = subprocess.Popen) -> subprocess.Popen:
     """`harness train` with its logs in the run dir: one process, or `world` under torchrun
-    (standalone rendezvous, so several groups can run side by side)."""
+    (standalone rendezvous, so several groups can run side by side), started by `popen`."""
     launcher = [sys.executable, "-m", "harness.cli"]
     if world > 1:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
@@ -174,18 +178,18 @@ def start_train(config: str, run_dir: Path, sets: list[str], log_path: Path, wor
     cmd = [*launcher, "--log-level", "warning", "train", config, "--run-dir", str(run_dir),
            "--set", f'log_dir="{run_dir}"', *[x for s in sets for x in ("--set", s)]]
     with log_path.open("a") as log_file:
-        return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+        return popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
 
 
 def _interrupted(config: str, run_dir: Path, sets: list[str], log_path: Path, points: list[int],
-                 sig: signal.Signals) -> tuple[list[str], list[int]]:
+                 sig: signal.Signals, popen: Popen) -> tuple[list[str], list[int]]:
     """Run B: start, signal at each point, restart; finally run to the end. Returns what happened
     and the step each interruption landed at (the last step the process logged: it keeps
     training between the point being logged and the signal arriving)."""
     story, landed = [], []
     for point in points:
         starts = len(events_of(run_dir, "start"))
-        proc = start_train(config, run_dir, sets, log_path)
+        proc = start_train(config, run_dir, sets, log_path, popen=popen)
         resumed = wait_for_step(proc, run_dir, starts, point, log_path)
         if proc.poll() is None:
             proc.send_signal(sig)
@@ -193,7 +197,7 @@ def _interrupted(config: str, run_dir: Path, sets: list[str], log_path: Path, po
         landed.append(last_step(run_dir))
         story.append(f"{resumed} -> {sig.name} landed at step {landed[-1]} (planned {point}, exit {code})")
     starts = len(events_of(run_dir, "start"))
-    proc = start_train(config, run_dir, sets, log_path)
+    proc = start_train(config, run_dir, sets, log_path, popen=popen)
     code = proc.wait()
     begun = events_of(run_dir, "start")[starts:]
     story.append(f"resumed from {begun[0].get('resumed_from') if begun else '?'} -> finished (exit {code})")

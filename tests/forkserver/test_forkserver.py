@@ -15,6 +15,7 @@ import tempfile
 import pytest
 
 from harness.forkserver import ForkServer, ForkServers
+from harness.forkserver.pool import popen_for
 from procs import DEFAULT_THREADS_ENV, ENV, ROOT, TINY, assert_same_run, wait_for_step
 
 
@@ -150,3 +151,13 @@ def test_a_forked_child_ends_as_a_fresh_one_up_to_finalization(tmp_path, servers
         assert 0 <= text.find("non-daemon thread done") < text.find("atexit handler ran"), text
     assert code == fresh_code == 0, err
     assert "freed at finalization" in fresh_err and "freed at finalization" not in err
+
+
+def test_popen_for_forks_only_where_a_server_can_serve():
+    """verify-resume's starter (harness/forkserver/pool.py): a server's children with one OpenMP
+    thread; with torch's default thread count plain Popen, no server started to refuse."""
+    with popen_for(ENV, ROOT) as popen:
+        proc = launch(popen, "--help")
+        assert proc.forked and finish(proc)[0] == 0
+    with popen_for(DEFAULT_THREADS_ENV, ROOT) as popen:
+        assert popen is subprocess.Popen

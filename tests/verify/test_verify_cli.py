@@ -65,7 +65,7 @@ def test_user_mistakes_are_one_line_errors_before_anything_runs(capsys, tmp_path
 
 def test_random_interruptions_come_after_the_first_checkpoint(capsys, monkeypatch):
     seen = []
-    monkeypatch.setattr(verify_resume, "run_pair", lambda config, steps, work, sets, points, sig:
+    monkeypatch.setattr(verify_resume, "run_pair", lambda config, steps, work, sets, points, sig, popen:
                         seen.append(points) or Verdict(identical=True, steps=steps, interrupt_at=points))
     for seed in range(20):
         assert main(["verify-resume", TINY, "--random", "3", "--seed", str(seed)]) == 0
