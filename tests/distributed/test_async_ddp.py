@@ -1,4 +1,4 @@
-"""Background saves at world size 2 (torchrun, gloo): the whole group SIGKILLed at random moments
+"""Background saves at world size 2 (gloo, launch.Ranks): the whole group SIGKILLed at random moments
 while a checkpoint is being persisted in the background, then started again, finishes bitwise
 equal to the continuous run (final checkpoint and every step's loss)."""
 

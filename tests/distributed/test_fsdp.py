@@ -1,7 +1,7 @@
-"""FSDP2 at world size 2 (torchrun, gloo, real processes): sharded checkpoints through DCP with our
-own storage layer, interrupted vs continuous bitwise, resharding to DDP and to one process, a
-damaged shard skipped for the previous checkpoint. The continuous run (`fsdp_run`, one per
-optimizer arm) is tests/distributed/conftest.py's.
+"""FSDP2 at world size 2 (gloo, real processes: launch.Ranks; torchrun for the gather workers):
+sharded checkpoints through DCP with our own storage layer, interrupted vs continuous bitwise,
+resharding to DDP and to one process, a damaged shard skipped for the previous checkpoint. The
+continuous run (`fsdp_run`, one per optimizer arm) is tests/distributed/conftest.py's.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A transformers Llama (`harness.models.hf:causal_lm`, tests/models/data/hf-llama.toml) under FSDP2
-at world size 2 (torchrun, gloo, real processes): the group SIGKILLed and resumed is bitwise the
+at world size 2 (gloo, real processes: launch.Ranks): the group SIGKILLed and resumed is bitwise the
 continuous run, and its sharded checkpoint exports (`harness ckpt export --format hf`) the same
 bytes as an unsharded checkpoint of the same state."""
 

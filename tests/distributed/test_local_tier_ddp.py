@@ -1,4 +1,4 @@
-"""The local checkpoint tier under torchrun, world size 2 (DDP, gloo): each rank keeps its own
+"""The local checkpoint tier at world size 2 (DDP, gloo, launch.Ranks): each rank keeps its own
 local folder; after a SIGKILL of the whole group the ranks agree on the newest step both hold and
 resume from it, bitwise equal to the continuous run (tests/distributed/conftest.py)."""
 

@@ -1,4 +1,4 @@
-"""The local checkpoint tier under FSDP at world size 2 (torchrun, gloo, real processes): each
+"""The local checkpoint tier under FSDP at world size 2 (gloo, real processes: launch.Ranks): each
 rank's local checkpoint holds its own shards (written through DCP with the rank its own
 coordinator) beside the rest of a whole checkpoint. After a SIGKILL of the whole group the run
 resumes from the local shards, after the loss of a node (two agents) from its peer copy, both
