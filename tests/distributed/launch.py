@@ -62,7 +62,7 @@ def train_cli(run_dir: Path, *extra: str) -> list[str]:
 
 
 def train_args(run_dir: Path, *extra: str, nproc: int = 2) -> Ranks:
-    return Ranks((*train_cli(run_dir, *extra),), nproc)
+    return Ranks(tuple(train_cli(run_dir, *extra)), nproc)
 
 
 def fsdp_sets(arm: str) -> list[str]:
