@@ -415,17 +415,19 @@ class ParallelSection(Section):
             "CPU (gloo), where fsdp computes in fp32 (a warning says so)."
         ),
     )
-    exact_elastic: bool = Field(
-        False,
+    exact_elastic: bool | Literal["auto"] = Field(
+        "auto",
         description=(
             "Make every step independent of the world size, bit for bit (harness/parallel/exact.py; "
             "docs/distributed.md, \"Exact elastic\"): the step's train.global_batch samples are cut into V = "
             "global_batch / data.batch_size canonical micro-batches in sample order, rank r of W takes the "
             "contiguous block r*V/W..(r+1)*V/W-1, each micro-batch draws its random numbers from (seed, step, "
             "micro-batch), and the gradients are summed over one fixed tree of the V micro-batches. Needs "
-            "train.global_batch and data.batch_size set (train.grad_accum unset: it is V / W), and "
-            "train.cpu_threads set on a CPU; DDP and FSDP alike; the exact world sizes are 1 and every W dividing"
-            " V with V / W a power of two (others are refused)."
+            "train.global_batch and data.batch_size set (train.grad_accum unset: it is V / W), "
+            "train.cpu_threads set on a CPU and a map-style dataset; DDP and FSDP alike; the exact world sizes are "
+            "1 and every W dividing V with V / W a power of two. \"auto\" (the default): on wherever those hold, "
+            "and a run keeps the mode it started in (harness/run/exact_mode.py; the log and the start event say "
+            "which mode runs and why); true: refuse what they do not allow; false: off."
         ),
     )
 
@@ -633,7 +635,7 @@ def batch_shape(cfg: RunConfig, world_size: int) -> tuple[int, int]:
     the one of the two the config leaves unset is derived (grad_accum when both are unset);
     raises UserError when global_batch != batch_size x grad_accum x world_size, saying which
     factors the config gave and what to change."""
-    if cfg.parallel.exact_elastic:
+    if cfg.parallel.exact_elastic is True:  # "auto" is decided by the run (harness/run/exact_mode.py)
         return exact_shape(cfg, world_size)
     batch_size, accum, target = cfg.data.batch_size, cfg.train.grad_accum, cfg.train.global_batch
     if target is None:

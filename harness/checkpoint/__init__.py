@@ -46,24 +46,26 @@ _EXPORTS = {"CheckpointCorrupt": "errors", "CheckpointError": "errors", "Snapsho
             "locate": "target", "open_target": "target", "verify_target": "verify",
             "open_saver": "save", "Saver": "save.saver", "Committed": "save.commit",
             "LocalTier": "save.local_tier", "local_store": "save.local_tier", "not_mine": "save.local_tier",
-            "LOCAL": "save.local_tier", "PERSISTENT": "save.local_tier", "peer_jump": "save.peer_copies",
-            "PeerHoldings": "save.peer_recovery"}
+            "LOCAL": "save.local_tier", "PERSISTENT": "save.local_tier", "PEER": "save.peer_copies",
+            "peer_jump": "save.peer_copies",
+            "LocalRecovery": "save.local_recovery", "Coverage": "save.coverage"}
 
 __all__ = sorted([*_EXPORTS, "load"])
 
 
 def load(store: CheckpointStore, checkpoint: Checkpoint | CheckpointRef, targets: Mapping[str, Any], *,
          verify: Verify | None = None, skip: Collection[str] = (),
-         kept_on_new_rank: Collection[str] = ()) -> dict[str, Any]:
+         kept_on_new_rank: Collection[str] = (), one_rank: bool = False) -> dict[str, Any]:
     """Load `checkpoint` of `store` (a ref, or one opened already: `store.open`) into `targets`
     (name -> object with state_dict/load_state_dict) as this process's rank of its group: the one
     way a checkpoint is loaded (loading.py's `load`, which says what each rank reads and what
-    `verify` re-hashes; None: `Verify.NO`). Returns the saved meta."""
+    `verify` re-hashes, `one_rank`: a local tier's copy; None: `Verify.NO`). Returns the saved meta."""
     from harness.checkpoint.loading import Verify, load as load_as
     from harness.parallel import distributed
 
     return load_as(store.loc, checkpoint, targets, rank=distributed.rank(), world=distributed.world(), skip=skip,
-                   verify=Verify.NO if verify is None else verify, kept_on_new_rank=kept_on_new_rank)
+                   verify=Verify.NO if verify is None else verify, kept_on_new_rank=kept_on_new_rank,
+                   one_rank=one_rank)
 
 
 def __getattr__(name: str):

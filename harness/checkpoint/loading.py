@@ -224,7 +224,7 @@ def open_tensors(loc: Location, stack: ExitStack, ref: CheckpointRef, rec: FileR
 
 def load(loc: Location, checkpoint: Checkpoint | CheckpointRef, targets: Mapping[str, Any], *, rank: int = 0,
          world: int = 1, skip: Collection[str] = (), verify: Verify = Verify.NO,
-         kept_on_new_rank: Collection[str] = ()) -> dict[str, Any]:
+         kept_on_new_rank: Collection[str] = (), one_rank: bool = False) -> dict[str, Any]:
     """Restore each target (name -> object with state_dict/load_state_dict) from `checkpoint`
     (a ref, or one opened already: `open_checkpoint`) as rank `rank` of a world of `world`
     (see restore.py for the checks, the module docstring for `verify`); returns the saved meta.
@@ -234,8 +234,11 @@ def load(loc: Location, checkpoint: Checkpoint | CheckpointRef, targets: Mapping
     its `rank-NNNNN.json`; a rank the saving run did not have takes rank 0's, except the parts in
     `kept_on_new_rank`, which keep their live values (harness/run/state.py: the data cursor is
     taken, since it counts the samples of all ranks together and re-splits for any world size;
-    the freshly seeded RNG is kept). A world size other than the saving run's is logged (rank 0):
-    bitwise equality is promised only for the same one."""
+    the freshly seeded RNG is kept). `one_rank`: the checkpoint is one rank's copy (the local
+    tier's), holding its owner's per-rank parts alone: a rank other than its owner takes them as a
+    rank new to the run would (checkpoint/save/coverage.py says when that is right). A world size
+    other than the saving run's is logged (rank 0): bitwise equality is promised only for the same
+    one, and in exact elastic mode (harness/parallel/exact.py)."""
     if isinstance(checkpoint, CheckpointRef):
         checkpoint = open_checkpoint(loc, checkpoint)
     ref, records = checkpoint.ref, checkpoint.records
@@ -246,7 +249,7 @@ def load(loc: Location, checkpoint: Checkpoint | CheckpointRef, targets: Mapping
                     "repeated or skipped), but bitwise equality with an uninterrupted run is not promised across "
                     "world sizes", saved_world_size=saved_world, world_size=world, step=ref.step)
     if state.get("rank", 0) != rank:  # state.json holds rank 0's per-rank parts
-        if rank < saved_world:
+        if rank < saved_world and not one_rank:
             own = read_state_file(loc, ref, checkpoint.manifest, rank_state_file(rank))["parts"]
             state = {**state, "parts": {**state["parts"], **own}}
         else:  # e.g. its own freshly seeded RNG streams rather than a copy of rank 0's

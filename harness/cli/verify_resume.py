@@ -15,6 +15,7 @@ from harness.cli.args import add_config_args
 from harness.config import RunConfig, batch_shape, load_config
 from harness.errors import UserError
 from harness.forkserver.pool import popen_for
+from harness.run.exact_mode import exact_at_every
 from harness.storage.location import output_folder
 from harness.verify.resume_equivalence import __doc__ as equivalence_doc, run_pair
 from harness.verify.world_equivalence import (
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     sets = [*overrides, f"train.fingerprint_every={args.fingerprint_every}", 'train.on_divergence="warn"']
     sig = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}[args.signal]
     if args.world_sizes:
-        default = EXACT_TOLERANCE if cfg.parallel.exact_elastic else DEFAULT_TOLERANCE
+        default = EXACT_TOLERANCE if exact_at_every(cfg, args.world_sizes) else DEFAULT_TOLERANCE
         tolerance = default if args.tolerance is None else args.tolerance
         verdict = run_worlds(args.config, steps, work, sets, args.world_sizes, points, sig, tolerance)
     else:

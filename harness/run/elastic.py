@@ -96,7 +96,7 @@ def world_change(meta: dict[str, Any], cfg: RunConfig, world: int, step: int) ->
         old_shape = batch_shape(cfg, old)
     except UserError:
         old_shape = None
-    change = WorldChange(step, old, world, old_shape, batch_shape(cfg, world), exact=cfg.parallel.exact_elastic)
+    change = WorldChange(step, old, world, old_shape, batch_shape(cfg, world), exact=cfg.parallel.exact_elastic is True)
     before, after = change.global_batch
     if before is not None and before != after:
         log.warning("train.global_batch is not set, so the global batch changes with the world size; set it to "

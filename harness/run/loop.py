@@ -43,11 +43,15 @@ class Loop:
 
     def __init__(self, cfg: RunConfig, trainer: Trainer, store: CheckpointStore, metrics: MetricsLog,
                  events: EventLog, log_dir: Path, last_committed: int | None = None, trackers: Any = None,
-                 local_tier: LocalTier | None = None) -> None:
+                 local_tier: LocalTier | None = None, replicate: bool = False) -> None:
+        """`replicate`: save the resumed state to the local tier before the first step (every rank
+        at once, with its peer copy): after a resume from copies at another world size or from a
+        peer, the copies the lost ranks held for others exist once until then."""
         self.cfg, self.trainer, self.store, self.metrics, self.events = cfg, trainer, store, metrics, events
         self.trackers = trackers if trackers is not None else distributed.Silent()
         self.log_dir = log_dir
         self.local_tier = local_tier
+        self.replicate = replicate
         c = cfg.checkpoint
         self.clock = CheckpointClock(c.every_steps, c.every_minutes, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
                                      report=self.interval_chosen)
@@ -94,6 +98,9 @@ class Loop:
                    desc="train", unit="step", dynamic_ncols=True)
         with PreemptionWatch(cfg.checkpoint.preempt_signals) as watch:
             try:
+                if self.replicate:
+                    with self.watch("save"):
+                        self.save_local()
                 while trainer.step < cfg.train.steps:
                     with self.watch("collective"):
                         stop = distributed.all_reduce_flag(watch.requested)  # one rank's signal stops all at this step

@@ -3,45 +3,44 @@
 `choose_checkpoint` turns `--resume auto|never|CKPT_URL` into candidates; `agree_on_checkpoint`
 makes every rank of a group load the one rank 0 verified; `resume_newest` tries the candidates
 newest first, verifying each while it loads, and refuses (`all_damaged`) a run dir whose every
-checkpoint is damaged. With a local tier (`LocalSource`, checkpoint/save/local_tier.py) its checkpoints join
-the candidates by step (local first at an equal step: it reads faster); each is verified in full
-and checked to be this run's and this rank's *before* it is loaded, and one that is not is
-skipped, logged and recorded in `LocalSource.rejected` (the caller emits `checkpoint_rejected`
-events). With several ranks every rank verifies its own local checkpoints and one all-gather of
-the steps each verified gives the newest step every rank holds (`LocalSource.agreed`); with peer
-copies, the newest step every rank's part is held of, its missing parts moved from the peers
-(checkpoint/save/peer_recovery.py); else the persistent checkpoint rank 0 chose.
-`check_compatible` refuses a changed math key or other data unless
-`--allow-config-change`, and warns about another environment.
+checkpoint is damaged. With a local tier its choice joins the candidates by step (local first
+at an equal step: it reads faster): every rank verifies the copies its node holds, and one
+all-gather gives the newest step the surviving copies can rebuild for this world, at its world
+size or another, the copies some ranks lack moved from the ranks holding them
+(`LocalRecovery`, checkpoint/save/local_recovery.py); a copy passed over is recorded in
+`LocalRecovery.rejected` (the caller emits `checkpoint_rejected` events). Exact elastic mode is
+decided per candidate (harness/run/exact_mode.py). `check_compatible` refuses a changed math key
+or other data unless `--allow-config-change`, and warns about another environment.
 """
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from harness.checkpoint import (
-    LOCAL,
     PERSISTENT,
     CheckpointCorrupt,
     CheckpointRef,
     CheckpointStore,
-    PeerHoldings,
+    Coverage,
+    LocalRecovery,
     Verify,
     load,
     locate,
-    not_mine,
     skipped,
 )
 from harness.config import RunConfig, config_changes
+from harness.data.factory import is_iterator_source
 from harness.data.sources import identity_changes, open_data
 from harness.errors import UserError
 from harness.log import get_logger
 from harness.parallel import distributed
 from harness.run.elastic import WorldChange, after_load
 from harness.run.environment import warn_if_changed
+from harness.run.exact_mode import AUTO, decide, saved_mode, with_mode
 from harness.run.trainer import Trainer, resolve_device
 from harness.storage.location import folder_name
 
@@ -50,93 +49,46 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True)
 class Candidate:
-    """A checkpoint to resume from: its store, its ref, and the tier it is in (`LOCAL`/`PERSISTENT`)."""
+    """A checkpoint to resume from: its store, its ref, the tier it is in (`LOCAL`/`PEER`/
+    `PERSISTENT`) and, for a local tier's copy, the rank that wrote it (`owner`)."""
 
     store: CheckpointStore
     ref: CheckpointRef
     tier: str
+    owner: int | None = None
 
     @property
     def step(self) -> int:
         return self.ref.step
 
 
-@dataclass
-class LocalSource:
-    """This rank's local tier of the run `run_id` as a source of checkpoints to resume from;
-    `rejected` collects one record (tier, step, url, problem) per local checkpoint passed over.
-    `peers`: the peer copies this rank holds (with several ranks and peer copies); `tier`: the
-    tier its candidates are reported as (`PEER` once a rank's part came from a peer copy)."""
+@dataclass(frozen=True)
+class Resumed:
+    """What `resume_newest` started: the `trainer` (its `cfg` is the config the run trains with,
+    exact elastic mode decided), the checkpoint it was restored from (`chosen`, None for a fresh
+    start), the seconds spent reading, loading and verifying checkpoints (`restore_s`), the config
+    changes since that checkpoint as `config_changes` gives them, the world-size change since it
+    (`resized`, or None), and why exact elastic mode is on or off (`exact_why`)."""
 
-    store: CheckpointStore
-    run_id: str
-    peers: PeerHoldings | None = None
-    tier: str = LOCAL
-    rejected: list[dict[str, Any]] = field(default_factory=list)
-    verified: set[int] = field(default_factory=set)
-
-    def problems(self, ref: CheckpointRef, state: dict[str, Any]) -> list[str]:
-        """Why the local checkpoint `ref` (its state.json `state` already read) must not be loaded
-        here (`not_mine`), else every file that does not match its manifest (reads every byte, once
-        per step). Empty when good."""
-        other = not_mine(state, self.run_id, distributed.rank(), distributed.world())
-        if other:
-            return [other]
-        problems = [] if ref.step in self.verified else self.store.verify(ref)
-        if not problems:
-            self.verified.add(ref.step)
-        return problems
-
-    def candidates(self) -> list[CheckpointRef]:
-        """The local checkpoints to try, newest first: all of them with one process; with several
-        ranks the newest step that every rank verified (`agreed`), or none."""
-        if not distributed.is_distributed():
-            return self.store.candidates()
-        step = self.agreed()
-        return [] if step is None else [self.store.ref(step)]
-
-    def agreed(self) -> int | None:
-        """The newest step every rank holds a good local checkpoint of (a collective: every rank
-        calls it). Each rank verifies its own (damaged ones are rejected) and its peer copies, then
-        one all-gather of (its good steps, its good peer copies, its rejections); `rejected` then
-        holds every rank's, each with its rank. With peer copies, the newest step whose every
-        rank's part some rank holds (`PeerHoldings.assemble`)."""
-        good = []
-        for ref in self.store.candidates():
-            try:
-                problems = self.problems(ref, self.store.open(ref).state)
-            except CheckpointCorrupt as e:
-                problems = [str(e)]
-            if problems:
-                self.reject(ref, problems)
-            else:
-                good.append(ref.step)
-        held, rejected = self.peers.verified() if self.peers else ([], [])
-        # Every rank's rejections travel with its steps: rank 0 alone writes the events.
-        gathered = distributed.all_gather_object((good, held, self.rejected + rejected))
-        self.rejected = [{**r, "rank": rank} for rank, (_, _, rejected) in enumerate(gathered) for r in rejected]
-        if self.peers is None:
-            return max(set.intersection(*(set(steps) for steps, _, _ in gathered)), default=None)
-        step, self.tier = self.peers.assemble(self.store, [(steps, held) for steps, held, _ in gathered])
-        return step
-
-    def reject(self, ref: CheckpointRef, problems: list[str]) -> None:
-        skipped(ref, problems)
-        self.rejected.append({"tier": LOCAL, "step": ref.step, "url": ref.url, "problem": problems[0][:300]})
+    trainer: Trainer
+    chosen: Candidate | None
+    restore_s: float
+    changes: dict
+    resized: WorldChange | None
+    exact_why: str
 
 
 def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[CheckpointRef], verify: Verify,
-                  allow_config_change: bool, local: LocalSource | None = None
-                  ) -> tuple[Trainer, Candidate | None, float, dict, WorldChange | None] | None:
-    """(trainer, the checkpoint it was restored from or None for a fresh start, seconds spent
-    reading, loading and verifying checkpoints, the config changes since that checkpoint as
-    `config_changes` gives them, the world-size change since it or None), or None when the
-    newest good checkpoint is of a finished run (it says so on stderr; with `Verify.WHILE` that
-    checkpoint is verified first, since it is not loaded). At another world size than
-    the checkpoint's, every rank's random streams are restarted (harness/run/elastic.py).
+                  allow_config_change: bool, local: LocalRecovery | None = None) -> Resumed | None:
+    """The trainer restored from the newest good checkpoint (`Resumed`), or None when that is of
+    a finished run (it says so on stderr; with `Verify.WHILE` that checkpoint is verified first,
+    since it is not loaded). At another world size than the checkpoint's, every rank's random
+    streams are restarted outside exact elastic mode (harness/run/elastic.py); the mode itself is
+    decided per candidate (harness/run/exact_mode.py) and logged.
 
-    `local`: a local tier whose checkpoints are tried too, newest step first across both tiers
-    (module docstring); none of them is loaded before it is found whole and this run's.
+    `local`: a local tier whose copies are tried too, newest step first across both tiers (local
+    first at an equal step: it reads faster); its choice is agreed by every rank and made whole
+    (checkpoint/save/local_recovery.py) before anything is loaded, and verified again here.
 
     `candidates` are tried newest first, each read once (`source.open`: manifest and state.json)
     and passed down. With `Verify.WHILE` each is hashed as it loads (one read of every byte); one
@@ -144,13 +96,18 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
     the next, since the damaged one was already partly streamed into it. A checkpoint that is
     intact but does not fit (another model width) is an error, never skipped."""
     restore_s = 0.0
+    world = distributed.world()
     # Read once: every candidate is checked against it.
-    data = open_data(cfg.data, cfg.train.seed, distributed.rank(), distributed.world())
+    data = open_data(cfg.data, cfg.train.seed, distributed.rank(), world)
+    device = resolve_device(cfg.train.device).type
+    iterator = is_iterator_source(data.train)
     tried = [Candidate(source, ref, PERSISTENT) for ref in candidates]
     if local is not None:
         t0 = time.perf_counter()  # with several ranks the local copies are verified here, before agreeing
-        tried = sorted([Candidate(local.store, ref, local.tier) for ref in local.candidates()] + tried,
-                       key=lambda c: -c.step)  # stable: local first at an equal step
+        coverage = Coverage(global_data=not iterator, sharded=cfg.parallel.strategy == "fsdp" and world > 1)
+        own = local.choose(coverage)
+        own_candidates = [] if own is None else [Candidate(own.store, own.ref, own.tier, own.owner)]
+        tried = sorted(own_candidates + tried, key=lambda c: -c.step)  # stable: local first at an equal step
         restore_s += time.perf_counter() - t0
     for chosen in tried:
         source, ref = chosen.store, chosen.ref
@@ -159,13 +116,18 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
         try:
             checkpoint = source.open(ref)
             saved = checkpoint.state
-            if chosen.tier != PERSISTENT:
-                problems = local.problems(ref, saved)
-                if problems:
-                    local.reject(ref, problems)
+            if chosen.owner is not None:
+                problem = local.problem(source, ref, saved, chosen.owner)
+                if problem:
+                    skipped(ref, [problem])
+                    local.rejected.append({"tier": chosen.tier, "step": ref.step, "url": ref.url,
+                                           "problem": problem[:300], "rank": distributed.rank()})
                     restore_s += time.perf_counter() - t0
                     continue
-            changes = check_compatible(saved["meta"], cfg, allow_config_change, data.identity)
+            exact, exact_why = decide(cfg, world, device, iterator, saved=saved_mode(saved["meta"]))
+            run_cfg = with_mode(cfg, exact)
+            changes = check_compatible(saved["meta"], run_cfg, allow_config_change, data.identity,
+                                       mode_decided=cfg.parallel.exact_elastic == AUTO)
             # Whether the run finished is the trainer part's (state.TrainerCounters), nowhere else.
             if saved["parts"]["trainer"]["finished"] and ref.step >= cfg.train.steps:
                 # Finished only if that checkpoint is whole: a damaged one is passed over like any
@@ -179,29 +141,33 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
                 print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
                 return None
             restore_s += time.perf_counter() - t0
-            trainer = Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data)
+            log.info("exact elastic mode", on=exact, why=exact_why)
+            trainer = Trainer(run_cfg, rank=distributed.rank(), world_size=world, data=data)
             t0 = time.perf_counter()
             if trainer.sharded or checkpoint.sharded:
                 trainer.materialize_optimizer_state()  # read into live tensors of the right sharding
-            # A local or peer checkpoint was verified above, and is this rank's own copy.
-            load(source, checkpoint, trainer.state.parts(), verify=Verify.NO if chosen.tier != PERSISTENT else verify,
-                 kept_on_new_rank=trainer.state.kept_on_new_rank)
-            resized = after_load(saved, cfg, ref.step, trainer.state.sharded)
-            return trainer, chosen, restore_s + time.perf_counter() - t0, changes, resized
+            # A local or peer checkpoint was verified above, and is one rank's own copy.
+            local_copy = chosen.owner is not None
+            load(source, checkpoint, trainer.state.parts(), verify=Verify.NO if local_copy else verify,
+                 kept_on_new_rank=trainer.state.kept_on_new_rank, one_rank=local_copy)
+            resized = after_load(saved, run_cfg, ref.step, trainer.state.sharded)
+            return Resumed(trainer, chosen, restore_s + time.perf_counter() - t0, changes, resized, exact_why)
         except BaseException as e:
             if trainer is not None:
                 trainer.close()
-            if not isinstance(e, CheckpointCorrupt) or (verify is not Verify.WHILE and chosen.tier == PERSISTENT):
+            if not isinstance(e, CheckpointCorrupt) or (verify is not Verify.WHILE and chosen.owner is None):
                 raise  # an intact checkpoint that does not fit: the error is about the setup
-            if chosen.tier != PERSISTENT:
-                local.reject(ref, [str(e)])
-            else:
-                skipped(ref, [str(e)])
+            skipped(ref, [str(e)])
+            if chosen.owner is not None:
+                local.rejected.append({"tier": chosen.tier, "step": ref.step, "url": ref.url,
+                                       "problem": str(e)[:300], "rank": distributed.rank()})
             restore_s += time.perf_counter() - t0
     if candidates:
         raise all_damaged(cfg, candidates)
-    return Trainer(cfg, rank=distributed.rank(), world_size=distributed.world(), data=data, fresh=True), None, \
-        restore_s, {}, None
+    exact, exact_why = decide(cfg, world, device, iterator)
+    log.info("exact elastic mode", on=exact, why=exact_why)
+    return Resumed(Trainer(with_mode(cfg, exact), rank=distributed.rank(), world_size=world, data=data, fresh=True),
+                   None, restore_s, {}, None, exact_why)
 
 
 def all_damaged(cfg: RunConfig, damaged: list[CheckpointRef]) -> UserError:
@@ -270,10 +236,14 @@ def checkpoint_at(url: str, storage_options: dict[str, Any]) -> tuple[Checkpoint
 
 
 def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: bool,
-                     data_identity: dict[str, Any] | None) -> dict[str, tuple[Any, Any]]:
+                     data_identity: dict[str, Any] | None, mode_decided: bool = False) -> dict[str, tuple[Any, Any]]:
     """The math keys changed since the checkpoint (`config_changes`) and what differs in the data's
-    identity (`identity_changes`); raises UserError when there are any and `allow_config_change` is off."""
+    identity (`identity_changes`); raises UserError when there are any and `allow_config_change` is off.
+    `mode_decided`: `parallel.exact_elastic` is "auto" in the config and `cfg` holds the mode the
+    run decided (exact_mode.py): a change of it is that decision's, logged there, not the user's."""
     changed = config_changes(meta["config"], cfg)
+    if mode_decided:
+        changed.pop("parallel.exact_elastic", None)
     changed.update(identity_changes(meta.get("data"), data_identity))
     if changed and not allow_config_change:
         raise UserError(f"the config changes the math of the run in {cfg.run_dir}: {', '.join(changed)} differ "

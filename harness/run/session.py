@@ -38,7 +38,7 @@ import fsspec.utils
 import psutil
 
 from harness import exit_codes
-from harness.checkpoint import CheckpointStore, LocalTier, PeerHoldings, local_store, peer_jump
+from harness.checkpoint import PEER, PERSISTENT, CheckpointStore, LocalRecovery, LocalTier
 from harness.config import RunConfig, batch_shape
 from harness.data.sources import check_sources
 from harness.errors import Unavailable, UserError
@@ -52,7 +52,7 @@ from harness.repro import numerics
 from harness.run.elastic import fingerprint_checks
 from harness.run.environment import environment_fingerprint
 from harness.run.loop import Loop
-from harness.run.resume import LocalSource, agree_on_checkpoint, resume_newest
+from harness.run.resume import agree_on_checkpoint, resume_newest
 
 log = get_logger(__name__)
 
@@ -78,7 +78,8 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
         started = resume_newest(cfg, source, candidates, verify, allow_config_change, local=local)
         if started is None:
             return exit_codes.FINISHED
-        trainer, chosen, restore_s, changes, resized = started
+        trainer, chosen, restore_s, resized = started.trainer, started.chosen, started.restore_s, started.resized
+        cfg = trainer.cfg  # exact elastic mode decided: what the run trains with, and its checkpoints record
         ref = chosen.ref if chosen else None
         try:
             run_id = distributed.on_rank0(write_run_json, cfg, trainer.data.identity,
@@ -111,12 +112,14 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             events.emit("start", step=trainer.step, total_steps=cfg.train.steps, resumed_from=ref.step if ref else None,
                         resumed_tier=chosen.tier if chosen else None, previous_reached=reached, run_dir=cfg.run_dir,
                         host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time(),
-                        restore_s=restore_s)
+                        restore_s=restore_s, world_size=distributed.world(),
+                        saved_world_size=resized.old_world if resized else None, exact_elastic=trainer.exact,
+                        exact_elastic_why=started.exact_why)
             if resized is not None:
                 events.emit("world_size_changed", **resized.event())
-            if changes:
+            if started.changes:
                 events.emit("config_changed", step=trainer.step,
-                            changes={k: {"old": a, "new": b} for k, (a, b) in changes.items()},
+                            changes={k: {"old": a, "new": b} for k, (a, b) in started.changes.items()},
                             schedule=trainer.sched.replanned)
             resumed_here = chosen is not None and chosen.store is store
             trackers = open_trackers(cfg.log, log_dir, trainer.step, run_id) if lead else distributed.Silent()
@@ -124,8 +127,11 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             local_tier = None if tier is None else LocalTier(tier, run_id, trainer.step, trainer.state.per_rank,
                                                              trainer.state.sharded,
                                                              peer_delay_s=cfg.debug.persist_delay_s)
+            # The copies the lost ranks held for others are made again at once, paired for this world.
+            replicate = chosen is not None and chosen.tier != PERSISTENT and (resized or chosen.tier == PEER)
             loop = Loop(cfg, trainer, store, metrics, events, log_dir,
-                        last_committed=ref.step if resumed_here else None, trackers=trackers, local_tier=local_tier)
+                        last_committed=ref.step if resumed_here else None, trackers=trackers, local_tier=local_tier,
+                        replicate=replicate and trainer.step < cfg.train.steps)
             try:
                 return loop.run()
             except BaseException as e:
@@ -151,11 +157,11 @@ def exit_reason(error: BaseException) -> tuple[str, int]:
     return "crashed", 1
 
 
-def local_source(cfg: RunConfig, resume: str) -> LocalSource | None:
+def local_source(cfg: RunConfig, resume: str) -> LocalRecovery | None:
     """This run's local tier as a source to resume from: with `--resume auto` and a run id already
-    in the run dir's run.json (before the first start no local checkpoint can be this run's); with
-    peer copies (checkpoint/save/peer_copies.py) the ones this node holds too. Collective: every
-    rank calls it at the same point."""
+    in the run dir's run.json (before the first start no local checkpoint can be this run's); the
+    copies this node holds of every rank (its own and peer copies: checkpoint/save/local_recovery.py).
+    Collective: every rank calls it at the same point."""
     tier = cfg.checkpoint.local
     if tier is None or resume != "auto":
         return None
@@ -165,8 +171,7 @@ def local_source(cfg: RunConfig, resume: str) -> LocalSource | None:
     run_id = distributed.on_rank0(existing_run_id, cfg)
     if run_id is None:
         return None
-    peers = PeerHoldings(tier, run_id) if peer_jump(tier, distributed.world()) else None
-    return LocalSource(local_store(tier, run_id, distributed.rank()), run_id, peers=peers)
+    return LocalRecovery(tier, run_id)
 
 
 def open_store(cfg: RunConfig) -> CheckpointStore:

@@ -38,6 +38,7 @@ from harness.repro.completeness import check_buffers, check_registered
 from harness.repro.fingerprint import FingerprintLog
 from harness.repro.prng import derive_seed
 from harness.repro.rng import RNGState, micro_batch_streams, seed_everything
+from harness.run.exact_mode import AUTO, decide, with_mode
 from harness.run.state import TrainerCounters, TrainState
 from optim.build import build_bundle
 from optim.dtensor import local
@@ -104,12 +105,15 @@ class Trainer:
         initial weights (the same on every rank), whole weights loaded before sharding, the
         sharded parameters before the optimizers take them, and the rank's own seed only once
         the model and the optimizers are built."""
-        self.cfg = cfg
         self.rank = rank
         self.world_size = world_size
-        self.batch_size, self.grad_accum = batch_shape(cfg, world_size)
-        self.exact = cfg.parallel.exact_elastic  # harness/parallel/exact.py: the step does not depend on the world size
         self.data = data if data is not None else open_data(cfg.data, cfg.train.seed, rank, world_size)
+        if cfg.parallel.exact_elastic == AUTO:  # not decided by the caller (a resume decides): a fresh start's mode
+            cfg = with_mode(cfg, decide(cfg, world_size, resolve_device(cfg.train.device).type,
+                                        is_iterator_source(self.data.train))[0])
+        self.cfg = cfg
+        self.batch_size, self.grad_accum = batch_shape(cfg, world_size)
+        self.exact = cfg.parallel.exact_elastic is True  # harness/parallel/exact.py: the step does not depend on W
         self.device = self._choose_device()
         self._apply_numerics()
         seed_everything(cfg.train.seed)

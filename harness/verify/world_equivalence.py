@@ -46,6 +46,7 @@ import psutil
 from harness.config import RunConfig
 from harness.errors import UserError
 from harness.log import get_logger
+from harness.run.exact_mode import exact_at_every
 from harness.verify.resume_equivalence import events_of, last_step, log_tail, start_train, step_records, wait_for_step
 
 DEFAULT_TOLERANCE = 1e-4
@@ -73,7 +74,7 @@ def refuse_what_cannot_pass(cfg: RunConfig, sizes: list[int], tolerance: float |
                         f"set it (--set train.global_batch={cfg.data.batch_size * cfg.train.grad_accum * sizes[0]}, "
                         f"the batch at world size {sizes[0]}) to keep the batch at every world size")
     dropout = cfg.model.args.get("dropout")
-    if cfg.parallel.exact_elastic or not (isinstance(dropout, (int, float)) and dropout > 0):
+    if exact_at_every(cfg, sizes) or not (isinstance(dropout, (int, float)) and dropout > 0):
         return
     why = (f"model.args.dropout = {dropout}: dropout masks are drawn per rank over its micro-batch, so they change "
            "with the world size")

@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 
 from harness.checkpoint import CheckpointCorrupt, CheckpointStore, load
-from harness.checkpoint.save.local_tier import LocalTier, local_store
+from harness.checkpoint.save.coverage import Coverage
+from harness.checkpoint.save.local_recovery import LocalRecovery
+from harness.checkpoint.save.local_tier import LocalTier
 from harness.checkpoint.save.peer_copies import Incoming, Outgoing, transfer
-from harness.checkpoint.save.peer_recovery import PeerHoldings
 from harness.config import LocalTierSection
 from harness.parallel import distributed
 from harness.process import process_end
-from harness.run.resume import LocalSource
 
 RUN = "run-a"
 
@@ -45,12 +45,15 @@ def main() -> None:
         if rank == 1:
             shutil.rmtree(tmp / "node1")
         distributed.barrier()
-        source = LocalSource(local_store(section, RUN, rank), RUN, peers=PeerHoldings(section, RUN))
-        step = source.agreed()
-        ref = source.store.ref(step)
-        result = {"step": step, "tier": source.tier, "problems": source.problems(ref, source.store.open(ref).state)}
+        # Each rank's model is its own (seeded by its rank): only the owner's copy serves a rank.
+        recovery = LocalRecovery(section, RUN)
+        chosen = recovery.choose(Coverage(global_data=True, sharded=False))
+        ref = chosen.ref
+        problem = recovery.problem(chosen.store, ref, chosen.store.open(ref).state, chosen.owner)
+        result = {"step": ref.step, "tier": chosen.tier, "problems": [problem] if problem else [],
+                  "owner": chosen.owner}
         loaded = torch.nn.Linear(4, 4)
-        load(source.store, ref, {"model": loaded})
+        load(chosen.store, ref, {"model": loaded}, one_rank=True)
         result["same_model"] = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                                       loaded.state_dict().values()))
         # A resume from step 2 (an older tier): the local checkpoints and peer copies past it go.

@@ -1,4 +1,4 @@
-"""Peer copies of the local tier (checkpoint/save/peer_copies.py, checkpoint/save/peer_recovery.py) with real
+"""Peer copies of the local tier (checkpoint/save/peer_copies.py, checkpoint/save/local_recovery.py) with real
 processes: two torchrun agents on this machine stand for two nodes of one rank each, each with
 its own local folder. Node 0 is lost with its disk (its agent and worker SIGKILLed, its local
 folder deleted): the restarted run resumes from rank 0's part as node 1 kept it, bitwise equal
@@ -18,8 +18,8 @@ import torch
 
 from harness.checkpoint.format import WORLD_SIZE_KEY
 from harness.checkpoint.manifest import MANIFEST_FILE
+from harness.checkpoint.save.local_recovery import LocalRecovery
 from harness.checkpoint.save.peer_copies import peer_store
-from harness.checkpoint.save.peer_recovery import PeerHoldings
 from harness.config import LocalTierSection
 from harness.records.run_id import RUN_ID_KEY
 from launch import run, tail, torchrun, train_args
@@ -72,8 +72,8 @@ def test_a_damaged_peer_copy_is_skipped_and_reported(tmp_path, damage):
         data = bytearray(model.read_bytes())
         data[-9] ^= 0x10
         model.write_bytes(bytes(data))
-    held, rejected = PeerHoldings(section, "run-a").verified()
-    assert held == [(0, 2)]
+    held, rejected = LocalRecovery(section, "run-a").held()
+    assert [(copy.owner, copy.step) for copy, _ in held] == [(0, 2)]
     (reported,) = rejected
     assert (reported["tier"], reported["owner"], reported["step"]) == ("peer", 0, 4)
     assert ("model.safetensors" if damage == "flip" else "run-b") in reported["problem"]
@@ -88,8 +88,9 @@ def test_three_ranks_recover_a_lost_nodes_part_and_refuse_a_copy_damaged_on_the_
     assert run(torchrun(str(Path(__file__).with_name("peer_worker.py")), str(tmp_path), nproc=3, python=True),
                log) == 0, tail(log)
     results = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in range(3)]
-    for result in results:
+    for rank, result in enumerate(results):  # every rank loads its own part: the models differ by rank
         assert (result["step"], result["tier"], result["problems"], result["same_model"]) == (4, "peer", [], True)
+        assert result["owner"] == rank
     # Rank 1 got back step 4 only (its step 2 went with its node).
     assert [result["kept"] for result in results] == [[2], [], [2]]
     assert "model.safetensors" in results[1]["damaged"] and results[1]["inbox"] == []

@@ -12,8 +12,9 @@ replicated parts, its per-rank parts, its rank and the world size in state.json;
 shards of the sharded parts, written through DCP as by the run dir's checkpoints but with this
 rank as its own coordinator: `shards-NNNNN.safetensors` and a `dcp-metadata.json` listing its
 chunks alone, checkpoint/dcp.py): what it needs to resume without any other rank's files, so a
-node-local disk per node is enough. At a resume the ranks agree, with one all-gather of the steps
-each can verify, on the newest step every rank holds (run/resume.py).
+node-local disk per node is enough. At a resume the ranks agree, with one all-gather of the copies
+each can verify, on the newest step the surviving copies can rebuild for the resuming world, at
+its world size or another (checkpoint/save/local_recovery.py).
 
 Trust. The run dir stays the source of truth; a local checkpoint is used only when it is newer,
 belongs to this run and verifies byte for byte (run/resume.py). Keying the folder by the run id
@@ -28,7 +29,7 @@ does (checkpoint/save/local_first.py).
 
 Peer copies. With several ranks each local save is also sent to a rank on another node, which
 keeps it in its own local folder (checkpoint/save/peer_copies.py), so a node that is gone with its
-disk loses nothing that a peer holds (recovery: harness/checkpoint/save/peer_recovery.py). The
+disk loses nothing that a peer holds (recovery: checkpoint/save/local_recovery.py). The
 exchange runs in the background; this tier waits for the one in flight before its next save, a
 `drop_after` and at the end of the run (`finish`), so no local checkpoint or peer copy is deleted
 while it is being sent or received.
@@ -58,16 +59,16 @@ def local_store(section: LocalTierSection, run_id: str, rank: int) -> Checkpoint
     return CheckpointStore(f"{section.dir.rstrip('/')}/{run_id}/rank-{rank:05d}", keep_last=section.keep)
 
 
-def not_mine(state: Mapping[str, Any], run_id: str, rank: int, world: int) -> str | None:
-    """Why a local checkpoint whose state.json is `state` may not be loaded by rank `rank` of a
-    world of `world` in the run `run_id` (None when it may): another run's, another rank's, or
-    saved at another world size (a rank's copy holds its own per-rank state only)."""
+def not_mine(state: Mapping[str, Any], run_id: str, owner: int) -> str | None:
+    """Why a local checkpoint whose state.json is `state`, found in the folder of rank `owner`
+    (its own, or a peer copy of it), is not a copy of that rank's checkpoint in the run `run_id`
+    (None when it is): another run's, or another rank's. Which ranks of which world size it
+    can serve is coverage's question (checkpoint/save/coverage.py)."""
     meta = state["meta"]
     if meta.get(RUN_ID_KEY) != run_id:
         return f"it was written by run {meta.get(RUN_ID_KEY)}, not by this run {run_id}"
-    if state.get("rank") != rank or meta.get(WORLD_SIZE_KEY) != world:
-        return (f"it holds rank {state.get('rank')} of world size {meta.get(WORLD_SIZE_KEY)}, this process is rank "
-                f"{rank} of {world}")
+    if state.get("rank") != owner:
+        return f"it holds rank {state.get('rank')}'s state, in the folder of rank {owner}"
     return None
 
 

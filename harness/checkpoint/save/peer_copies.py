@@ -24,7 +24,7 @@ peer copy exists when a run finishes. The exchange uses only the peer group, whi
 from the training group and from the persistent saver's side group, so its thread and the
 training collectives never interleave on one group; the group is made in the main thread, by
 every rank at the same point (`PeerCopies()`). Recovery from peer copies is
-harness/checkpoint/save/peer_recovery.py: it sees committed copies only.
+checkpoint/save/local_recovery.py: it sees committed copies only.
 """
 
 from __future__ import annotations
