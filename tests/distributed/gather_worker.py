@@ -46,7 +46,8 @@ def main() -> None:
     cfg = load_config(TINY, [f"run_dir='{run_dir}'", f"parallel.strategy='{strategy}'", *overrides])
     with distributed.process_group():
         source, candidates, verify = agree_on_checkpoint(CheckpointStore(run_dir), cfg, ckpt)
-        trainer, ref, *_ = resume_newest(cfg, source, candidates, verify, allow_config_change=True)
+        started = resume_newest(cfg, source, candidates, verify, allow_config_change=True)
+        trainer, ref = started.trainer, started.chosen.ref
         state = gathered(trainer)
         if distributed.rank() == 0:
             with open(out, "wb") as f:

@@ -15,15 +15,17 @@ CADENCE = ["--set", "checkpoint.every_steps=4", "--set", "checkpoint.async_save=
            "--set", "checkpoint.local.every_steps=2"]
 
 
-def agents(run_dir: Path, locals_: list[Path], logs: list[Path], *extra: str) -> list:
-    """Two torchrun agents, node ranks 0 and 1, one rank each, meeting at a static rendezvous on
-    localhost, training with `CADENCE` and `extra`; node i's local tier is in `locals_[i]`."""
-    port = str(free_port())
-    return [start([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-                   "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", port,
-                   "--max-restarts", "0", "--no-python", HARNESS, "train", str(TINY), "--run-dir", str(run_dir),
+def agents(run_dir: Path, locals_: list[Path], logs: list[Path], *extra: str, config: Path = TINY,
+           nproc: int = 1) -> list:
+    """One torchrun agent per local folder (node ranks 0, 1, ...), `nproc` ranks each, meeting at
+    a static rendezvous on localhost, training `config` with `CADENCE` and `extra`; node i's local
+    tier is in `locals_[i]`."""
+    port, nodes = str(free_port()), len(locals_)
+    return [start([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node),
+                   "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", port,
+                   "--max-restarts", "0", "--no-python", HARNESS, "train", str(config), "--run-dir", str(run_dir),
                    *COMMON, *CADENCE, *extra, "--set", f"checkpoint.local.dir='{locals_[node]}'"], logs[node])
-            for node in range(2)]
+            for node in range(nodes)]
 
 
 def steps_in(folder: Path) -> set[int]:

@@ -7,37 +7,13 @@ fails every assertion below."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-from harness.checkpoint import CheckpointStore
-from harness.checkpoint.diff import compare_checkpoints
+from compare import bitwise_differences, losses_of
 from launch import Ranks, run, tail
 from procs import ROOT, events, harness
 
 EXACT = ROOT / "tests" / "data" / "exact.toml"  # elastic.toml + exact_elastic, cpu_threads 1, 8 steps
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: r["loss"] for r in records if "loss" in r}
-
-
-def _bitwise_differences(a: Path, b: Path, step: int) -> list[str]:
-    """What differs between the two runs' checkpoints of `step` (model and optimizer compared
-    whole where FSDP sharded them), besides the files of a rank one run did not have (rank 1's
-    data cursor and streams; rank 0's are compared) and the fingerprints' hashes of the model and
-    optimizer, which under FSDP cover rank 0's shard, not the whole (docs/distributed.md)."""
-    store_a, store_b = CheckpointStore(str(a)), CheckpointStore(str(b))
-    diff = compare_checkpoints((store_a, store_a.ref(step)), (store_b, store_b.ref(step)))
-    return [d.line for d in diff.differences if not d.part.startswith("rank-") and not _shard_hash(d.where)]
-
-
-def _shard_hash(where: str) -> bool:
-    return where.startswith("parts/fingerprints/") and "state_hash" in where and where.rsplit("/", 1)[-1] in (
-        "model", "optim")
 
 
 @pytest.mark.parametrize("arm, world, strategy", [("adamw", 2, "ddp"), ("muon", 2, "ddp"), ("adamw", 4, "ddp"),
@@ -54,8 +30,8 @@ def test_one_process_with_accumulation_is_bitwise_several_ranks(tmp_path, arm, w
     log = tmp_path / "many.log"
     assert run(Ranks(("train", str(EXACT), "--run-dir", str(many), *sets), world), log) == 0, tail(log)
     assert ("model sharded with FSDP2" in log.read_text()) == (strategy == "fsdp")
-    assert _losses(one) == _losses(many) and sorted(_losses(one)) == [1, 2, 3, 4]
-    assert _bitwise_differences(one, many, 4) == []
+    assert losses_of(one) == losses_of(many) and sorted(losses_of(one)) == [1, 2, 3, 4]
+    assert bitwise_differences(one, many, 4) == []
 
 
 @pytest.mark.parametrize("arm, strategy", [("adamw", "ddp"), ("adamw", "fsdp"), ("muon", "fsdp")])
@@ -73,8 +49,8 @@ def test_killed_at_2_resumed_at_1_killed_resumed_at_2_is_bitwise_the_continuous_
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.splitlines()[1].startswith("identical: world size 2 -> 1 -> 2"), proc.stdout
     continuous, elastic = work / "continuous", work / "interrupted"
-    assert _losses(continuous) == _losses(elastic) and sorted(_losses(elastic)) == list(range(1, 9))
-    assert _bitwise_differences(continuous, elastic, 8) == []
+    assert losses_of(continuous) == losses_of(elastic) and sorted(losses_of(elastic)) == list(range(1, 9))
+    assert bitwise_differences(continuous, elastic, 8) == []
     changes = [(e["old_world_size"], e["new_world_size"]) for e in events(elastic, "world_size_changed")]
     assert changes == [(2, 1), (1, 2)]
     assert not events(elastic, "resume_mismatch")
@@ -93,5 +69,5 @@ def test_a_rollback_decided_at_two_ranks_is_the_one_process_s_bit_for_bit(tmp_pa
     assert run(Ranks(("train", str(EXACT), "--run-dir", str(two), *sets)), log) == 0, tail(log)
     for run_dir in (one, two):
         assert [e["step"] for e in events(run_dir, "anomaly")] == [3], events(run_dir)
-    assert _losses(one) == _losses(two) and sorted(_losses(one)) == list(range(1, 7))
-    assert _bitwise_differences(one, two, 6) == []
+    assert losses_of(one) == losses_of(two) and sorted(losses_of(one)) == list(range(1, 7))
+    assert bitwise_differences(one, two, 6) == []

@@ -28,7 +28,8 @@ def unsharded_copy(ckpt: Path, run_dir: Path) -> Path:
     resumes (run/resume.py), saved again by that process: an unsharded checkpoint of the same state."""
     cfg = load_config(HF_LLAMA, [f"run_dir='{ckpt.parents[1]}'"])
     source, candidates, verify = agree_on_checkpoint(CheckpointStore(cfg.run_dir), cfg, str(ckpt))
-    trainer, ref, *_ = resume_newest(cfg, source, candidates, verify, allow_config_change=False)
+    started = resume_newest(cfg, source, candidates, verify, allow_config_change=False)
+    trainer, ref = started.trainer, started.chosen.ref
     try:
         CheckpointStore(str(run_dir)).save(ref.step, {"model": trainer.model}, meta={HF_CONFIG_META: trainer.hf_config})
     finally:

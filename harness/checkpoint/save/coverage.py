@@ -21,9 +21,9 @@ missed a resume kept its abandoned future) and are never combined.
 `plan(held, coverage)` is computed by every rank from the same gathered holdings and gives the
 same answer everywhere: the newest step whose every rank of the new world is served by some
 held copy, each rank's source preferring its own copy at this world size (the state of the
-uninterrupted run, random streams included), then a copy it holds itself (its own folder's
-first), then the lowest holder (a move). Steps newer than the chosen one are listed with the reason they were passed.
-No torch here: the plan is pure data.
+uninterrupted run, random streams included), then a copy it holds itself, then one written at
+this world size, then its own folder's, then the lowest holder. Steps newer than the chosen one
+are listed with the reason they were passed. No torch here: the plan is pure data.
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ class Plan:
 
 
 def _preference(rank: int, world: int, holder: int, copy: Copy) -> tuple:
-    return not (copy.owner == rank and copy.world == world), holder != rank, copy.owner != rank, holder, copy.owner
+    return (not (copy.owner == rank and copy.world == world), holder != rank, copy.world != world, copy.owner != rank,
+            holder, copy.owner)
 
 
 def plan(held: Sequence[Sequence[Copy]], coverage: Coverage) -> Plan:

@@ -1,0 +1,150 @@
+"""Spot continuation: nodes lost with their disks, no replacement for a while, and every bit kept
+(checkpoint/save/coverage.py, checkpoint/save/local_recovery.py, docs/checkpoint-tiers.md).
+
+Each node is a torchrun agent with a local folder of its own (tests/distributed/nodes.py); the
+persistent tier is saved every 4 steps, the local tier every 2 (where no persistent save is
+due) with peer copies; exact elastic mode is on by default (tests/data/spot.toml sets no
+`exact_elastic`). A loss kills every process of the run with SIGKILL and deletes the lost
+node's folder. Each restart must resume from the local tier, at most one local interval lost
+(2 steps), and the run must end bit for bit where an uninterrupted world-size-2 run ends
+(every loss, the final model, optimizer, schedulers, counters, fingerprints): from copies
+written at another world size (2 -> 1, 1 -> 2, 4 -> 2), from a copy another node sent, and
+after a second loss right after the first (re-replication). Without the coverage rule, every
+restart below falls back to the persistent tier."""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from compare import bitwise_differences, losses_of
+from launch import COMMON, HARNESS, Ranks, kill_all, kill_tree, run, start, tail, wait_step
+from nodes import CADENCE, agents
+from procs import ROOT, events, harness
+
+SPOT = ROOT / "tests" / "data" / "spot.toml"
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    """The reference: world size 2, never interrupted (the local tier does not change the math)."""
+    run_dir = tmp_path_factory.mktemp("spot-uninterrupted")
+    log = run_dir.parent / "spot-uninterrupted.log"
+    args = ("train", str(SPOT), "--run-dir", str(run_dir), *COMMON, *CADENCE, "--set",
+            f"checkpoint.local.dir='{run_dir.parent / 'spot-uninterrupted-local'}'")
+    assert run(Ranks(args, 2), log) == 0, tail(log)
+    return run_dir
+
+
+def lose_all(procs: list, run_dir: Path, after: int, log: Path, starts: int) -> None:
+    """Every process of the run SIGKILLed once it started for the `starts`-th time (the metrics
+    of the run before are cut back at a start) and rank 0 logged step `after`."""
+    try:
+        deadline = time.monotonic() + 120
+        while len(events(run_dir, "start", missing_ok=True)) < starts:
+            assert procs[0].poll() is None and time.monotonic() < deadline, tail(log)
+            time.sleep(0.05)
+        wait_step(procs[0], run_dir, after, log)
+    finally:
+        for proc in procs:
+            kill_tree(proc.pid)
+        for proc in procs:
+            proc.wait(60)
+
+
+def one_process(run_dir: Path, local: Path, log: Path):
+    """The survivor going on alone: `harness train` as one process, its local tier in `local`."""
+    return start([HARNESS, "train", str(SPOT), "--run-dir", str(run_dir), *COMMON, *CADENCE, "--set",
+                  f"checkpoint.local.dir='{local}'"], log)
+
+
+def resumed(run_dir: Path) -> dict:
+    return events(run_dir, "start")[-1]
+
+
+def assert_bitwise(uninterrupted: Path, run_dir: Path) -> None:
+    assert losses_of(run_dir) == losses_of(uninterrupted) and sorted(losses_of(run_dir)) == list(range(1, STEPS + 1))
+    assert bitwise_differences(uninterrupted, run_dir, STEPS) == []
+    assert not events(run_dir, "resume_mismatch")
+
+
+def test_two_to_one_to_two_and_a_second_loss_lose_at_most_the_local_interval_bitwise(tmp_path, uninterrupted):
+    """World 2, both nodes die after step 7 and node 1's disk is gone: node 0 goes on alone from its
+    own local step 6 (not persistent 4). It dies after step 11; a fresh node joins (world 2): the
+    newest step is node 0's world-1 local 10, which node 1 receives. Right after that resume (the
+    first new step) both die again and node 0's disk is gone now: node 1 holds step 10 (the copy
+    it received and the re-replicated one), and the run resumes there, finishes, and is bitwise
+    the uninterrupted run at world size 2."""
+    run_dir = tmp_path / "run"
+    node0, node1 = tmp_path / "node0-local", tmp_path / "node1-local"
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+
+    lose_all(agents(run_dir, [node0, node1], logs, config=SPOT), run_dir, 7, logs[0], starts=1)
+    assert resumed(run_dir)["exact_elastic"] and resumed(run_dir)["exact_elastic_why"].startswith("auto: every")
+    shutil.rmtree(node1)
+
+    alone = tmp_path / "alone.log"
+    lose_all([one_process(run_dir, node0, alone)], run_dir, 11, alone, starts=2)
+    start_b = resumed(run_dir)
+    assert (start_b["resumed_from"], start_b["resumed_tier"], start_b["world_size"], start_b["saved_world_size"]) \
+        == (6, "local", 1, 2), start_b
+    assert start_b["exact_elastic"]
+
+    nodes = agents(run_dir, [node0, node1], logs, config=SPOT)
+    lose_all(nodes, run_dir, 11, logs[0], starts=3)  # the step after the resume at 10
+    start_c = resumed(run_dir)
+    assert (start_c["resumed_from"], start_c["resumed_tier"], start_c["saved_world_size"]) == (10, "peer", 1), start_c
+    shutil.rmtree(node0)
+
+    for node in agents(run_dir, [node0, node1], logs, config=SPOT):
+        assert node.wait(300) == 0, tail(logs[0]) + tail(logs[1])
+    start_d = resumed(run_dir)
+    assert (start_d["resumed_from"], start_d["resumed_tier"], start_d["saved_world_size"]) == (10, "peer", None)
+    assert_bitwise(uninterrupted, run_dir)
+    report = harness("report", str(run_dir), check=True).stdout
+    assert "step 6 from the local tier" in report and "step 10 from the peer tier" in report, report
+
+
+def test_four_to_two_resumes_from_the_survivors_own_copies_bitwise(tmp_path, uninterrupted):
+    """Two nodes of two ranks (world 4; peer copies go to the other node), both die after step 7
+    and node 1's disk is gone: node 0's two ranks go on at world size 2 from their own local
+    step 6, written at world size 4."""
+    run_dir = tmp_path / "run"
+    locals_ = [tmp_path / "node0-local", tmp_path / "node1-local"]
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    lose_all(agents(run_dir, locals_, logs, config=SPOT, nproc=2), run_dir, 7, logs[0], starts=1)
+    shutil.rmtree(locals_[1])
+    (node,) = agents(run_dir, locals_[:1], logs[:1], config=SPOT, nproc=2)
+    assert node.wait(300) == 0, tail(logs[0])
+    start_b = resumed(run_dir)
+    assert (start_b["resumed_from"], start_b["resumed_tier"], start_b["world_size"], start_b["saved_world_size"]) \
+        == (6, "local", 2, 4), start_b
+    assert_bitwise(uninterrupted, run_dir)
+
+
+def test_outside_exact_mode_a_shrink_resumes_from_the_local_tier_within_the_elastic_promise(tmp_path):
+    """`parallel.exact_elastic = false`, world 2 -> 1 with node 1's disk gone: the survivor's own
+    local step 6 serves (its random streams are restarted for the new world size, as a persistent
+    resume at another world size restarts them); the start event says the mode and why."""
+    run_dir = tmp_path / "run"
+    locals_ = [tmp_path / "node0-local", tmp_path / "node1-local"]
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    off = ["--set", "parallel.exact_elastic=false"]
+    lose_all(agents(run_dir, locals_, logs, *off, config=SPOT), run_dir, 7, logs[0], starts=1)
+    shutil.rmtree(locals_[1])
+    alone = tmp_path / "alone.log"
+    proc = start([HARNESS, "train", str(SPOT), "--run-dir", str(run_dir), *COMMON, *CADENCE, *off, "--set",
+                  f"checkpoint.local.dir='{locals_[0]}'"], alone)
+    try:
+        assert proc.wait(300) == 0, tail(alone)
+    finally:
+        if proc.poll() is None:
+            kill_all(proc)
+    start_b = resumed(run_dir)
+    assert (start_b["resumed_from"], start_b["resumed_tier"], start_b["saved_world_size"]) == (6, "local", 2)
+    assert (start_b["exact_elastic"], start_b["exact_elastic_why"]) == (False, "parallel.exact_elastic = false")
+    assert [e["new_world_size"] for e in events(run_dir, "world_size_changed")] == [1]
