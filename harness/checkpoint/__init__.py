@@ -27,7 +27,7 @@ committers, the local tier). Storage itself (filesystems, S3, retries, faults) i
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
@@ -55,17 +55,19 @@ __all__ = sorted([*_EXPORTS, "load"])
 
 def load(store: CheckpointStore, checkpoint: Checkpoint | CheckpointRef, targets: Mapping[str, Any], *,
          verify: Verify | None = None, skip: Collection[str] = (),
-         kept_on_new_rank: Collection[str] = (), one_rank: bool = False) -> dict[str, Any]:
+         kept_on_new_rank: Collection[str] = (), one_rank: bool = False,
+         shard_copies: Sequence[tuple[CheckpointStore, Checkpoint]] = ()) -> dict[str, Any]:
     """Load `checkpoint` of `store` (a ref, or one opened already: `store.open`) into `targets`
     (name -> object with state_dict/load_state_dict) as this process's rank of its group: the one
     way a checkpoint is loaded (loading.py's `load`, which says what each rank reads and what
-    `verify` re-hashes, `one_rank`: a local tier's copy; None: `Verify.NO`). Returns the saved meta."""
+    `verify` re-hashes, `one_rank`: a local tier's copy, `shard_copies`: the copies of one step
+    whose shards it reads; None: `Verify.NO`). Returns the saved meta."""
     from harness.checkpoint.loading import Verify, load as load_as
     from harness.parallel import distributed
 
     return load_as(store.loc, checkpoint, targets, rank=distributed.rank(), world=distributed.world(), skip=skip,
                    verify=Verify.NO if verify is None else verify, kept_on_new_rank=kept_on_new_rank,
-                   one_rank=one_rank)
+                   one_rank=one_rank, shard_copies=[(s.loc, c) for s, c in shard_copies])
 
 
 def __getattr__(name: str):

@@ -119,6 +119,33 @@ def metadata_from_json(data: bytes, where: str) -> Metadata:
         ) from e
 
 
+def merged(metadatas: Iterable[tuple[Metadata, str]]) -> Metadata:
+    """One `Metadata` over the chunks of several checkpoints that hold parts of the same tensors
+    (the local tier's copies of one step, each rank's shards in a file of its own name: a
+    recovery at another world size reads from all of them). A chunk stored in several (a
+    replicated tensor every rank's copy holds) is listed once, from the first; `CheckpointCorrupt`
+    when two disagree on a tensor's global size or dtype (they are not copies of one state)."""
+    state: dict[str, TensorStorageMetadata] = {}
+    storage: dict[MetadataIndex, Any] = {}
+    planner: dict[str, Any] = {}
+    version = None
+    for md, where in metadatas:
+        version = version or md.version
+        planner.update(md.planner_data or {})
+        for fqn, meta in md.state_dict_metadata.items():
+            have = state.get(fqn)
+            if have is None:
+                state[fqn] = have = TensorStorageMetadata(meta.properties, meta.size, [])
+            elif (have.size, have.properties.dtype) != (meta.size, meta.properties.dtype):
+                raise CheckpointCorrupt(f"{where}: {fqn} is {meta.properties.dtype}{list(meta.size)}, another copy of "
+                                        f"the same step has {have.properties.dtype}{list(have.size)}")
+            listed = {tuple(c.offsets) for c in have.chunks}
+            have.chunks.extend(c for c in meta.chunks if tuple(c.offsets) not in listed)
+        for idx, loc in (md.storage_data or {}).items():
+            storage.setdefault(idx, loc)
+    return Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage, version=version)
+
+
 def _ints(values: Any) -> list[int]:
     if not isinstance(values, list) or not all(type(v) is int and v >= 0 for v in values):
         raise ValueError(f"expected a list of non-negative ints, got {values!r}")

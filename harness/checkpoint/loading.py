@@ -27,7 +27,7 @@ another shape is reported as damage.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from enum import Enum
@@ -166,33 +166,55 @@ def _check_content(reader: HashingReader, rec: FileRecord, where: str) -> None:
 
 
 class CheckpointShards:
-    """The sharded tensors of `checkpoint` (restore.ShardedSource): its DCP metadata (read once,
-    checked against the manifest, JSON), and its shard files opened through `open_file` (listed
-    in the manifest, size and header checked, hashed while read when the load verifies). Built
-    only for a checkpoint with sharded parts: it imports DCP (checkpoint/shard_files.py says why
-    nothing else does)."""
+    """The sharded tensors of one checkpoint, or of the copies of one step that together hold
+    them (restore.ShardedSource): `copies` are (location, checkpoint, open_file) each, whose DCP
+    metadata is read once, checked against its manifest (JSON), and merged (`dcp.merged`); each
+    shard file is opened through the `open_file` of the copy whose manifest lists it (size and
+    header checked, hashed while read when that load verifies). Built only for a checkpoint with
+    sharded parts: it imports DCP (checkpoint/shard_files.py says why nothing else does)."""
 
-    def __init__(self, loc: Location, checkpoint: Checkpoint, open_file: Callable) -> None:
+    def __init__(self, copies: Sequence[tuple[Location, Checkpoint, Callable]]) -> None:
         from harness.checkpoint import dcp
 
-        self.loc, self.checkpoint, self.open_file = loc, checkpoint, open_file
+        self.copies = copies
         self._dcp = dcp
         self._metadata = None
 
     @property
     def metadata(self):
         if self._metadata is None:
-            data = read_listed(self.loc, self.checkpoint.ref, self.checkpoint.manifest, METADATA_FILE,
-                               MAX_METADATA_BYTES)
-            self._metadata = self._dcp.metadata_from_json(
-                data, self.loc.url_of(f"{self.checkpoint.ref.path}/{METADATA_FILE}"))
+            read = []
+            for loc, checkpoint, _ in self.copies:
+                where = loc.url_of(f"{checkpoint.ref.path}/{METADATA_FILE}")
+                data = read_listed(loc, checkpoint.ref, checkpoint.manifest, METADATA_FILE, MAX_METADATA_BYTES)
+                read.append((self._dcp.metadata_from_json(data, where), where))
+            self._metadata = read[0][0] if len(read) == 1 else self._dcp.merged(read)
         return self._metadata
 
     def check(self, dest: Mapping[str, Any]) -> list[str]:
-        return self._dcp.check_fit(self.metadata, dest, self.checkpoint.ref.url)
+        return self._dcp.check_fit(self.metadata, dest, " + ".join(c.ref.url for _, c, _ in self.copies))
 
     def load(self, stack: ExitStack, dest: Mapping[str, Any]) -> None:
-        self._dcp.load_shards(self.metadata, dest, self._dcp.opened_once(self.open_file, stack))
+        owners = {name: open_file for _, checkpoint, open_file in self.copies for name in checkpoint.records}
+
+        def open_file(s: ExitStack, file: str):
+            if file not in owners:
+                raise CheckpointCorrupt(f"the DCP metadata places chunks in {file!r}, which no copy's manifest lists")
+            return owners[file](s, file)
+
+        self._dcp.load_shards(self.metadata, dest, self._dcp.opened_once(open_file, stack))
+
+
+def _shards(loc: Location, checkpoint: Checkpoint, open_file: Callable,
+            copies: Sequence[tuple[Location, Checkpoint]]) -> CheckpointShards | None:
+    """Where `load` reads the sharded tensors from: `checkpoint` itself, or the `copies`."""
+    if not copies:
+        return CheckpointShards([(loc, checkpoint, open_file)]) if checkpoint.sharded else None
+
+    def opener(copy_loc: Location, copy: Checkpoint) -> Callable:
+        return lambda stack, file: open_tensors(copy_loc, stack, copy.ref, copy.records[file], prefetch=True)
+
+    return CheckpointShards([(copy_loc, copy, opener(copy_loc, copy)) for copy_loc, copy in copies])
 
 
 def open_checkpoint(loc: Location, ref: CheckpointRef) -> Checkpoint:
@@ -224,7 +246,8 @@ def open_tensors(loc: Location, stack: ExitStack, ref: CheckpointRef, rec: FileR
 
 def load(loc: Location, checkpoint: Checkpoint | CheckpointRef, targets: Mapping[str, Any], *, rank: int = 0,
          world: int = 1, skip: Collection[str] = (), verify: Verify = Verify.NO,
-         kept_on_new_rank: Collection[str] = (), one_rank: bool = False) -> dict[str, Any]:
+         kept_on_new_rank: Collection[str] = (), one_rank: bool = False,
+         shard_copies: Sequence[tuple[Location, Checkpoint]] = ()) -> dict[str, Any]:
     """Restore each target (name -> object with state_dict/load_state_dict) from `checkpoint`
     (a ref, or one opened already: `open_checkpoint`) as rank `rank` of a world of `world`
     (see restore.py for the checks, the module docstring for `verify`); returns the saved meta.
@@ -236,7 +259,11 @@ def load(loc: Location, checkpoint: Checkpoint | CheckpointRef, targets: Mapping
     taken, since it counts the samples of all ranks together and re-splits for any world size;
     the freshly seeded RNG is kept). `one_rank`: the checkpoint is one rank's copy (the local
     tier's), holding its owner's per-rank parts alone: a rank other than its owner takes them as a
-    rank new to the run would (checkpoint/save/coverage.py says when that is right). A world size
+    rank new to the run would (checkpoint/save/coverage.py says when that is right).
+    `shard_copies`: the local tier's copies of the same step whose shards, together, hold the
+    sharded parts (a recovery at another world size or rank: every owner's copy); the sharded
+    tensors are read from them instead of from `checkpoint` alone, unhashed (the caller verified
+    each, every byte, as the local tier does before it loads a copy). A world size
     other than the saving run's is logged (rank 0): bitwise equality is promised only for the same
     one, and in exact elastic mode (harness/parallel/exact.py)."""
     if isinstance(checkpoint, CheckpointRef):
@@ -286,5 +313,5 @@ def load(loc: Location, checkpoint: Checkpoint | CheckpointRef, targets: Mapping
 
     restore_parts(state, targets, skip, open_file,
                   where=f"checkpoint {ref.url}", check_streamed=check_streamed if hashing else None,
-                  sharded=CheckpointShards(loc, checkpoint, open_file) if checkpoint.sharded else None)
+                  sharded=_shards(loc, checkpoint, open_file, shard_copies))
     return state["meta"]

@@ -22,6 +22,7 @@ from typing import Any
 
 from harness.checkpoint import (
     PERSISTENT,
+    Checkpoint,
     CheckpointCorrupt,
     CheckpointRef,
     CheckpointStore,
@@ -50,12 +51,14 @@ log = get_logger(__name__)
 @dataclass(frozen=True)
 class Candidate:
     """A checkpoint to resume from: its store, its ref, the tier it is in (`LOCAL`/`PEER`/
-    `PERSISTENT`) and, for a local tier's copy, the rank that wrote it (`owner`)."""
+    `PERSISTENT`) and, for a local tier's copy, the rank that wrote it (`owner`) and the copies of
+    the same step whose shards it reads (`shards`: (store, owner) each; LocalRecovery.choose)."""
 
     store: CheckpointStore
     ref: CheckpointRef
     tier: str
     owner: int | None = None
+    shards: tuple[tuple[CheckpointStore, int], ...] = ()
 
     @property
     def step(self) -> int:
@@ -104,9 +107,8 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
     tried = [Candidate(source, ref, PERSISTENT) for ref in candidates]
     if local is not None:
         t0 = time.perf_counter()  # with several ranks the local copies are verified here, before agreeing
-        coverage = Coverage(global_data=not iterator, sharded=cfg.parallel.strategy == "fsdp" and world > 1)
-        own = local.choose(coverage)
-        own_candidates = [] if own is None else [Candidate(own.store, own.ref, own.tier, own.owner)]
+        own = local.choose(Coverage(global_data=not iterator))
+        own_candidates = [] if own is None else [Candidate(own.store, own.ref, own.tier, own.owner, own.shards)]
         tried = sorted(own_candidates + tried, key=lambda c: -c.step)  # stable: local first at an equal step
         restore_s += time.perf_counter() - t0
     for chosen in tried:
@@ -116,12 +118,15 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
         try:
             checkpoint = source.open(ref)
             saved = checkpoint.state
+            shard_copies = []
             if chosen.owner is not None:
-                problem = local.problem(source, ref, saved, chosen.owner)
-                if problem:
-                    skipped(ref, [problem])
-                    local.rejected.append({"tier": chosen.tier, "step": ref.step, "url": ref.url,
-                                           "problem": problem[:300], "rank": distributed.rank()})
+                # Every rank tries the same local candidate (agreed by `choose`): all load it or none.
+                problem, shard_copies = _local_problem(local, chosen, checkpoint)
+                if not distributed.all_ok(problem is None):
+                    if problem:
+                        skipped(ref, [problem])
+                        local.rejected.append({"tier": chosen.tier, "step": ref.step, "url": ref.url,
+                                               "problem": problem[:300], "rank": distributed.rank()})
                     restore_s += time.perf_counter() - t0
                     continue
             exact, exact_why = decide(cfg, world, device, iterator, saved=saved_mode(saved["meta"]))
@@ -149,7 +154,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             # A local or peer checkpoint was verified above, and is one rank's own copy.
             local_copy = chosen.owner is not None
             load(source, checkpoint, trainer.state.parts(), verify=Verify.NO if local_copy else verify,
-                 kept_on_new_rank=trainer.state.kept_on_new_rank, one_rank=local_copy)
+                 kept_on_new_rank=trainer.state.kept_on_new_rank, one_rank=local_copy, shard_copies=shard_copies)
             resized = after_load(saved, run_cfg, ref.step, trainer.state.sharded)
             return Resumed(trainer, chosen, restore_s + time.perf_counter() - t0, changes, resized, exact_why)
         except BaseException as e:
@@ -168,6 +173,25 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
     log.info("exact elastic mode", on=exact, why=exact_why)
     return Resumed(Trainer(with_mode(cfg, exact), rank=distributed.rank(), world_size=world, data=data, fresh=True),
                    None, restore_s, {}, None, exact_why)
+
+
+def _local_problem(local: LocalRecovery, chosen: Candidate,
+                   checkpoint: Checkpoint) -> tuple[str | None, list[tuple[CheckpointStore, Checkpoint]]]:
+    """Why the local copy `chosen` (opened: `checkpoint`) or one of the copies it reads its shards
+    from must not be loaded (None: all are good; the cached verification of `LocalRecovery.problem`,
+    so only a copy moved in is read again), and those copies opened."""
+    problem = local.problem(chosen.store, chosen.ref, checkpoint.state, chosen.owner)
+    shard_copies = []
+    for store, owner in chosen.shards:
+        copy = checkpoint if (store.url, owner) == (chosen.store.url, chosen.owner) else None
+        try:
+            copy = copy or store.open(store.ref(chosen.step))
+        except CheckpointCorrupt as e:
+            problem = problem or str(e)
+            continue
+        problem = problem or local.problem(store, copy.ref, copy.state, owner)
+        shard_copies.append((store, copy))
+    return problem, shard_copies
 
 
 def all_damaged(cfg: RunConfig, damaged: list[CheckpointRef]) -> UserError:

@@ -47,7 +47,7 @@ def main() -> None:
         distributed.barrier()
         # Each rank's model is its own (seeded by its rank): only the owner's copy serves a rank.
         recovery = LocalRecovery(section, RUN)
-        chosen = recovery.choose(Coverage(global_data=True, sharded=False))
+        chosen = recovery.choose(Coverage(global_data=True))
         ref = chosen.ref
         problem = recovery.problem(chosen.store, ref, chosen.store.open(ref).state, chosen.owner)
         result = {"step": ref.step, "tier": chosen.tier, "problems": [problem] if problem else [],

@@ -22,22 +22,34 @@ import pytest
 
 from compare import bitwise_differences, losses_of
 from launch import COMMON, HARNESS, Ranks, kill_all, kill_tree, run, start, tail, wait_step
-from nodes import CADENCE, agents
+from nodes import CADENCE, agents, steps_in
 from procs import ROOT, events, harness
 
 SPOT = ROOT / "tests" / "data" / "spot.toml"
 STEPS = 16
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    """The reference: world size 2, never interrupted (the local tier does not change the math)."""
-    run_dir = tmp_path_factory.mktemp("spot-uninterrupted")
-    log = run_dir.parent / "spot-uninterrupted.log"
-    args = ("train", str(SPOT), "--run-dir", str(run_dir), *COMMON, *CADENCE, "--set",
-            f"checkpoint.local.dir='{run_dir.parent / 'spot-uninterrupted-local'}'")
+FSDP = ["--set", "parallel.strategy='fsdp'"]
+
+
+def reference(tmp_path_factory, name: str, *extra: str) -> Path:
+    """World size 2, never interrupted (the local tier does not change the math)."""
+    run_dir = tmp_path_factory.mktemp(name)
+    log = run_dir.parent / f"{name}.log"
+    args = ("train", str(SPOT), "--run-dir", str(run_dir), *COMMON, *CADENCE, *extra, "--set",
+            f"checkpoint.local.dir='{run_dir.parent / f'{name}-local'}'")
     assert run(Ranks(args, 2), log) == 0, tail(log)
     return run_dir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> Path:
+    return reference(tmp_path_factory, "spot-uninterrupted")
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_fsdp(tmp_path_factory) -> Path:
+    return reference(tmp_path_factory, "spot-uninterrupted-fsdp", *FSDP)
 
 
 def lose_all(procs: list, run_dir: Path, after: int, log: Path, starts: int) -> None:
@@ -56,9 +68,9 @@ def lose_all(procs: list, run_dir: Path, after: int, log: Path, starts: int) -> 
             proc.wait(60)
 
 
-def one_process(run_dir: Path, local: Path, log: Path):
+def one_process(run_dir: Path, local: Path, log: Path, *extra: str):
     """The survivor going on alone: `harness train` as one process, its local tier in `local`."""
-    return start([HARNESS, "train", str(SPOT), "--run-dir", str(run_dir), *COMMON, *CADENCE, "--set",
+    return start([HARNESS, "train", str(SPOT), "--run-dir", str(run_dir), *COMMON, *CADENCE, *extra, "--set",
                   f"checkpoint.local.dir='{local}'"], log)
 
 
@@ -107,6 +119,40 @@ def test_two_to_one_to_two_and_a_second_loss_lose_at_most_the_local_interval_bit
     assert_bitwise(uninterrupted, run_dir)
     report = harness("report", str(run_dir), check=True).stdout
     assert "step 6 from the local tier" in report and "step 10 from the peer tier" in report, report
+
+
+def test_fsdp_two_to_one_to_two_reads_the_shards_of_both_copies_bitwise(tmp_path, uninterrupted_fsdp):
+    """FSDP, world 2: both die after step 7, once node 0 holds node 1's peer copy of step 6, and
+    node 1's disk is gone. The survivor reads its (whole) share of every sharded weight from its
+    own copy and that peer copy together, resharded by DCP, at world size 1; it dies after step
+    11; a fresh node joins and receives node 0's world-1 copy of 10. Bitwise the uninterrupted
+    world-2 FSDP run."""
+    run_dir = tmp_path / "run"
+    node0, node1 = tmp_path / "node0-local", tmp_path / "node1-local"
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    nodes = agents(run_dir, [node0, node1], logs, *FSDP, config=SPOT)
+    try:
+        wait_step(nodes[0], run_dir, 7, logs[0])
+        deadline = time.monotonic() + 60
+        while 6 not in steps_in(next(node0.iterdir()) / "peer-of-rank-00001"):
+            assert time.monotonic() < deadline, tail(logs[0])
+            time.sleep(0.05)
+    finally:
+        lose_all(nodes, run_dir, 7, logs[0], starts=1)
+    shutil.rmtree(node1)
+
+    alone = tmp_path / "alone.log"
+    lose_all([one_process(run_dir, node0, alone, *FSDP)], run_dir, 11, alone, starts=2)
+    start_b = resumed(run_dir)
+    assert (start_b["resumed_from"], start_b["resumed_tier"], start_b["world_size"], start_b["saved_world_size"]) \
+        == (6, "peer", 1, 2), start_b
+
+    for node in agents(run_dir, [node0, node1], logs, *FSDP, config=SPOT):
+        assert node.wait(300) == 0, tail(logs[0]) + tail(logs[1])
+    start_c = resumed(run_dir)
+    assert (start_c["resumed_from"], start_c["resumed_tier"], start_c["saved_world_size"]) == (10, "peer", 1), start_c
+    assert "model sharded with FSDP2" in logs[0].read_text()
+    assert_bitwise(uninterrupted_fsdp, run_dir)
 
 
 def test_four_to_two_resumes_from_the_survivors_own_copies_bitwise(tmp_path, uninterrupted):

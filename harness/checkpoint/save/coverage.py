@@ -12,17 +12,21 @@ wrote it:
   another world size outside that mode, harness/run/elastic.py). A user's iterator state
   belongs to the rank that saved it, and outside exact mode so do a rank's streams at the same
   world size: such a copy serves its owner alone;
-- sharded parts (FSDP) are the owner's shards alone: such a copy serves its owner at the same
-  world size (resharding the union of copies is not built; the persistent tier reshards).
-`Coverage.serves` is that rule. A loss digest (every loss so far, chained) names each copy's
-timeline: copies of one step that disagree on it come from different histories (a node that
-missed a resume kept its abandoned future) and are never combined.
+- sharded parts (FSDP) are the owner's shards alone: its owner at the same world size reads
+  them from its own copy; any other rank, or a world of another size, reads its share from the
+  union of one copy per rank of the world that wrote them (resharded by DCP's planner), which
+  every such rank then needs.
+`Coverage.serves` is the rule for the unsharded state, `plan` finds the shards. A loss digest
+(every loss so far, chained) names each copy's timeline: copies of one step that disagree on it
+come from different histories (a node that missed a resume kept its abandoned future) and are
+never combined.
 
 `plan(held, coverage)` is computed by every rank from the same gathered holdings and gives the
 same answer everywhere: the newest step whose every rank of the new world is served by some
 held copy, each rank's source preferring its own copy at this world size (the state of the
 uninterrupted run, random streams included), then a copy it holds itself, then one written at
-this world size, then its own folder's, then the lowest holder. Steps newer than the chosen one
+this world size, then its own folder's, then the lowest holder (for shards: the rank itself,
+then the lowest holder). Steps newer than the chosen one
 are listed with the reason they were passed. No torch here: the plan is pure data.
 """
 
@@ -50,17 +54,15 @@ class Copy:
 class Coverage:
     """What the resuming run can take from a copy it did not write at its own rank and world:
     `global_data`: its data cursor is a global sample count (map-style data, not a user's
-    iterator); `sharded`: this run shards its parts (FSDP at world size > 1)."""
+    iterator)."""
 
     global_data: bool
-    sharded: bool
 
     def why_not(self, copy: Copy, rank: int, world: int) -> str | None:
-        """Why `copy` cannot supply rank `rank` of a world of `world` (None: it can)."""
+        """Why `copy` cannot supply the unsharded state of rank `rank` of a world of `world`
+        (None: it can; its shards are `plan`'s to find)."""
         if copy.owner == rank and copy.world == world:
             return None
-        if copy.sharded or self.sharded:
-            return "FSDP shards serve their own rank at the same world size (the persistent tier reshards)"
         if not self.global_data:
             return "a data.factory iterator's state serves the rank that saved it only"
         if not copy.exact and copy.world == world:
@@ -73,7 +75,7 @@ class Coverage:
 
 @dataclass(frozen=True)
 class Source:
-    """Where one rank's state comes from: `copy`, held by rank `holder`."""
+    """Where one copy comes from: `copy`, held by rank `holder`."""
 
     holder: int
     copy: Copy
@@ -82,21 +84,30 @@ class Source:
 @dataclass(frozen=True)
 class Plan:
     """The step every rank resumes from (None: the local tier has none), `sources[rank]` for each
-    rank, and (step, reason) for every newer step passed over."""
+    rank (the copy whose state.json and unsharded tensors it loads), `shards[rank]` the copies
+    whose shards it reads its sharded parts from (empty: its source's own, or nothing sharded),
+    and (step, reason) for every newer step passed over."""
 
     step: int | None
     sources: tuple[Source, ...] = ()
+    shards: tuple[tuple[Source, ...], ...] = ()
     passed: tuple[tuple[int, str], ...] = ()
 
     @property
     def moves(self) -> list[tuple[int, Source]]:
-        """(receiving rank, source) for each rank whose copy another rank holds, in rank order."""
-        return [(rank, s) for rank, s in enumerate(self.sources) if s.holder != rank]
+        """(receiving rank, source) for each copy a rank needs and another rank holds, in rank
+        order, each once."""
+        out = []
+        for rank, source in enumerate(self.sources):
+            needed = [source, *self.shards[rank]]
+            out += [(rank, s) for i, s in enumerate(needed) if s.holder != rank and s.copy not in
+                    [n.copy for n in needed[:i]]]
+        return out
 
     @property
     def from_peer(self) -> bool:
-        """Whether some rank's state is not its own copy in its own folder (a move or a peer copy)."""
-        return any(s.holder != rank or s.copy.owner != rank for rank, s in enumerate(self.sources))
+        """Whether some rank's state is not (only) its own copy in its own folder."""
+        return any(s.holder != rank or s.copy.owner != rank or self.shards[rank] for rank, s in enumerate(self.sources))
 
     @property
     def saved_world(self) -> int | None:
@@ -106,6 +117,38 @@ class Plan:
 def _preference(rank: int, world: int, holder: int, copy: Copy) -> tuple:
     return (not (copy.owner == rank and copy.world == world), holder != rank, copy.world != world, copy.owner != rank,
             holder, copy.owner)
+
+
+def _shard_set(at: Sequence[tuple[int, Copy]], written: int, rank: int) -> tuple[Source, ...] | str:
+    """One held copy per rank of the world of `written` ranks that wrote the sharded state, the
+    ones `rank` holds first; else why there is none."""
+    sources, lost = [], []
+    for owner in range(written):
+        options = [(h, c) for h, c in at if c.owner == owner and c.world == written and c.sharded]
+        if options:
+            sources.append(Source(*min(options, key=lambda hc: (hc[0] != rank, hc[0]))))
+        else:
+            lost.append(owner)
+    if lost:
+        return (f"the FSDP shards of rank(s) {', '.join(map(str, lost))} of {written} survive in no copy (the "
+                f"persistent tier reshards)")
+    return tuple(sources)
+
+
+def _serve(at: Sequence[tuple[int, Copy]], coverage: Coverage, rank: int, world: int
+           ) -> tuple[Source, tuple[Source, ...]] | list[str]:
+    """(source, shard sources) for `rank`, by preference; else every reason none serves."""
+    options = sorted(((h, c) for h, c in at if coverage.serves(c, rank, world)),
+                     key=lambda hc: _preference(rank, world, *hc))
+    reasons = sorted({why for _, c in at if (why := coverage.why_not(c, rank, world))})
+    for holder, copy in options:
+        if not copy.sharded or (copy.owner == rank and copy.world == world):
+            return Source(holder, copy), ()
+        shards = _shard_set(at, copy.world, rank)
+        if not isinstance(shards, str):
+            return Source(holder, copy), shards
+        reasons.append(shards)
+    return sorted(set(reasons))
 
 
 def plan(held: Sequence[Sequence[Copy]], coverage: Coverage) -> Plan:
@@ -119,18 +162,11 @@ def plan(held: Sequence[Sequence[Copy]], coverage: Coverage) -> Plan:
             passed.append((step, f"the copies of step {step} disagree on the losses before it (one of them is of an "
                                  f"abandoned history)"))
             continue
-        sources, missing = [], None
-        for rank in range(world):
-            options = [(h, c) for h, c in at if coverage.serves(c, rank, world)]
-            if not options:
-                missing = rank
-                break
-            holder, copy = min(options, key=lambda hc: _preference(rank, world, *hc))
-            sources.append(Source(holder, copy))
+        served = [_serve(at, coverage, rank, world) for rank in range(world)]
+        missing = next((rank for rank, s in enumerate(served) if isinstance(s, list)), None)
         if missing is None:
-            return Plan(step, tuple(sources), tuple(passed))
+            return Plan(step, tuple(s[0] for s in served), tuple(s[1] for s in served), tuple(passed))
         owners = sorted({(c.owner, c.world) for _, c in at})
-        reasons = sorted({why for _, c in at if (why := coverage.why_not(c, missing, world))})
-        passed.append((step, f"no surviving copy of step {step} serves rank {missing} of {world} (held: "
-                             f"{', '.join(f'rank {o} of {w}' for o, w in owners)}): {'; '.join(reasons)}"))
-    return Plan(None, (), tuple(passed))
+        passed.append((step, f"no surviving copies of step {step} serve rank {missing} of {world} (held: "
+                             f"{', '.join(f'rank {o} of {w}' for o, w in owners)}): {'; '.join(served[missing])}"))
+    return Plan(None, passed=tuple(passed))

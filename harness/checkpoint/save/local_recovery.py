@@ -10,10 +10,11 @@ world size, timeline, mode: `coverage.Copy`), and `coverage.plan`, the same comp
 rank from the same lists, picks the newest step every rank of this world can be served at and
 the copy each rank loads: its own at this world size where one survives (bitwise the
 uninterrupted run's state), else one its part can be derived from (DDP's replicated state with
-a global data cursor, at another world size or in exact elastic mode; coverage.py). A rank whose
-copy another rank holds receives it from that rank (point to point on the peer group) and
-commits it in its own local folder (its own part) or in the owner's peer folder (another rank's
-copy standing in for it); from there `resume_newest` verifies it again before loading it. If a
+a global data cursor, at another world size or in exact elastic mode; coverage.py), and for FSDP
+at another rank or world size one copy per rank that wrote the shards. A rank that needs a copy
+another rank holds receives it from that rank (point to point on the peer group) and commits it
+in its own local folder (its own part) or in the owner's peer folder (another rank's copy
+standing in for it, or supplying its shards); from there `resume_newest` verifies it again before loading it. If a
 copy arrives damaged no rank resumes from the local tier (all or none: ranks never load
 different steps) and the persistent tier is the fallback, as when no step is covered; the steps
 passed over for want of coverage are reported with their reason.
@@ -52,12 +53,15 @@ def copy_of(checkpoint: Checkpoint, owner: int) -> Copy:
 @dataclass(frozen=True)
 class Chosen:
     """The local checkpoint this rank loads: `ref` in `store`, written by rank `owner`; `tier`:
-    LOCAL when every rank loads its own copy from its own folder, else PEER."""
+    LOCAL when every rank loads its own copy from its own folder, else PEER; `shards`: the stores
+    (own and peer folders) holding the copies of the same step whose shards it reads (empty: its
+    own copy's, or nothing sharded) with each copy's owner."""
 
     store: CheckpointStore
     ref: CheckpointRef
     owner: int
     tier: str
+    shards: tuple[tuple[CheckpointStore, int], ...] = ()
 
 
 @dataclass
@@ -125,23 +129,27 @@ class LocalRecovery:
                           for step, why in chosen.passed if step not in explained]
         if chosen.step is None:
             return None
-        store = self._move(chosen, dict(held))
-        if not distributed.all_ok(store is not None):
+        at = self._move(chosen, dict(held))
+        if not distributed.all_ok(at is not None):
             return None
-        source = chosen.sources[distributed.rank()]
+        me = distributed.rank()
+        source = chosen.sources[me]
         tier = PEER if chosen.from_peer else LOCAL
         if chosen.moves or source.copy.world != distributed.world():
             log.info("local checkpoint assembled from the surviving copies", step=chosen.step, tier=tier,
                      saved_world=chosen.saved_world, world=distributed.world(),
+                     shard_copies=len(chosen.shards[me]),
                      moved=[{"to": rank, "holder": s.holder, "owner": s.copy.owner} for rank, s in chosen.moves])
-        return Chosen(store, store.ref(chosen.step), source.copy.owner, tier)
+        store = at[source.copy]
+        return Chosen(store, store.ref(chosen.step), source.copy.owner, tier,
+                      tuple((at[s.copy], s.copy.owner) for s in chosen.shards[me]))
 
-    def _move(self, chosen: Plan, stores: dict[Copy, CheckpointStore]) -> CheckpointStore | None:
+    def _move(self, chosen: Plan, stores: dict[Copy, CheckpointStore]) -> dict[Copy, CheckpointStore] | None:
         """Send and receive the copies `chosen` moves, in the same order on every rank (each pair
-        meets in turn); the store this rank then loads from, or None when its copy arrived damaged."""
+        meets in turn); where this rank then holds each copy it loads from, or None when one
+        arrived damaged."""
         me = distributed.rank()
-        mine = chosen.sources[me]
-        target = stores.get(mine.copy)
+        at = dict(stores)
         if chosen.moves:
             peer_group()  # collective: made here by every rank, also those no copy moves to or from
         for rank, source in chosen.moves:
@@ -155,6 +163,7 @@ class LocalRecovery:
                     transfer(None, Incoming(source.holder, target))
                 except CheckpointCorrupt as e:
                     log.warning("the copy arrived damaged; not resuming from the local tier", step=chosen.step,
-                                holder=source.holder, problem=str(e)[:300])
+                                holder=source.holder, owner=owner, problem=str(e)[:300])
                     return None
-        return target
+                at[source.copy] = target
+        return at

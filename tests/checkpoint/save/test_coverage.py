@@ -3,7 +3,7 @@ the plan every rank computes from the gathered holdings."""
 
 from harness.checkpoint.save.coverage import Copy, Coverage, plan
 
-DDP = Coverage(global_data=True, sharded=False)
+DDP = Coverage(global_data=True)
 
 
 def copies(step, owners, world, *, exact=True, timeline="t", sharded=False):
@@ -57,16 +57,34 @@ def test_outside_exact_mode_another_world_size_is_served_by_any_copy():
     assert chosen.step == 6
 
 
-def test_fsdp_shards_and_a_users_iterator_serve_their_owner_at_the_same_world_only():
-    shards = plan([copies(6, [0, 1], 2, sharded=True)], Coverage(global_data=True, sharded=False))
-    assert shards.step is None and "FSDP shards" in shards.passed[0][1]
-    regrow = plan([copies(6, [0], 1), []], Coverage(global_data=True, sharded=True))
-    assert regrow.step is None
-    iterator = plan([copies(6, [0, 1], 2)], Coverage(global_data=False, sharded=False))
+def test_fsdp_at_another_world_size_reads_the_union_of_one_copy_per_rank_that_wrote_the_shards():
+    """World 2 -> 1: the survivor holds its own copy and its peer copy of rank 1's: it reads its
+    state from its own and its (whole) share of the shards from both; with the peer copy gone the
+    step is not covered, and the reason names the lost shards."""
+    both = plan([copies(6, [0, 1], 2, sharded=True)], DDP)
+    assert both.step == 6 and both.moves == [] and both.from_peer
+    assert [(s.holder, s.copy.owner) for s in both.shards[0]] == [(0, 0), (0, 1)]
+    alone = plan([copies(6, [0], 2, sharded=True)], DDP)
+    assert alone.step is None and "FSDP shards of rank(s) 1 of 2 survive in no copy" in alone.passed[0][1]
+
+
+def test_fsdp_regrown_and_halved_worlds_receive_every_shard_copy_they_lack_once():
+    """1 -> 2: rank 1 receives rank 0's world-1 copy once (its source and its shards). 4 -> 2 with
+    peer copies on the other node: each rank holds two of the four and receives the other two."""
+    regrow = plan([copies(10, [0], 1, sharded=True), []], DDP)
+    assert regrow.step == 10 and [(r, s.holder, s.copy.owner) for r, s in regrow.moves] == [(1, 0, 0)]
+    # at world 2 rank 0 reads its half of the world-1 shards: the union is its own copy alone
+    assert [(s.holder, s.copy.owner) for s in regrow.shards[0]] == [(0, 0)]
+    halved = plan([copies(8, [0, 2], 4, sharded=True), copies(8, [1, 3], 4, sharded=True)], DDP)
+    assert halved.step == 8
+    assert [(r, s.holder, s.copy.owner) for r, s in halved.moves] == [(0, 1, 1), (0, 1, 3), (1, 0, 0), (1, 0, 2)]
+
+
+def test_fsdp_at_the_same_world_reads_its_own_shards_and_an_iterator_serves_its_owner_only():
+    same = plan([copies(6, [0], 2, sharded=True), copies(6, [1], 2, sharded=True)], DDP)
+    assert same.step == 6 and same.moves == [] and same.shards == ((), ()) and not same.from_peer
+    iterator = plan([copies(6, [0, 1], 2)], Coverage(global_data=False))
     assert iterator.step is None and "iterator" in iterator.passed[0][1]
-    same = plan([copies(6, [0], 2, sharded=True), copies(6, [1], 2, sharded=True)],
-                Coverage(global_data=True, sharded=True))
-    assert same.step == 6 and same.moves == []
 
 
 def test_copies_of_one_step_from_two_histories_are_never_combined():
