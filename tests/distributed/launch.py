@@ -11,6 +11,7 @@ either; `kill_all` kills either at once, as a lost node goes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -164,6 +165,16 @@ def rank_process(launcher: subprocess.Popen, rank: int, timeout: float = 60) -> 
                 continue
         time.sleep(0.05)
     raise AssertionError(f"no worker process of rank {rank} within {timeout}s")
+
+
+def agent_of_rank(agents: list[subprocess.Popen], rank: int) -> subprocess.Popen:
+    """The torchrun agent (of several, an elastic group's nodes) whose worker now has `rank`."""
+    for agent in agents:
+        for child in psutil.Process(agent.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                if child.environ().get("RANK") == str(rank) and "TORCHELASTIC_RUN_ID" in child.environ():
+                    return agent
+    raise AssertionError(f"no agent runs rank {rank}")
 
 
 def kill_tree(pid: int, sig: int = 9) -> None:

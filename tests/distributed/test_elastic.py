@@ -5,20 +5,18 @@ the world size")."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.diff import compare_checkpoints
 from harness.verify.world_equivalence import DEFAULT_TOLERANCE, NUMERIC_PARTS
-from launch import free_port, kill_tree, run, start, tail, wait_step
+from launch import agent_of_rank, free_port, kill_tree, run, start, tail, wait_step
 from procs import ROOT, harness
 
 ELASTIC = ROOT / "tests" / "data" / "elastic.toml"  # global_batch 8, micro-batch 2: world 1, 2 or 4
@@ -97,15 +95,6 @@ def test_a_world_size_the_global_batch_cannot_split_is_refused_and_nothing_writt
     assert _snapshot(run_dir) == before
 
 
-def _agent_of_rank(agents: list[subprocess.Popen], rank: int) -> subprocess.Popen:
-    for agent in agents:
-        for child in psutil.Process(agent.pid).children(recursive=True):
-            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
-                if child.environ().get("RANK") == str(rank) and "TORCHELASTIC_RUN_ID" in child.environ():
-                    return agent
-    raise AssertionError(f"no agent runs rank {rank}")
-
-
 def test_torchrun_elastic_group_loses_a_node_and_finishes_at_world_size_1(tmp_path):
     """Two torchrun agents (two "nodes" of one process each, NNODES=1:2) meet at a rendezvous store
     no node hosts; the node of rank 0 is lost (SIGKILL of its agent and worker) after step 6; the
@@ -129,7 +118,7 @@ def test_torchrun_elastic_group_loses_a_node_and_finishes_at_world_size_1(tmp_pa
         agents = [start(launcher, tmp_path / f"node{i}.log", env) for i in range(2)]
         try:
             wait_step(agents[0], run_dir, 6, tmp_path / "node0.log")
-            lost = _agent_of_rank(agents, 0)
+            lost = agent_of_rank(agents, 0)
             kill_tree(lost.pid)
             survivor = agents[1 - agents.index(lost)]
             assert survivor.wait(300) == 0, tail(tmp_path / f"node{agents.index(survivor)}.log")

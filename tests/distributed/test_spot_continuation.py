@@ -15,13 +15,15 @@ restart below falls back to the persistent tier."""
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from compare import bitwise_differences, losses_of
-from launch import COMMON, HARNESS, Ranks, kill_all, kill_tree, run, start, tail, wait_step
+from launch import COMMON, HARNESS, Ranks, agent_of_rank, free_port, kill_all, kill_tree, run, start, tail, wait_step
 from nodes import CADENCE, agents, steps_in
 from procs import ROOT, events, harness
 
@@ -194,3 +196,45 @@ def test_outside_exact_mode_a_shrink_resumes_from_the_local_tier_within_the_elas
     assert (start_b["resumed_from"], start_b["resumed_tier"], start_b["saved_world_size"]) == (6, "local", 2)
     assert (start_b["exact_elastic"], start_b["exact_elastic_why"]) == (False, "parallel.exact_elastic = false")
     assert [e["new_world_size"] for e in events(run_dir, "world_size_changed")] == [1]
+
+
+def test_torchrun_elastic_survivor_goes_on_from_its_local_copy_without_a_restart_from_zero(tmp_path, uninterrupted):
+    """Two torchrun agents in an elastic group (NNODES=1:2, ops/torchrun/train.sh, a rendezvous
+    store no node hosts), one rank each, each node with its own local folder. The node of rank 0
+    is lost after step 7 (SIGKILL of its agent and worker, its disk deleted); nothing is started
+    again by hand: the survivor's torchrun re-forms the group at world size 1 and its new worker
+    resumes from its own local step 6 (not persistent 4) and finishes bitwise the uninterrupted
+    world-size-2 run."""
+    port = free_port()
+    store = subprocess.Popen([sys.executable, str(ROOT / "ops/torchrun/rendezvous_store.py"), "--host", "127.0.0.1",
+                              "--port", str(port)], stdout=subprocess.PIPE, text=True)
+    run_dir = tmp_path / "run"
+    locals_ = [tmp_path / "node0-local", tmp_path / "node1-local"]
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    env = {"NNODES": "1:2", "NPROC": "1", "MAX_RESTARTS": "3", "RUN_DIR": str(run_dir),
+           "RDZV_ENDPOINT": f"127.0.0.1:{port}", "RDZV_ID": "spot-test",
+           "RDZV_CONF": "is_host=false,last_call_timeout=2"}
+    try:
+        assert "listening" in store.stdout.readline()
+        nodes = [start([str(ROOT / "ops/torchrun/train.sh"), str(SPOT), *COMMON, *CADENCE, "--set",
+                        f"checkpoint.local.dir='{local}'"], log, env) for local, log in zip(locals_, logs)]
+        try:
+            wait_step(nodes[0], run_dir, 7, logs[0])
+            lost = agent_of_rank(nodes, 0)
+            kill_tree(lost.pid)
+            lost.wait(60)
+            shutil.rmtree(locals_[nodes.index(lost)])
+            survivor = nodes[1 - nodes.index(lost)]
+            assert survivor.wait(300) == 0, tail(logs[nodes.index(survivor)])
+        finally:
+            for node in nodes:
+                if node.poll() is None:
+                    kill_tree(node.pid)
+                    node.wait(60)
+    finally:
+        store.kill()
+        store.wait()
+    start_b = resumed(run_dir)
+    assert (start_b["resumed_from"], start_b["resumed_tier"], start_b["world_size"], start_b["saved_world_size"]) \
+        == (6, "local", 1, 2), start_b
+    assert_bitwise(uninterrupted, run_dir)
