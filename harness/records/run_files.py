@@ -12,7 +12,9 @@ runs/quickstart did, when the folder was named after the last path component alo
 `run.json` (`harness.records.run_id.RUN_JSON`) holds the run id, the resolved config, the data's
 identity, the environment and, for a run whose model started from `model.init_from`, what step 0
 loaded (`init_from`: the URL and each file's name, size and sha256; written by the fresh start,
-kept by every resume, which never reads those files); it is written by rank 0 of every process
+kept by every resume, which never reads those files) and `starts`, the step each start of
+training resumed from, in order (0: a fresh start; what tells a local checkpoint on the run's
+timeline from one a later resume abandoned, checkpoint/save/local_tier.py); it is written by rank 0 of every process
 that trains the run dir and read by `harness compare` (the config) and `harness ckpt gc` (the
 retention policy).
 """
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 
 METRICS_FILE = "metrics.jsonl"
 INIT_KEY = "init_from"  # run.json: what the model's weights started from (model.init_from)
+STARTS_KEY = "starts"  # run.json: the step each start of training resumed from, in order
 LOGS_ROOT = "runs"
 
 
@@ -62,11 +65,13 @@ def metrics_url(run_dir: str, log_dir: str | None = None) -> str:
     return os.path.join(log_dir_for(run_dir, log_dir), METRICS_FILE)
 
 
-def write_run_json(cfg: RunConfig, data_identity: Any, environment: dict[str, Any], *, fresh: bool,
-                   initialised_from: dict[str, Any] | None = None) -> str:
-    """Write the run dir's run.json (resolved config, data identity, environment, run id, and
-    `init_from`: `initialised_from` on a `fresh` start, else the one run.json holds) and return
-    the run id: the one already in run.json, else a new one (`harness.records.run_id`)."""
+def write_run_json(cfg: RunConfig, data_identity: Any, environment: dict[str, Any], *, started_from: int,
+                   fresh: bool, initialised_from: dict[str, Any] | None = None) -> tuple[str, int]:
+    """Write the run dir's run.json (resolved config, data identity, environment, run id,
+    `init_from`: `initialised_from` on a `fresh` start, else the one run.json holds, and `starts`
+    with `started_from`, the step this start resumed from, appended) and return (the run id: the
+    one already in run.json, else a new one (`harness.records.run_id`); this start's index in
+    `starts`)."""
     # Imported here: harness.config imports torch (see `_previous_run_json`).
     from harness.config import public_config
     from harness.storage.filesystem import open_filesystem
@@ -74,8 +79,9 @@ def write_run_json(cfg: RunConfig, data_identity: Any, environment: dict[str, An
     try:
         previous = _previous_run_json(cfg)
         run_id = (previous or {}).get(RUN_ID_KEY) or new_run_id()
+        starts = [*(previous or {}).get(STARTS_KEY, []), started_from]
         doc = {RUN_ID_KEY: run_id, "config": public_config(cfg), "data": data_identity,
-               "environment": environment}
+               "environment": environment, STARTS_KEY: starts}
         init = initialised_from if fresh else (previous or {}).get(INIT_KEY)
         if init is not None:
             doc[INIT_KEY] = init
@@ -84,14 +90,16 @@ def write_run_json(cfg: RunConfig, data_identity: Any, environment: dict[str, An
         fs.pipe_file(f"{path.rstrip('/')}/{RUN_JSON}", json.dumps(doc, indent=2).encode())
     except OSError as e:
         raise UserError(f"cannot write to run dir {cfg.run_dir}: {e}; choose a writable --run-dir") from None
-    return run_id
+    return run_id, len(starts) - 1
 
 
-def existing_run_id(cfg: RunConfig) -> str | None:
-    """The run id the run dir's run.json holds, or None before the run's first start (what a
-    local checkpoint tier is keyed by, harness/checkpoint/save/local_tier.py)."""
+def existing_run(cfg: RunConfig) -> tuple[str | None, list[int]]:
+    """(the run id the run dir's run.json holds, or None before the run's first start: what a local
+    checkpoint tier is keyed by; the step each start so far resumed from: which of its checkpoints
+    lie on the run's timeline, harness/checkpoint/save/local_tier.py)."""
     try:
-        return (_previous_run_json(cfg) or {}).get(RUN_ID_KEY)
+        previous = _previous_run_json(cfg) or {}
+        return previous.get(RUN_ID_KEY), [int(step) for step in previous.get(STARTS_KEY, [])]
     except OSError as e:
         raise UserError(f"cannot read run dir {cfg.run_dir}: {e}; check --run-dir") from None
 

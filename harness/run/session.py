@@ -47,7 +47,7 @@ from harness.log import get_logger
 from harness.parallel import distributed
 from harness.records.events import EVENTS_FILE, EventLog
 from harness.records.metrics import MetricsLog
-from harness.records.run_files import METRICS_FILE, existing_run_id, log_dir_for, write_run_json
+from harness.records.run_files import METRICS_FILE, existing_run, log_dir_for, write_run_json
 from harness.repro import numerics
 from harness.run.elastic import fingerprint_checks
 from harness.run.environment import environment_fingerprint
@@ -82,9 +82,9 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
         cfg = trainer.cfg  # exact elastic mode decided: what the run trains with, and its checkpoints record
         ref = chosen.ref if chosen else None
         try:
-            run_id = distributed.on_rank0(write_run_json, cfg, trainer.data.identity,
-                                          environment_fingerprint(trainer.device), fresh=ref is None,
-                                          initialised_from=trainer.initialised_from)
+            run_id, start = distributed.on_rank0(write_run_json, cfg, trainer.data.identity,
+                                                 environment_fingerprint(trainer.device), started_from=trainer.step,
+                                                 fresh=ref is None, initialised_from=trainer.initialised_from)
             log.debug("run", run_id=run_id, run_dir=cfg.run_dir, log_dir=str(log_dir), device=str(trainer.device),
                       resumed_from=ref.step if ref else None,
                       parameters=sum(p.numel() for p in trainer.model.parameters()))
@@ -126,7 +126,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             tier = cfg.checkpoint.local
             local_tier = None if tier is None else LocalTier(tier, run_id, trainer.step, trainer.state.per_rank,
                                                              trainer.state.sharded,
-                                                             peer_delay_s=cfg.debug.persist_delay_s)
+                                                             peer_delay_s=cfg.debug.persist_delay_s, start=start)
             # The copies the lost ranks held for others are made again at once, paired for this world.
             replicate = chosen is not None and chosen.tier != PERSISTENT and (resized or chosen.tier == PEER)
             loop = Loop(cfg, trainer, store, metrics, events, log_dir,
@@ -167,11 +167,12 @@ def local_source(cfg: RunConfig, resume: str) -> LocalRecovery | None:
         return None
     # Rank 0 reads run.json for all: a rank slower to get here could find the one rank 0 has just
     # written for a fresh start (nothing in building an FSDP trainer holds rank 0 back), and ranks
-    # that disagree on having a local source never meet in its collectives.
-    run_id = distributed.on_rank0(existing_run_id, cfg)
+    # that disagree on having a local source never meet in its collectives. This start is not in
+    # its `starts` yet: rank 0 writes run.json after the resume.
+    run_id, starts = distributed.on_rank0(existing_run, cfg)
     if run_id is None:
         return None
-    return LocalRecovery(tier, run_id)
+    return LocalRecovery(tier, run_id, tuple(starts))
 
 
 def open_store(cfg: RunConfig) -> CheckpointStore:

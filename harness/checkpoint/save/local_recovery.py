@@ -3,7 +3,8 @@ the world that resumes, at its world size or another (`LocalRecovery`).
 
 Each rank verifies what its node holds of this run: its own local checkpoints (its folder
 `rank-NNNNN`) and the peer copies of others (`peer-of-rank-NNNNN`, checkpoint/save/peer_copies.py),
-each written by this run and by the folder's owner (`not_mine`), every byte against its manifest.
+each written by this run and by the folder's owner (`not_mine`), on the run's timeline (`abandoned`), every
+byte against its manifest.
 A copy that fails is skipped and reported (a `checkpoint_rejected` record: tier, step, url,
 problem; `owner` for a peer copy). One all-gather tells every rank who holds what (step, owner,
 world size, timeline, mode: `coverage.Copy`), and `coverage.plan`, the same computation on every
@@ -30,7 +31,7 @@ from harness.checkpoint.errors import CheckpointCorrupt
 from harness.checkpoint.format import WORLD_SIZE_KEY
 from harness.checkpoint.loading import Checkpoint
 from harness.checkpoint.save.coverage import Copy, Coverage, Plan, plan
-from harness.checkpoint.save.local_tier import LOCAL, local_store, not_mine
+from harness.checkpoint.save.local_tier import LOCAL, abandoned, local_store, not_mine
 from harness.checkpoint.save.peer_copies import PEER, Incoming, Outgoing, peer_group, peer_store, peer_stores, transfer
 from harness.checkpoint.store import CheckpointStore
 from harness.config import LocalTierSection
@@ -66,12 +67,14 @@ class Chosen:
 
 @dataclass
 class LocalRecovery:
-    """This rank's node's local tier of the run `run_id` as a source to resume from. `rejected`
+    """This rank's node's local tier of the run `run_id` as a source to resume from; `starts`: the
+    step each start of the run so far resumed from (run.json's, local_tier.abandoned). `rejected`
     collects one record per copy passed over (from every rank, with its `rank`) and per newer
     step the copies do not cover."""
 
     section: LocalTierSection
     run_id: str
+    starts: tuple[int, ...] = ()
     rejected: list[dict[str, Any]] = field(default_factory=list)
     _verified: set[tuple[str, int]] = field(default_factory=set)
 
@@ -81,9 +84,9 @@ class LocalRecovery:
 
     def problem(self, store: CheckpointStore, ref: CheckpointRef, state: dict[str, Any], owner: int) -> str | None:
         """Why the copy `ref` of rank `owner` in `store` (its state.json `state` already read) must
-        not be loaded (`not_mine`), else the first file that does not match its manifest (reads
+        not be loaded (`not_mine`, `abandoned`), else the first file that does not match its manifest (reads
         every byte, once per copy). None when good."""
-        other = not_mine(state, self.run_id, owner)
+        other = not_mine(state, self.run_id, owner) or abandoned(state["meta"], ref.step, self.starts)
         if other:
             return other
         if (store.url, ref.step) not in self._verified:

@@ -25,7 +25,12 @@ checkpoint put in this run's folder is rejected too (`not_mine`).
 Timeline. After a resume or a rollback (harness/run/rollback.py) to step S, local checkpoints
 past S belong to an abandoned future (a resume from an older tier, `--resume URL`, the steps
 before an anomaly) and are deleted before training goes on (`drop_after`), as local-first staging
-does (checkpoint/save/local_first.py).
+does (checkpoint/save/local_first.py). A node absent at that resume keeps its copies past S; they
+come back with it. So every local checkpoint records which start of training wrote it (`START_KEY`,
+the index into run.json's `starts`, harness/records/run_files.py: the step each start resumed
+from), and a copy of step T written by start j is rejected when a later start resumed from a step
+before T (`abandoned`): resuming from it would undo that resume, and with it any config change
+made there.
 
 Peer copies. With several ranks each local save is also sent to a rank on another node, which
 keeps it in its own local folder (checkpoint/save/peer_copies.py), so a node that is gone with its
@@ -37,7 +42,7 @@ while it is being sent or received.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -52,6 +57,7 @@ from harness.records.run_id import RUN_ID_KEY
 
 LOCAL = "local"
 PERSISTENT = "persistent"
+START_KEY = "start"  # meta: which start of the run wrote the checkpoint (an index into run.json's `starts`)
 
 
 def local_store(section: LocalTierSection, run_id: str, rank: int) -> CheckpointStore:
@@ -72,17 +78,36 @@ def not_mine(state: Mapping[str, Any], run_id: str, owner: int) -> str | None:
     return None
 
 
+def abandoned(meta: Mapping[str, Any], step: int, starts: Sequence[int]) -> str | None:
+    """Why the local checkpoint of `step` whose meta is `meta` lies on a future the run abandoned
+    (None when it does not): a start of training after the one that wrote it resumed from an
+    earlier step. `starts`: the step each start of the run resumed from, in order (run.json's). A
+    checkpoint that records no start predates the record and is judged by the rest alone."""
+    start = meta.get(START_KEY)
+    if start is None:
+        return None
+    if start >= len(starts):
+        return f"it was written by start {start} of the run, which the run dir's run.json does not record"
+    for later in range(start + 1, len(starts)):
+        if starts[later] < step:
+            return (f"it lies on an abandoned future: start {later} of the run resumed from step {starts[later]}, "
+                    f"before this copy's step {step} (written by start {start}; its node missed that resume)")
+    return None
+
+
 class LocalTier:
     """Saves the live state into the local tier of run `run_id` (when: the loop's clock for this tier).
 
     `resumed_step`: the step the state was restored from (0 when fresh); local checkpoints past it
     are deleted now (module docstring), peer copies past it too. `per_rank`, `sharded`: as
     `Saver`'s. With peer copies (`peer_jump`) every rank makes it at the same point;
-    `peer_delay_s`: `PeerCopies`' `delay_s`."""
+    `peer_delay_s`: `PeerCopies`' `delay_s`; `start`: which start of the run this process is (run.json's
+    `starts`), recorded in every checkpoint's meta (None: not recorded)."""
 
     def __init__(self, section: LocalTierSection, run_id: str, resumed_step: int,
-                 per_rank: Collection[str] = (), sharded: Collection[str] = (), peer_delay_s: float = 0.0) -> None:
-        self.run_id = run_id
+                 per_rank: Collection[str] = (), sharded: Collection[str] = (), peer_delay_s: float = 0.0,
+                 start: int | None = None) -> None:
+        self.run_id, self.start = run_id, start
         self.store = local_store(section, run_id, distributed.rank())
         jump = peer_jump(section, distributed.world())
         self.peers = PeerCopies(section, run_id, jump, peer_delay_s) if jump else None
@@ -100,11 +125,13 @@ class LocalTier:
                     store.delete(ref)
 
     def save(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any]) -> Submitted:
-        """Commit `parts` as `step` in this rank's local folder, its meta stamped with the run id and
-        the world size; returns when committed (retention applied). With peer copies the previous
+        """Commit `parts` as `step` in this rank's local folder, its meta stamped with the run id,
+        the world size and the start; returns when committed (retention applied). With peer copies the previous
         exchange is waited for first (`blocking_s` counts that wait), and this step's is started in
         the background (not counted)."""
         meta = {**meta, RUN_ID_KEY: self.run_id, WORLD_SIZE_KEY: distributed.world()}
+        if self.start is not None:
+            meta[START_KEY] = self.start
         waited = self.peers.wait() if self.peers is not None else 0.0
         submitted = self.saver.save(step, parts, meta=meta)
         assert submitted is not None  # a synchronous saver never skips

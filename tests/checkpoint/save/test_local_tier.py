@@ -2,6 +2,7 @@
 the newest local checkpoint and ends bitwise equal to an uninterrupted run; a damaged local copy,
 or another run's, is skipped and reported, never loaded."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 
 from harness.run.cadence import CheckpointClock
 from helpers import flip_byte
-from procs import TINY, assert_one_line_error, assert_same_run, events, harness, kill_at_step
+from procs import TINY, assert_one_line_error, assert_same_run, events, harness, kill_at_step, losses
 
 STEPS = 12  # TINY's train.steps
 
@@ -99,6 +100,31 @@ def test_another_runs_local_checkpoint_is_not_used(tmp_path, continuous):
     start = starts(run)[-1]
     assert (start["resumed_from"], start["resumed_tier"]) == (2, "local")
     assert_same_run(run, continuous, STEPS)
+
+
+def test_a_copy_past_a_later_resume_with_a_config_change_is_rejected(tmp_path):
+    """A node absent while the run resumed from persistent step 4 with a changed learning rate
+    comes back holding its local step 6 of the old timeline (newer than 4, written with the old
+    rate): rejected as an abandoned future, so the run resumes from 4 again and keeps the change
+    (its step 5 is the one the changed run logged), rather than undoing it."""
+    run, local, away = tmp_path / "run", tmp_path / "local", tmp_path / "away"
+    args = train(run, "--set", "checkpoint.async_save=false", *local_tier(local))
+    assert harness(*args, "--set", "debug.crash_at_step=7").returncode != 0  # local 2, 6; persistent 4
+    assert 6 in local_steps(local)
+    local.rename(away)  # the node is gone for a while, with its disk
+    changed = [*args, "--allow-config-change", "--set", "optim.lr=1e-3"]
+    assert harness(*changed, "--set", "debug.crash_at_step=5").returncode != 0
+    assert (starts(run)[-1]["resumed_from"], starts(run)[-1]["resumed_tier"]) == (4, "persistent")
+    changed_step_5 = losses(run)[5]
+    shutil.rmtree(local, ignore_errors=True)  # nothing saved there by a run that stopped before step 6
+    away.rename(local)  # the node is back: its step 6 is newer than anything the run holds
+    harness(*changed, check=True)
+    (rejected,) = [e for e in events(run) if e["event"] == "checkpoint_rejected"]
+    assert rejected["tier"] == "local" and rejected["step"] == 6
+    assert "abandoned future: start 1 of the run resumed from step 4" in rejected["problem"], rejected
+    assert (starts(run)[-1]["resumed_from"], starts(run)[-1]["resumed_tier"]) == (4, "persistent")
+    assert losses(run)[5] == changed_step_5
+    assert json.loads((run / "run.json").read_text())["starts"] == [0, 4, 4]
 
 
 def test_supervisor_restart_resumes_from_the_local_tier(tmp_path, continuous):
