@@ -111,7 +111,7 @@ class Snapshot:
                 raise ValueError(f"replacement tensors for {file} differ in names, shapes or dtypes")
         if set(tensors) != set(self.tensors):
             raise ValueError(f"replacement tensors cover files {sorted(tensors)}, expected {sorted(self.tensors)}")
-        return replace(self, tensors={f: dict(named) for f, named in tensors.items()})
+        return replace(self, tensors=dict(tensors))  # each file's mapping as given (ChunkedTensors stays one)
 
 
 def capture(parts: Mapping[str, Any], rank: int = 0, per_rank: Collection[str] = (),

@@ -26,7 +26,7 @@ import json
 import math
 import struct
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -76,15 +76,39 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+class ChunkedTensors(Mapping[str, torch.Tensor]):
+    """The tensors of one file whose bytes arrive in chunks, `chunks(name)` asked for in the file's
+    name order, instead of being read from the tensors, which are meta tensors (names, dtypes and
+    shapes only): a background save streaming through bounded staging memory
+    (checkpoint/save/staging_ring.py)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], chunks: Callable[[str], Iterable[memoryview]]) -> None:
+        self._tensors, self.chunks = dict(tensors), chunks
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
 def serialize(tensors: Mapping[str, torch.Tensor], where: str) -> Iterator[memoryview | bytes]:
-    """The file's bytes in order: header, then each tensor (sorted by name), one at a time."""
+    """The file's bytes in order: header, then each tensor (sorted by name), one at a time (or, for
+    `ChunkedTensors`, its chunks)."""
     for name, t in tensors.items():
         if t.layout != torch.strided or t.dtype not in CODES:
             raise CheckpointError(
                 f"{where}: tensor {name!r} is {t.dtype} ({t.layout}); checkpoints store dense tensors "
                 f"of {', '.join(sorted(str(d).removeprefix('torch.') for d in CODES))}: convert it in state_dict()"
             )
-    yield from stream({name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}, tensors.__getitem__)
+    specs = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+    if isinstance(tensors, ChunkedTensors):
+        yield from _file(specs, tensors.chunks)
+    else:
+        yield from stream(specs, tensors.__getitem__)
 
 
 def stream(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
@@ -92,6 +116,11 @@ def stream(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
     """A file of the tensors `specs` describes (name -> (dtype, shape)): the header, then each
     tensor's bytes, asking `produce(name)` for one tensor at a time in name order, so a file can
     be written from tensors that are built one by one (ckpt consolidate) and never all held."""
+    yield from _file(specs, lambda name: (tensor_bytes(produce(name)),))
+
+
+def _file(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+          chunks: Callable[[str], Iterable[memoryview | bytes]]) -> Iterator[memoryview | bytes]:
     offset = 0
     header: dict[str, dict] = {}
     names = sorted(specs)
@@ -105,7 +134,7 @@ def stream(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
     yield struct.pack("<Q", len(raw)) + raw
     for name in names:
         if math.prod(specs[name][1]):
-            yield tensor_bytes(produce(name))
+            yield from chunks(name)
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:

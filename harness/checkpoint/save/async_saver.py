@@ -10,18 +10,24 @@
 
 A `Saver` (saver.py) whose commit runs in the background. What the step loop pays is the
 *snapshot*: `capture(parts)` (references, no copies), then a copy of every tensor into CPU
-staging buffers. The *persist* (the committer: serialize, hash, write, fsync, atomic rename,
-retention through `store.committing`) runs in a `BackgroundJob` (background.py) over those
-buffers while training continues. The files are byte-identical to a synchronous `store.save` of the same state: the
-same `commit` writes them from tensors with the same names, shapes, dtypes and bytes.
+staging memory: the tensor files' bytes into the staging ring (staging_ring.py: of
+`staging_bytes` at most, streamed to the writer while they are copied, so with a ring smaller
+than the state the step loop waits for the writer to drain the rest), the sharded parts'
+tensors (FSDP, written through DCP) into whole staging buffers. The *persist* (the committer:
+serialize, hash, write, fsync, atomic rename, retention through `store.committing`) runs in a
+`BackgroundJob` (background.py) over that memory while training continues. The files are
+byte-identical to a synchronous `store.save` of the same state: the same `commit` writes them,
+the same bytes in the same order.
 
 Trade-offs, stated before the code:
 * A thread, not a process: the persist is file I/O and hashing, both of which release the GIL, and
   a thread shares the staging buffers without a second copy or any pickling. The cost is that
   the persist competes with the training step for CPU cores (measured in docs/bench-async.md).
-* One save in flight, and one set of staging buffers, allocated at the first save and reused
-  (reallocated only for a tensor whose shape or dtype changed): memory does not grow with the
-  number of saves. The buffers are owned by the in-flight persist until it ends, so a new
+* One save in flight, and one ring and one set of staging buffers, reused by every save: memory
+  does not grow with the number of saves. The ring is allocated (its pages touched) in a thread
+  of its own by `prepare`, which the step loop calls after the first step, so no save waits for
+  it; the sharded parts' buffers are allocated at the first save (reallocated only for a tensor
+  whose shape or dtype changed). The buffers are owned by the in-flight persist until it ends, so a new
   snapshot first waits for it (`when_busy="wait"`) or is not taken at all (`"skip"`); this is
   what makes reusing them safe.
 * GPU state is copied into pinned buffers on a side stream; the training stream then waits on an
@@ -55,6 +61,8 @@ from harness.checkpoint.format import Snapshot, capture
 from harness.checkpoint.save.background import BackgroundJob
 from harness.checkpoint.save.commit import Committed, Committer
 from harness.checkpoint.save.saver import Saver, Submitted
+from harness.checkpoint.save.staging_ring import Entry, StagingRing
+from harness.checkpoint.shard_files import SHARDED
 from harness.errors import Unavailable, UserError
 from harness.log import get_logger
 from optim.dtensor import local
@@ -78,8 +86,8 @@ SLOW_FLOOR_S = 30.0
 class StagingBuffers:
     """CPU copies of a snapshot's tensors, kept across saves and keyed by (file, tensor name).
 
-    `stage(snapshot)` copies every tensor into its buffer and returns the snapshot over the
-    buffers plus the CUDA events the copies finish at (empty for CPU state). A buffer is pinned
+    `stage(tensors)` (file -> name -> tensor) copies every tensor into its buffer and returns the
+    buffers in the same layout plus the CUDA events the copies finish at (empty for CPU state). A buffer is pinned
     when its source lives on a GPU (so the device-to-host copy can run asynchronously) and is
     reallocated only when the source's shape or dtype changed; buffers of tensors that no longer
     exist are dropped.
@@ -96,11 +104,12 @@ class StagingBuffers:
     def buffer(self, file: str, name: str) -> torch.Tensor:
         return self._buffers[(file, name)]
 
-    def stage(self, snapshot: Snapshot) -> tuple[Snapshot, list[torch.cuda.Event]]:
+    def stage(self, tensors: Mapping[str, Mapping[str, torch.Tensor]]
+              ) -> tuple[dict[str, dict[str, torch.Tensor]], list[torch.cuda.Event]]:
         staged: dict[str, dict[str, torch.Tensor]] = {}
         on_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         wanted = set()
-        for file, named in snapshot.tensors.items():
+        for file, named in tensors.items():
             out = staged.setdefault(file, {})
             for name, whole in named.items():
                 key = (file, name)
@@ -122,7 +131,7 @@ class StagingBuffers:
         for key in self._buffers.keys() - wanted:
             del self._buffers[key]
         events = [self._copy_from_gpu(device, pairs) for device, pairs in on_gpu.items()]
-        return snapshot.with_tensors(staged), events
+        return staged, events
 
     def _copy_from_gpu(self, device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
         side = self._streams.get(device)
@@ -140,6 +149,12 @@ class StagingBuffers:
         return done
 
 
+def ring_order(tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> list[Entry]:
+    """The tensors of the files `tensors` in the order the writer asks for them: files by name,
+    tensors by name within a file (format.py's `snapshot_files`, tensorfile.py's `serialize`)."""
+    return [(file, name, tensors[file][name]) for file in sorted(tensors) for name in sorted(tensors[file])]
+
+
 class AsyncSaver(Saver):
     """Snapshot-then-persist through the committer `commit`, at most one persist in flight.
 
@@ -154,6 +169,7 @@ class AsyncSaver(Saver):
     `agree(busy) -> bool` makes the ranks of a group decide alike whether a persist is still in
     flight (any rank's: `distributed.all_reduce_flag`), so every rank skips a save or every rank
     takes it and their commits stay paired; every rank must then call `save` at the same steps.
+    `staging_bytes`: the staging ring's size (None: as large as the tensor files of a snapshot).
     """
 
     background = True
@@ -163,7 +179,8 @@ class AsyncSaver(Saver):
                  save_deadline_s: float | None = None, on_slow: Callable[[int, float], None] | None = None,
                  slow_floor_s: float = SLOW_FLOOR_S, rank: int = 0, per_rank: Collection[str] = (),
                  sharded: Collection[str] = (),
-                 agree: Callable[[bool], bool] = bool, last_committed: int | None = None) -> None:
+                 agree: Callable[[bool], bool] = bool, last_committed: int | None = None,
+                 staging_bytes: int | None = None) -> None:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         super().__init__(commit, rank=rank, per_rank=per_rank, sharded=sharded, on_commit=on_commit,
@@ -171,6 +188,7 @@ class AsyncSaver(Saver):
         self.when_busy, self.agree, self.persist_delay_s = when_busy, agree, persist_delay_s
         self.save_deadline_s, self.on_slow, self.slow_floor_s = save_deadline_s, on_slow, slow_floor_s
         self.buffers = StagingBuffers()
+        self.ring = StagingRing(staging_bytes)
         self.job = BackgroundJob("ckpt-persist", "the background save", failed=self._failed, watch=self._watch)
         self._last_persist_s = 0.0
         self._next_warning = 0.0
@@ -201,11 +219,29 @@ class AsyncSaver(Saver):
                      persisting_step=self.job.step, waited_s=round(waited, 3))
             self.poll()
         t0 = time.perf_counter()
-        snapshot, copied = self.buffers.stage(self.commit.mine(capture(parts, rank=self.rank, per_rank=self.per_rank,
-                                                                      sharded=self.sharded)))
+        mine = self._mine(parts)
+        streamed = {file: named for file, named in mine.tensors.items() if file != SHARDED}
+        staged, copied = self.buffers.stage({file: named for file, named in mine.tensors.items() if file == SHARDED})
+        snapshot = mine.with_tensors({**staged, **self.ring.begin(streamed)})
         self._next_warning = time.monotonic() + max(self.slow_floor_s, 2 * self._last_persist_s)
         self.job.start(step, self._persist, step, snapshot, dict(meta or {}), copied)
+        self.ring.feed(ring_order(streamed), writer_alive=self._writer_alive)
         return Submitted(step, waited + time.perf_counter() - t0, waited, snapshot.nbytes)
+
+    def _writer_alive(self) -> bool:
+        """Whether the persist still runs, while the staging waits for room: raises its failure
+        once it failed, and `SaveStalled` past the save deadline, as the step loop's `poll` does."""
+        self.job.poll()
+        return self.job.busy
+
+    def prepare(self, parts: Mapping[str, Any]) -> None:
+        """Allocate the staging ring for snapshots of `parts` now, in a thread of its own (the step
+        loop calls it once the first step made the optimizer's state), so the first save does not
+        wait for the memory."""
+        self.ring.prepare({file: named for file, named in self._mine(parts).tensors.items() if file != SHARDED})
+
+    def _mine(self, parts: Mapping[str, Any]) -> Snapshot:
+        return self.commit.mine(capture(parts, rank=self.rank, per_rank=self.per_rank, sharded=self.sharded))
 
     def _persist(self, step: int, snapshot: Snapshot, meta: dict[str, Any], copied: list) -> None:
         t0 = time.perf_counter()

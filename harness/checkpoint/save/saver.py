@@ -73,6 +73,10 @@ class Saver:
             self.on_commit(Committed(ref, blocking, snapshot.nbytes))
         return Submitted(step, blocking, 0.0, snapshot.nbytes)
 
+    def prepare(self, parts: Mapping[str, Any]) -> None:
+        """Make ready, ahead of the first save, what saving `parts` needs (nothing here; the
+        background saver's staging memory)."""
+
     def poll(self) -> None:
         """Raise the failure of work left running (a local-first upload), once."""
         self.commit.poll()

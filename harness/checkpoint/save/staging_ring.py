@@ -1,0 +1,203 @@
+"""Bounded staging for background saves: one block of host memory through which the bytes of a
+snapshot's tensor files stream from the live tensors to the writer (`StagingRing`).
+
+At the step boundary the saver copies every tensor of the files (`feed`, on the training thread)
+into the ring, in the order the writer writes them (files by name, tensors by name: format.py's
+`snapshot_files`, tensorfile.py's `serialize`), while the persist (the writer thread) takes them
+out (`chunks`) and writes and hashes them. A copy waits only for room: with a ring as large as
+what it stages (the default, `capacity=None`: it grows to the largest snapshot) nothing waits and
+the step loop pays one memory copy, as with whole staging buffers; with a smaller ring the step
+loop waits for the writer to drain the bytes beyond the ring, and the memory a save adds is the
+ring, whatever the state's size.
+
+Contract of the memory: a piece of the ring is handed to the writer as a memoryview over it, and
+counts as free again only once nothing refers to it any longer: written, and hashed by the hash
+thread that runs behind the writes (harness/storage/location.py, `BackgroundHash`). CPython frees
+the piece's array when the last reference goes; a finalizer on it gives the room back, so no piece
+is overwritten while any reader holds it. Pieces come back out of order (a write and its hash end
+at different times); the free space is the prefix released in order.
+
+The memory is allocated once, ahead of the first save (`prepare`, in a thread of its own: the
+pages are touched there, not in the step loop's first save), reused by every save, and pinned when
+the state lives on a GPU, whose pieces are copied asynchronously on the current stream: the
+writer waits for each piece's event, and the next step's kernels queue behind the copies.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import torch
+
+from harness.checkpoint.tensorfile import ChunkedTensors
+from harness.log import get_logger
+from optim.dtensor import local
+
+log = get_logger(__name__)
+
+PIECE_BYTES = 16 << 20  # the largest piece handed to the writer: small against any sensible ring
+MIN_CAPACITY = 4 * PIECE_BYTES  # room for the pieces the writer and its hash thread hold, and more
+
+Entry = tuple[str, str, torch.Tensor]  # (file, tensor name, live tensor)
+
+
+class StagingAborted(RuntimeError):
+    """The writer stopped before it took every piece of the snapshot (its own failure is the
+    background save's to report), or the staging side stopped before it copied all of them."""
+
+
+class StagingRing:
+    """FIFO staging memory of `capacity` bytes (None: as large as the largest snapshot staged).
+
+    One save at a time: `begin(snapshot tensors)` gives the persist its `ChunkedTensors`, then
+    `feed(entries, writer_alive)` copies the live tensors in on the training thread while the
+    persist reads `chunks`; `feed` returns once every byte is copied (the live tensors may change
+    from then on)."""
+
+    def __init__(self, capacity: int | None = None) -> None:
+        if capacity is not None and capacity < MIN_CAPACITY:
+            raise ValueError(f"staging capacity {capacity} bytes is under the minimum {MIN_CAPACITY}")
+        self.capacity = capacity
+        self._memory: torch.Tensor | None = None
+        self._allocating: threading.Thread | None = None
+        self._room = threading.Condition()
+        # (file, name, generation, start, nbytes, last piece of the tensor, CUDA event or None)
+        self._pieces: queue.SimpleQueue[tuple[str, str, int, int, int, bool, object] | None] = queue.SimpleQueue()
+        self._generation = 0
+        self._head = self._tail = 0  # bytes fed, bytes released in order (both since the save began)
+        self._released: dict[int, int] = {}  # start -> end of pieces released ahead of the tail
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the ring holds (0 before the first `prepare` or save)."""
+        self._wait_allocated()
+        return 0 if self._memory is None else self._memory.numel()
+
+    @property
+    def address(self) -> int | None:
+        """Where the memory lies (None before it exists): the same across saves, as it is reused."""
+        self._wait_allocated()
+        return None if self._memory is None else self._memory.data_ptr()
+
+    def size_for(self, nbytes: int) -> int:
+        """The ring's size for a snapshot of `nbytes`: the capacity, or `nbytes` without one."""
+        return max(1, nbytes if self.capacity is None else min(self.capacity, nbytes))
+
+    def prepare(self, tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Allocate (and touch) the memory for saves of the files `tensors` (file -> name -> tensor)
+        in a thread of its own, so no save waits for it; a ring already large enough is kept. Pinned
+        when a tensor lives on a GPU."""
+        self._wait_allocated()
+        entries = [local(t) for named in tensors.values() for t in named.values()]
+        size = self.size_for(sum(t.numel() * t.element_size() for t in entries))
+        pin = any(t.is_cuda for t in entries)
+        if self._memory is not None and self._memory.numel() >= size:
+            return
+        self._memory = None
+        self._allocating = threading.Thread(target=self._allocate, args=(size, pin), name="ckpt-staging-alloc",
+                                            daemon=True)
+        self._allocating.start()
+
+    def _allocate(self, size: int, pin: bool) -> None:
+        memory = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        memory.zero_()  # fault the pages in here, not during a save
+        self._memory = memory
+
+    def _wait_allocated(self) -> None:
+        if self._allocating is not None:
+            self._allocating.join()
+            self._allocating = None
+
+    def begin(self, tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, ChunkedTensors]:
+        """Start a save of the files `tensors` (file -> name -> live tensor), before its persist
+        starts: the memory ready for them, and the files as the persist writes them (their tensors'
+        names, dtypes and shapes as meta tensors, their bytes from this ring, once `feed` copies them)."""
+        self.prepare(tensors)
+        self._wait_allocated()
+        with self._room:
+            self._generation += 1
+            self._head = self._tail = 0
+            self._released.clear()
+        while not self._pieces.empty():  # what an aborted save left (its writer is gone)
+            self._pieces.get_nowait()
+        return {file: ChunkedTensors({name: torch.empty(local(t).shape, dtype=t.dtype, device="meta")
+                                      for name, t in named.items()},
+                                     lambda name, file=file: self.chunks(file, name))
+                for file, named in tensors.items()}
+
+    def feed(self, entries: Sequence[Entry], writer_alive: Callable[[], bool]) -> None:
+        """Copy the tensors of `entries` (those `begin` was given), in the writer's order, into the
+        ring; waits for room while the writer drains it. Raises `StagingAborted` when the writer
+        stopped (`writer_alive()` false) before making room. The writer is told to stop if this
+        raises."""
+        try:
+            for file, name, tensor in entries:
+                self._feed_tensor(file, name, tensor, writer_alive)
+        except BaseException:
+            self._pieces.put(None)
+            raise
+
+    def _feed_tensor(self, file: str, name: str, tensor: torch.Tensor, writer_alive: Callable[[], bool]) -> None:
+        src = local(tensor).detach()
+        if not src.numel():
+            return  # the file has no bytes of it (tensorfile.py writes none)
+        flat = src.contiguous().reshape(-1).view(torch.uint8)
+        assert self._memory is not None
+        size, total, done = self._memory.numel(), flat.numel(), 0
+        while done < total:
+            start = self._head
+            at = start % size
+            n = min(total - done, size - at, PIECE_BYTES)
+            self._wait_room(start + n - size, writer_alive)
+            piece = self._memory[at:at + n]
+            ready = None
+            if flat.is_cuda:
+                piece.copy_(flat[done:done + n], non_blocking=True)
+                ready = torch.cuda.Event()
+                ready.record()
+            else:
+                piece.copy_(flat[done:done + n])
+            done += n
+            self._head = start + n
+            self._pieces.put((file, name, self._generation, start, n, done == total, ready))
+
+    def _wait_room(self, tail_needed: int, writer_alive: Callable[[], bool]) -> None:
+        with self._room:
+            while self._tail < tail_needed:
+                if not writer_alive():
+                    raise StagingAborted("the background save stopped before it wrote the snapshot")
+                self._room.wait(0.05)
+
+    def chunks(self, file: str, name: str) -> Iterator[memoryview]:
+        """The bytes of tensor `name` of `file`, piece by piece, as `feed` copies them in (the
+        writer's side: it must ask for the tensors in the order they are fed)."""
+        while True:
+            got = self._pieces.get()  # the memory exists once a piece does (`feed` allocated it)
+            if got is None:
+                raise StagingAborted("the snapshot's staging stopped before every tensor was copied")
+            got_file, got_name, generation, start, n, last, ready = got
+            if (got_file, got_name) != (file, name):
+                raise StagingAborted(f"the writer asked for {file}/{name}, the ring holds {got_file}/{got_name}")
+            if ready is not None:
+                ready.synchronize()  # type: ignore[attr-defined]
+            memory = self._memory
+            assert memory is not None
+            at = start % memory.numel()
+            array = memory[at:at + n].numpy()
+            weakref.finalize(array, self._release, generation, start, start + n)
+            yield memoryview(array)
+            del array
+            if last:
+                return
+
+    def _release(self, generation: int, start: int, end: int) -> None:
+        with self._room:
+            if generation != self._generation:
+                return  # a piece of an earlier, abandoned save
+            self._released[start] = end
+            while self._tail in self._released:
+                self._tail = self._released.pop(self._tail)
+            self._room.notify_all()

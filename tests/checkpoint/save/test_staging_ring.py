@@ -1,0 +1,121 @@
+"""staging_ring.py through the background saver: with a ring smaller than the state the files are
+the same bytes as a synchronous save, the snapshot is still the state at the step boundary, the
+memory a save holds is the ring, a writer that fails or hangs is reported instead of waited for
+forever, and `prepare` allocates the ring before the first save."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from harness.checkpoint import CheckpointStore
+from harness.checkpoint.save.async_saver import AsyncSaver, BackgroundSaveError, SaveStalled
+from harness.checkpoint.save.commit import Committer
+from harness.checkpoint.save.staging_ring import MIN_CAPACITY, StagingRing
+
+CAP = MIN_CAPACITY  # 64 MiB
+
+
+def big_state() -> dict[str, dict[str, torch.Tensor]]:
+    """Almost two rings of tensors (three of 40 MiB in two files, some small ones, an empty one)."""
+    g = torch.Generator().manual_seed(0)
+    weights = {f"w{i}": torch.randn(10 << 20, generator=g) for i in range(2)}
+    optim = {"m": torch.randn(10 << 20, generator=g), "step": torch.tensor(3), "none": torch.empty(0),
+             "half": torch.randn(1000, generator=g).half()}
+    return {"model": weights, "optim": optim}
+
+
+def hashes(store: CheckpointStore, step: int) -> dict[str, tuple[int, str]]:
+    return {r.name: (r.size, r.digest) for r in store.manifest(store.ref(step)).files}
+
+
+def test_a_ring_smaller_than_the_state_writes_the_same_bytes_and_holds_only_the_ring(tmp_path):
+    state = big_state()
+    sync = CheckpointStore(str(tmp_path / "sync"))
+    sync.save(1, state)
+    store = CheckpointStore(str(tmp_path / "ring"))
+    saver = AsyncSaver(Committer(store), staging_bytes=CAP, persist_delay_s=0.2)  # the writer starts late
+    submitted = saver.save(1, state)
+    for named in state.values():  # the step after the boundary changes every tensor in place
+        for t in named.values():
+            t.add_(1)
+    saver.finish()
+    assert hashes(store, 1) == hashes(sync, 1)
+    assert saver.ring.nbytes == CAP < submitted.nbytes
+
+
+def test_the_ring_is_reused_by_the_next_save(tmp_path):
+    state = big_state()
+    store = CheckpointStore(str(tmp_path / "run"), keep_last=3)
+    saver = AsyncSaver(Committer(store), staging_bytes=CAP)
+    saver.save(1, state)
+    saver.finish()
+    address = saver.ring.address
+    state["model"]["w0"].mul_(2)
+    saver.save(2, state)
+    saver.finish()
+    assert saver.ring.address == address
+    sync = CheckpointStore(str(tmp_path / "sync"))
+    sync.save(2, state)
+    assert hashes(store, 2) == hashes(sync, 2)
+
+
+def test_prepare_allocates_the_ring_before_the_first_save(tmp_path):
+    state = big_state()
+    saver = AsyncSaver(Committer(CheckpointStore(str(tmp_path / "run"))))
+    saver.prepare(state)
+    address = saver.ring.address
+    nbytes = sum(t.numel() * t.element_size() for named in state.values() for t in named.values())
+    assert address is not None and saver.ring.nbytes == nbytes
+    saver.save(1, state)
+    saver.finish()
+    assert saver.ring.address == address
+
+
+class FailingStore(CheckpointStore):
+    """A store whose writes fail after the first chunk of a file, or block until released."""
+
+    def __init__(self, url: str, *, fail: bool) -> None:
+        super().__init__(url)
+        self.fail, self.release = fail, threading.Event()
+
+    def write_file(self, work, ref, name, chunks):
+        def first_then(chunks):
+            for chunk in chunks:
+                yield chunk
+                if self.fail:
+                    raise OSError("disk on fire")
+                self.release.wait(30)
+        return super().write_file(work, ref, name, first_then(chunks))
+
+
+def test_a_writer_that_fails_while_the_step_loop_waits_for_room_is_raised_not_waited_for(tmp_path):
+    store = FailingStore(str(tmp_path / "run"), fail=True)
+    saver = AsyncSaver(Committer(store), staging_bytes=CAP)
+    with pytest.raises(BackgroundSaveError, match="step 1 failed: disk on fire"):
+        saver.save(1, big_state())
+    assert store.list() == []
+    store.fail = False
+    store.release.set()
+    saver.save(2, big_state())  # the ring is usable again
+    saver.finish()
+    assert [r.step for r in store.list()] == [2]
+
+
+def test_a_writer_that_hangs_while_the_step_loop_waits_for_room_is_given_up_at_the_deadline(tmp_path):
+    store = FailingStore(str(tmp_path / "run"), fail=False)
+    saver = AsyncSaver(Committer(store), staging_bytes=CAP, save_deadline_s=1.0, slow_floor_s=0.2)
+    with pytest.raises(SaveStalled, match="step 1 has not committed"):
+        saver.save(1, big_state())
+    store.release.set()  # the storage answers after all: the staging stopped, nothing is committed
+    saver.wait()
+    with pytest.raises(BackgroundSaveError, match="staging stopped"):
+        saver.poll()
+    assert store.list() == []
+
+
+def test_a_capacity_under_the_minimum_is_refused():
+    with pytest.raises(ValueError, match="under the minimum"):
+        StagingRing(MIN_CAPACITY - 1)
