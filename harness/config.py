@@ -311,6 +311,14 @@ class CheckpointSection(Section):
             "are byte-identical either way."
         ),
     )
+    staging_mib: Annotated[int, Field(ge=64)] | None = Field(
+        None,
+        description=(
+            "With async_save, the host memory a background save stages the tensor files through, in MiB (at least "
+            "64; unset: as large as the state). With less than the state the step loop waits at a save until the "
+            "writer has drained all but this much (harness/checkpoint/save/staging_ring.py)."
+        ),
+    )
     when_busy: Literal["wait", "skip"] = Field(
         "wait",
         description=(

@@ -136,7 +136,7 @@ class _Run:
     def start(self) -> None:
         seed_everything(self.seed)
         self.task = self.build()
-        self.saver = open_saver(self.store, background=True)  # one per (re)start, as each process opens its own
+        self.saver = open_saver(self.store)  # in the background; one per (re)start, as each process opens its own
         check_registered({"task": self.task}, self.task.parts(), self.unregistered)
         self.probe = BufferProbe(self.task.model) if non_persistent_buffers(self.task.model) else None
 

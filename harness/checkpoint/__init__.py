@@ -4,7 +4,7 @@ The face of the package: what training (`harness.run`) and the tools use, one wa
 whatever the world size, strategy (one process, DDP, FSDP sharded) and tier.
 
     store = CheckpointStore("runs/a")          # or "s3://bucket/run", "memory://t"
-    saver = open_saver(store, background=True) # sync or async; direct, every rank, or local-first
+    saver = open_saver(store, SaveSettings())  # sync or async; direct, every rank, or local-first
     with store.lease():
         saver.save(step, parts, meta={"config": cfg})
         saver.finish()                          # committed (local-first: published)
@@ -44,7 +44,8 @@ _EXPORTS = {"CheckpointCorrupt": "errors", "CheckpointError": "errors", "Snapsho
             "sharded_parts": "format", "WORLD_SIZE_KEY": "format", "Checkpoint": "loading", "Verify": "loading",
             "CheckpointRef": "discovery", "skipped": "discovery", "CheckpointStore": "store",
             "locate": "target", "open_target": "target", "verify_target": "verify",
-            "open_saver": "save", "Saver": "save.saver", "Committed": "save.commit",
+            "open_saver": "save", "SaveSettings": "save", "SaveHooks": "save", "Saver": "save.saver",
+            "Committed": "save.commit",
             "LocalTier": "save.local_tier", "local_store": "save.local_tier", "not_mine": "save.local_tier",
             "LOCAL": "save.local_tier", "PERSISTENT": "save.local_tier", "PEER": "save.peer_copies",
             "peer_jump": "save.peer_copies",

@@ -17,7 +17,16 @@ from typing import Any
 from tqdm import tqdm
 
 from harness import exit_codes
-from harness.checkpoint import LOCAL, PERSISTENT, CheckpointStore, Committed, LocalTier, open_saver
+from harness.checkpoint import (
+    LOCAL,
+    PERSISTENT,
+    CheckpointStore,
+    Committed,
+    LocalTier,
+    SaveHooks,
+    SaveSettings,
+    open_saver,
+)
 from harness.config import RunConfig, public_config
 from harness.health.debug_hooks import DebugHooks
 from harness.health.watchdog import HangReport, HangWatchdog
@@ -60,12 +69,15 @@ class Loop:
             c.local.every_steps, 0.0, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
             report=functools.partial(self.interval_chosen, tier=LOCAL))
         # Every save goes through this one saver (sync or async; group, local-first or direct).
-        self.saver = open_saver(store, background=c.async_save, local_dir=c.local_dir, when_busy=c.when_busy,
-                                save_deadline_s=c.save_deadline_s, per_rank=trainer.state.per_rank,
-                                sharded=trainer.state.sharded,
-                                on_commit=self.committed, on_slow=self.slow_save,
+        settings = SaveSettings(background=c.async_save, local_dir=c.local_dir, when_busy=c.when_busy,
+                                save_deadline_s=c.save_deadline_s,
+                                staging_bytes=None if c.staging_mib is None else c.staging_mib << 20,
                                 persist_delay_s=cfg.debug.persist_delay_s, fail_rank=cfg.debug.fail_save_rank,
-                                fail_step=cfg.debug.fail_save_step, last_committed=last_committed)
+                                fail_step=cfg.debug.fail_save_step)
+        self.saver = open_saver(store, settings, per_rank=trainer.state.per_rank, sharded=trainer.state.sharded,
+                                hooks=SaveHooks(on_commit=self.committed, on_slow=self.slow_save),
+                                last_committed=last_committed)
+        self.staging_ready = False
         self.last_saved = trainer.step
         self.train_s = 0.0
         self.save_s = 0.0
@@ -218,9 +230,14 @@ class Loop:
                          train_s=self.train_s, save_s=self.save_s)
 
     def poll(self) -> None:
-        """Between steps: raise a background save's or upload's failure, keep the writer lease fresh."""
+        """Between steps: raise a background save's or upload's failure, keep the writer lease fresh.
+        After the first step (the optimizer's state exists then) the saver makes its staging memory
+        ready, in the background, so the first save does not wait for it."""
         self.saver.poll()
         self.store.poll_lease()
+        if not self.staging_ready:
+            self.saver.prepare(self.trainer.state.parts())
+            self.staging_ready = True
 
     def finish_saves(self) -> None:
         """Wait until the newest checkpoint is committed (and, local-first, published remotely) and

@@ -4,6 +4,7 @@ committer (commit.py, group_commit.py, local_first.py) once; the local tier is l
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Literal
 
 from harness.checkpoint.save.async_saver import AsyncSaver
@@ -15,28 +16,53 @@ from harness.checkpoint.store import CheckpointStore
 from harness.parallel import distributed
 
 
-def open_saver(store: CheckpointStore, *, background: bool, local_dir: str | None = None,
-               when_busy: Literal["wait", "skip"] = "wait", save_deadline_s: float | None = None,
-               per_rank: Collection[str] = (), sharded: Collection[str] = (),
-               on_commit: Callable[[Committed], None] | None = None,
-               on_slow: Callable[[int, float], None] | None = None, persist_delay_s: float = 0.0,
-               fail_rank: int | None = None, fail_step: int | None = None,
+@dataclass(frozen=True)
+class SaveSettings:
+    """How a training process saves: in the `background` or not (`checkpoint.async_save`),
+    `local_dir` (local-first), `when_busy`, `save_deadline_s` and `staging_bytes` (the staging
+    ring, `checkpoint.staging_mib`) of `AsyncSaver`; the test hooks `persist_delay_s`
+    (`debug.persist_delay_s`) and `fail_rank`, `fail_step` (`debug.fail_save_rank`/`_step`, of
+    `GroupCommit`)."""
+
+    background: bool = True
+    local_dir: str | None = None
+    when_busy: Literal["wait", "skip"] = "wait"
+    save_deadline_s: float | None = None
+    staging_bytes: int | None = None
+    persist_delay_s: float = 0.0
+    fail_rank: int | None = None
+    fail_step: int | None = None
+
+
+@dataclass(frozen=True)
+class SaveHooks:
+    """What a saver tells its caller: `on_commit(Committed)` after each commit (in the background
+    thread when saving in the background), `on_slow(step, seconds)` about a slow background save."""
+
+    on_commit: Callable[[Committed], None] | None = None
+    on_slow: Callable[[int, float], None] | None = None
+
+
+def open_saver(store: CheckpointStore, settings: SaveSettings = SaveSettings(), *, per_rank: Collection[str] = (),
+               sharded: Collection[str] = (), hooks: SaveHooks = SaveHooks(),
                last_committed: int | None = None) -> Saver:
-    """The saver of a training process for the run dir `store`: in the `background` or not,
+    """The saver of a training process for the run dir `store`: in the background or not,
     committing through the group when there is one (in the background on a second, gloo, group:
-    group_commit.py), else local-first when `local_dir` is set (one process only: the
-    caller refuses it with several ranks), else straight into the run dir. The other arguments
-    are those of `Saver` / `AsyncSaver`; `fail_rank`, `fail_step` those of `GroupCommit`."""
+    group_commit.py), else local-first when `settings.local_dir` is set (one process only: the
+    caller refuses it with several ranks), else straight into the run dir. `per_rank`, `sharded`,
+    `last_committed` are those of `Saver`."""
+    s = settings
     if distributed.is_distributed():
-        side = distributed.new_side_group(save_deadline_s) if background else None
-        commit: Committer = GroupCommit(store, group=side, fail_rank=fail_rank, fail_step=fail_step)
-    elif local_dir is not None:
-        commit = LocalFirst(store, local_dir)
+        side = distributed.new_side_group(s.save_deadline_s) if s.background else None
+        commit: Committer = GroupCommit(store, group=side, fail_rank=s.fail_rank, fail_step=s.fail_step)
+    elif s.local_dir is not None:
+        commit = LocalFirst(store, s.local_dir)
     else:
         commit = Committer(store)
-    common = dict(rank=distributed.rank(), per_rank=per_rank, sharded=sharded, on_commit=on_commit,
+    common = dict(rank=distributed.rank(), per_rank=per_rank, sharded=sharded, on_commit=hooks.on_commit,
                   last_committed=last_committed)
-    if not background:
+    if not s.background:
         return Saver(commit, **common)
-    return AsyncSaver(commit, when_busy=when_busy, persist_delay_s=persist_delay_s, save_deadline_s=save_deadline_s,
-                      on_slow=on_slow, agree=distributed.all_reduce_flag, **common)
+    return AsyncSaver(commit, when_busy=s.when_busy, persist_delay_s=s.persist_delay_s,
+                      save_deadline_s=s.save_deadline_s, on_slow=hooks.on_slow, agree=distributed.all_reduce_flag,
+                      staging_bytes=s.staging_bytes, **common)

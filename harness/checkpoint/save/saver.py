@@ -1,6 +1,6 @@
 """The one way a training loop saves a checkpoint: a `Saver` over a `Committer`.
 
-    saver = open_saver(store, background=True, local_dir=None, ...)   # checkpoint/save/__init__.py
+    saver = open_saver(store, SaveSettings(background=False))   # checkpoint/save/__init__.py
     saver.save(step, parts, meta=meta)     # snapshot, then commit (now, or in the background)
     saver.poll()                           # between steps: raises a failure of earlier work
     saver.finish()                         # everything committed (and, local-first, published)

@@ -14,6 +14,7 @@ from harness.checkpoint import CheckpointStore
 from harness.checkpoint.save.async_saver import AsyncSaver, BackgroundSaveError, SaveStalled
 from harness.checkpoint.save.commit import Committer
 from harness.checkpoint.save.staging_ring import MIN_CAPACITY, StagingRing
+from procs import TINY, assert_one_line_error, assert_same_run, harness
 
 CAP = MIN_CAPACITY  # 64 MiB
 
@@ -119,3 +120,19 @@ def test_a_writer_that_hangs_while_the_step_loop_waits_for_room_is_given_up_at_t
 def test_a_capacity_under_the_minimum_is_refused():
     with pytest.raises(ValueError, match="under the minimum"):
         StagingRing(MIN_CAPACITY - 1)
+
+
+def test_harness_train_with_a_ring_under_the_state_ends_bitwise_as_without(tmp_path):
+    """`checkpoint.staging_mib = 64` on a run with about 150 MiB of state (a 512-wide GPT and its
+    AdamW moments), saved in the background every 2 steps: the same checkpoints and losses as the
+    default staging; an under-minimum size is a one-line error."""
+    wide = ["--set", "model.args.d_model=512", "--set", "model.args.n_layer=4", "--set", "optim.type='adamw'",
+            "--set", "train.steps=4", "--set", "checkpoint.every_steps=2"]
+    runs = {name: tmp_path / name for name in ("ring", "whole")}
+    harness("train", str(TINY), "--run-dir", str(runs["ring"]), *wide, "--set", "checkpoint.staging_mib=64",
+            check=True)
+    harness("train", str(TINY), "--run-dir", str(runs["whole"]), *wide, check=True)
+    assert_same_run(runs["ring"], runs["whole"], 4)
+    small = harness("train", str(TINY), "--run-dir", str(tmp_path / "small"), "--set", "checkpoint.staging_mib=8")
+    assert_one_line_error(small, "checkpoint.staging_mib")
+    assert not (tmp_path / "small").exists()
