@@ -224,8 +224,15 @@ class AsyncSaver(Saver):
         staged, copied = self.buffers.stage({file: named for file, named in mine.tensors.items() if file == SHARDED})
         snapshot = mine.with_tensors({**staged, **self.ring.begin(streamed)})
         self._next_warning = time.monotonic() + max(self.slow_floor_s, 2 * self._last_persist_s)
-        self.job.start(step, self._persist, step, snapshot, dict(meta or {}), copied)
+        # A ring that holds the whole snapshot is filled before the writer starts: the copy then has
+        # the cores and the memory bandwidth to itself. A smaller one streams: the writer drains it
+        # while the rest is copied in.
+        streams = not self.ring.holds(streamed)
+        if streams:
+            self.job.start(step, self._persist, step, snapshot, dict(meta or {}), copied)
         self.ring.feed(ring_order(streamed), writer_alive=self._writer_alive)
+        if not streams:
+            self.job.start(step, self._persist, step, snapshot, dict(meta or {}), copied)
         return Submitted(step, waited + time.perf_counter() - t0, waited, snapshot.nbytes)
 
     def _writer_alive(self) -> bool:

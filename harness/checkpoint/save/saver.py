@@ -66,7 +66,10 @@ class Saver:
         try:
             ref = self.commit(step, snapshot, meta=meta)
         except OSError as e:
-            raise failed_save(step, e, self.last_committed, self.commit.url) or e
+            fixable = failed_save(step, e, self.last_committed, self.commit.url)
+            if fixable is None:
+                raise
+            raise fixable from e
         blocking = time.perf_counter() - t0
         self.last_committed = step
         if self.on_commit is not None:

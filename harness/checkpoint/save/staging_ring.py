@@ -38,10 +38,16 @@ from optim.dtensor import local
 
 log = get_logger(__name__)
 
-PIECE_BYTES = 16 << 20  # the largest piece handed to the writer: small against any sensible ring
+PIECE_BYTES = 16 << 20  # the largest piece handed to the writer while streaming: small against any ring
 MIN_CAPACITY = 4 * PIECE_BYTES  # room for the pieces the writer and its hash thread hold, and more
 
 Entry = tuple[str, str, torch.Tensor]  # (file, tensor name, live tensor)
+
+
+def staged_bytes(tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> int:
+    """The bytes of the files `tensors` (file -> name -> tensor) that pass through the ring (a
+    DTensor's: its local shard)."""
+    return sum(local(t).numel() * t.element_size() for named in tensors.values() for t in named.values())
 
 
 class StagingAborted(RuntimeError):
@@ -67,6 +73,7 @@ class StagingRing:
         # (file, name, generation, start, nbytes, last piece of the tensor, CUDA event or None)
         self._pieces: queue.SimpleQueue[tuple[str, str, int, int, int, bool, object] | None] = queue.SimpleQueue()
         self._generation = 0
+        self._piece = PIECE_BYTES
         self._head = self._tail = 0  # bytes fed, bytes released in order (both since the save began)
         self._released: dict[int, int] = {}  # start -> end of pieces released ahead of the tail
 
@@ -82,6 +89,11 @@ class StagingRing:
         self._wait_allocated()
         return None if self._memory is None else self._memory.data_ptr()
 
+    def holds(self, tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> bool:
+        """Whether the files `tensors` fit in the ring whole (after `begin` for them): then `feed`
+        never waits for the writer."""
+        return staged_bytes(tensors) <= self.nbytes
+
     def size_for(self, nbytes: int) -> int:
         """The ring's size for a snapshot of `nbytes`: the capacity, or `nbytes` without one."""
         return max(1, nbytes if self.capacity is None else min(self.capacity, nbytes))
@@ -91,9 +103,8 @@ class StagingRing:
         in a thread of its own, so no save waits for it; a ring already large enough is kept. Pinned
         when a tensor lives on a GPU."""
         self._wait_allocated()
-        entries = [local(t) for named in tensors.values() for t in named.values()]
-        size = self.size_for(sum(t.numel() * t.element_size() for t in entries))
-        pin = any(t.is_cuda for t in entries)
+        size = self.size_for(staged_bytes(tensors))
+        pin = any(local(t).is_cuda for named in tensors.values() for t in named.values())
         if self._memory is not None and self._memory.numel() >= size:
             return
         self._memory = None
@@ -117,6 +128,9 @@ class StagingRing:
         names, dtypes and shapes as meta tensors, their bytes from this ring, once `feed` copies them)."""
         self.prepare(tensors)
         self._wait_allocated()
+        # Streaming, the writer gets small pieces (room comes back piece by piece); a snapshot the
+        # ring holds whole is copied a tensor at a time (a copy per 16 MiB is slower than one per tensor).
+        self._piece = PIECE_BYTES if staged_bytes(tensors) > self.nbytes else self.nbytes
         with self._room:
             self._generation += 1
             self._head = self._tail = 0
@@ -150,7 +164,7 @@ class StagingRing:
         while done < total:
             start = self._head
             at = start % size
-            n = min(total - done, size - at, PIECE_BYTES)
+            n = min(total - done, size - at, self._piece)
             self._wait_room(start + n - size, writer_alive)
             piece = self._memory[at:at + n]
             ready = None
