@@ -1,5 +1,5 @@
 """A run config's raw layers: TOML files joined by `extends`, then command-line assignments; and
-which layer set each key, so that an error names the place to fix (harness/config.py validates).
+which layer set each key, so that an error names the place to fix (harness/config/ validates).
 
 Contract:
 - A file may extend another with a top-level `extends = "base.toml"` (a path relative to the

@@ -131,7 +131,7 @@ class Adafactor2D(MatrixOptimizer):
                 squares.append(u.float().pow(2).sum())
             squares = torch.stack(squares)
             dist.all_reduce(squares, group=process_group)
-            for p, u, square in zip(members, updates, squares):
+            for p, u, square in zip(members, updates, squares, strict=True):
                 _apply(local(p), u, (square / p.numel()).sqrt().to(u.dtype), group)
 
 

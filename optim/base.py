@@ -67,5 +67,5 @@ class MatrixOptimizer(Optimizer):
     def check_group(self, group: dict) -> None:
         require_matrices(self, group)
         names = group.get("param_names") or [f"params[{i}]" for i in range(len(group["params"]))]
-        for name, p in zip(names, group["params"]):
+        for name, p in zip(names, group["params"], strict=True):
             layout_of(p, f"{type(self).__name__} parameter {name!r}")

@@ -109,8 +109,8 @@ def build_bundle(
     else:
         patterns = matrix_patterns(cfg, model)
         is_matrix = [p.ndim == 2 and any(fnmatchcase(n, pat) for pat in patterns) for n, p in named]
-        matrices = [pair for pair, m in zip(named, is_matrix) if m]
-        rest = [pair for pair, m in zip(named, is_matrix) if not m]
+        matrices = [pair for pair, m in zip(named, is_matrix, strict=True) if m]
+        rest = [pair for pair, m in zip(named, is_matrix, strict=True) if not m]
         if not matrices:
             raise OptimError(f"optim.matrix_patterns {patterns} match no 2D parameter "
                             f"for the {cfg.type} arm; names look like {[n for n, _ in named[:5]]}")

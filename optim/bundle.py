@@ -132,7 +132,7 @@ def _positional(where: str, opt: torch.optim.Optimizer, saved: dict) -> tuple[di
     for group in opt.param_groups:
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         ids = list(range(len(positions), len(positions) + len(group["params"])))
-        for pos, name, p in zip(ids, group["param_names"], group["params"]):
+        for pos, name, p in zip(ids, group["param_names"], group["params"], strict=True):
             positions[name], owners[name] = pos, (p, group)
         torch_groups.append({**hyper, "params": ids, "param_names": list(group["param_names"])})
     state = {}
@@ -179,7 +179,7 @@ class MultiOpt:
                 if "param_names" not in group:
                     raise ValueError(f"optimizer {opt_name!r} was built without parameter names; "
                                      "pass model.named_parameters() pairs")
-                for name, p in zip(group["param_names"], group["params"]):
+                for name, p in zip(group["param_names"], group["params"], strict=True):
                     if name in owner:
                         raise ValueError(f"parameter {name!r} is in both {owner[name]!r} "
                                          f"and {opt_name!r}")
@@ -209,7 +209,7 @@ class MultiOpt:
                 hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
                 groups.append({**_plain(hyper, f"{opt_name}.param_groups"),
                                "params": list(group["param_names"])})
-                for name, p in zip(group["param_names"], group["params"]):
+                for name, p in zip(group["param_names"], group["params"], strict=True):
                     if p in opt.state:
                         state[name] = _plain(opt.state[p], f"{opt_name}.state.{name}")
             out[opt_name] = {"state": state, "param_groups": groups}

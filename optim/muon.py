@@ -113,7 +113,7 @@ class Muon(MatrixOptimizer):
                     torch._foreach_mul_(weights, 1 - lr * wd)
                 # x * 1.0 == x exactly: skipping it saves a pass over wide and square matrices.
                 scaled = [(o, s) for o, s in zip(ortho, (self.update_scale(p.shape, group["consistent_rms"])
-                                                         for p in batch)) if s != 1.0]
+                                                         for p in batch), strict=True) if s != 1.0]
                 if scaled:
                     torch._foreach_mul_([o for o, _ in scaled], [s for _, s in scaled])
                 torch._foreach_add_(weights, ortho, alpha=-lr)

@@ -175,13 +175,13 @@ def orthogonalize(
         return [newton_schulz(matrices[0], steps, dtype).to(matrices[0].dtype)]
     tall = [_is_tall(m.shape) for m in matrices]
     stack = torch.empty((len(matrices), *_wide(matrices[0].shape)), dtype=dtype, device=matrices[0].device)
-    for slot, m, t in zip(stack, matrices, tall):
+    for slot, m, t in zip(stack, matrices, tall, strict=True):
         # Normalised in its own orientation, written straight into its slot: the same values
         # as the single-matrix path, and no second copy of the batch.
         G = m.to(dtype)
         torch.div(G, G.norm() + NS_EPS, out=slot.mT if t else slot)
     out = _iterate(stack, steps).unbind(0)
-    return [(q.mT if t else q).to(m.dtype) for m, t, q in zip(matrices, tall, out)]
+    return [(q.mT if t else q).to(m.dtype) for m, t, q in zip(matrices, tall, out, strict=True)]
 
 
 def require_matrices(optimizer: torch.optim.Optimizer, group: dict) -> None:
@@ -189,7 +189,7 @@ def require_matrices(optimizer: torch.optim.Optimizer, group: dict) -> None:
     `add_param_group` calls this). Names come from torch's named-parameter groups
     (`param_names`); unnamed groups name the parameter by its position."""
     names = group.get("param_names") or [f"params[{i}]" for i in range(len(group["params"]))]
-    for name, p in zip(names, group["params"]):
+    for name, p in zip(names, group["params"], strict=True):
         if p.ndim != 2:
             raise ValueError(
                 f"{type(optimizer).__name__} only takes 2D parameters, but {name!r} has shape "

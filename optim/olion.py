@@ -66,7 +66,7 @@ class OLion(MatrixOptimizer):
                     m.mul_(b2).add_(g, alpha=1 - b2)
                     mixed.append((1 - b1) * g + b1 * m)
                 for p, q in zip(batch, orthogonalize_matrices(batch, mixed, group["ns_steps"], torch.float32,
-                                                              group["ns_batched"])):
+                                                              group["ns_batched"]), strict=True):
                     w = local(p)
                     if wd > 0:
                         w.mul_(1 - lr * wd)

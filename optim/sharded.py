@@ -175,7 +175,7 @@ def orthogonalize_matrices(params: list[torch.Tensor], updates: list[torch.Tenso
     matrices = [whole[i] for i in mine]
     result = {}
     for batch in ns_batches(matrices, batched, dtype):
-        for m, q in zip(batch, orthogonalize(batch, steps, dtype)):
+        for m, q in zip(batch, orthogonalize(batch, steps, dtype), strict=True):
             result[id(m)] = q
     ortho = {i: result[id(whole[i])] for i in mine}
     del whole, matrices, result

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, ...]] = [
     ("optim.",),
     ("harness.exit_codes", "harness.errors", "harness.topology", "harness.log", "harness.config_layers",
-     "harness.config"),
+     "harness.config."),
     ("harness.storage.", "harness.records."),
     ("harness.checkpoint.",),
     ("harness.repro.", "harness.models.", "harness.health.", "harness.process."),
@@ -99,8 +99,7 @@ def test_no_circle():
 
 def test_the_package_root_holds_only_entry_points_and_the_ground_floor():
     flat = sorted(p.stem for p in (ROOT / "harness").glob("*.py"))
-    assert flat == ["__init__", "__main__", "config", "config_layers", "errors", "exit_codes", "log", "testing",
-                    "topology"]
+    assert flat == ["__init__", "__main__", "config_layers", "errors", "exit_codes", "log", "testing", "topology"]
 
 
 def test_run_imports_only_the_checkpoint_face():

@@ -129,7 +129,7 @@ def _sharded(store: CheckpointStore, checkpoint, refs: dict, file):
             if entry is None:
                 raise CheckpointCorrupt(f"{where}: has no tensor {location.tensor!r}")
             view = full
-            for dim, (start, length) in enumerate(zip(offsets, entry.shape)):
+            for dim, (start, length) in enumerate(zip(offsets, entry.shape, strict=False)):
                 view = view.narrow(dim, start, length)
             read_tensor(f, entry, where, out=view)  # straight into the full tensor (a copy when not contiguous)
             covered += view.numel()

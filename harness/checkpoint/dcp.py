@@ -305,7 +305,7 @@ class ShardReader(StorageReader):
         chunk = read_tensor(f, entry, where)
         for req in reqs:
             part = chunk
-            for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+            for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
                 part = part.narrow(dim, start, length)
             dest = planner.resolve_tensor(req).detach()
             if dest.shape != part.shape:
@@ -353,7 +353,7 @@ def _covered(offsets: list[int], sizes: list[int], chunks: Iterable[ChunkStorage
     """How many elements of the block at `offsets` of `sizes` the stored `chunks` (disjoint, as
     DCP writes them) hold."""
     return sum(math.prod(max(0, min(o + s, co + cs) - max(o, co))
-                         for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes)) for c in chunks)
+                         for o, s, co, cs in zip(offsets, sizes, c.offsets, c.sizes, strict=False)) for c in chunks)
 
 
 def load_shards(metadata: Metadata, dest: Mapping[str, torch.Tensor], open_file: OpenFile) -> None:

@@ -91,7 +91,8 @@ def compare_checkpoints(a: tuple[CheckpointStore, CheckpointRef],
             (fa, ea, wa), (fb, eb, wb) = files_a[file], files_b[file]
             for name in sorted(n for n in set(ea) | set(eb) if _part_of(file, n) not in whole):
                 _add(result, _tensor_diff(_part_of(file, name), f"{file}:{name}", ea.get(name), eb.get(name),
-                                          lambda e: read_tensor(fa, e, wa), lambda e: read_tensor(fb, e, wb)))
+                                          lambda e, f=fa, w=wa: read_tensor(f, e, w),
+                                          lambda e, f=fb, w=wb: read_tensor(f, e, w)))
     for part in whole:
         if part not in state_a["parts"] or part not in state_b["parts"]:
             continue  # the JSON comparison named it
@@ -99,7 +100,7 @@ def compare_checkpoints(a: tuple[CheckpointStore, CheckpointRef],
                 whole_tensors(store_b, store_b.open(ref_b), part) as (specs_b, read_b):
             for name in sorted(set(specs_a) | set(specs_b)):
                 _add(result, _tensor_diff(part, f"{part} (whole):{name}", specs_a.get(name), specs_b.get(name),
-                                          lambda _: read_a(name), lambda _: read_b(name)))
+                                          lambda _, n=name: read_a(n), lambda _, n=name: read_b(n)))
     return result
 
 
@@ -163,7 +164,7 @@ def _json_diff(a: Any, b: Any, path: str) -> Iterator[str]:
             else:
                 yield from _json_diff(a[k], b[k], f"{path}/{k}")
     elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             yield from _json_diff(x, y, f"{path}/{i}")
     elif _canon(a) != _canon(b):
         yield f"{path}: A={_canon(a)[:80]} B={_canon(b)[:80]}"

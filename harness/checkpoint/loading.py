@@ -268,50 +268,82 @@ def load(loc: Location, checkpoint: Checkpoint | CheckpointRef, targets: Mapping
     one, and in exact elastic mode (harness/parallel/exact.py)."""
     if isinstance(checkpoint, CheckpointRef):
         checkpoint = open_checkpoint(loc, checkpoint)
-    ref, records = checkpoint.ref, checkpoint.records
-    state = checkpoint.state
-    saved_world = int(state["meta"].get(WORLD_SIZE_KEY, 1))
+    ref = checkpoint.ref
+    saved_world = _saved_world(checkpoint, world, rank)
+    state, new_rank = _state_of_rank(loc, checkpoint, rank, saved_world, one_rank)
+    if new_rank:  # e.g. its own freshly seeded RNG streams rather than a copy of rank 0's
+        skip = (*skip, *kept_on_new_rank)
+    if verify is Verify.BEFORE and (problems := verify_files(loc, ref)):
+        raise CheckpointCorrupt(f"{ref.url} fails verification:\n  " + "\n  ".join(problems))
+    files = _TensorFiles(loc, checkpoint, hashing=verify is Verify.WHILE)
+    restore_parts(state, targets, skip, files.open,
+                  where=f"checkpoint {ref.url}", check_streamed=files.check_streamed if files.hashing else None,
+                  sharded=_shards(loc, checkpoint, files.open, shard_copies))
+    return state["meta"]
+
+
+def _saved_world(checkpoint: Checkpoint, world: int, rank: int) -> int:
+    """The world size of the run that saved `checkpoint`; a warning (rank 0) when it is not `world`."""
+    saved_world = int(checkpoint.state["meta"].get(WORLD_SIZE_KEY, 1))
     if saved_world != world and rank == 0:
         log.warning("resuming with a different world size: the data cursor is re-split (no sample of the epoch is "
                     "repeated or skipped), but bitwise equality with an uninterrupted run is not promised across "
-                    "world sizes", saved_world_size=saved_world, world_size=world, step=ref.step)
-    if state.get("rank", 0) != rank:  # state.json holds rank 0's per-rank parts
-        if rank < saved_world and not one_rank:
-            own = read_state_file(loc, ref, checkpoint.manifest, rank_state_file(rank))["parts"]
-            state = {**state, "parts": {**state["parts"], **own}}
-        else:  # e.g. its own freshly seeded RNG streams rather than a copy of rank 0's
-            skip = (*skip, *kept_on_new_rank)
-    if verify is Verify.BEFORE and (problems := verify_files(loc, ref)):
-        raise CheckpointCorrupt(f"{ref.url} fails verification:\n  " + "\n  ".join(problems))
-    hashing = verify is Verify.WHILE
-    readers: dict[str, HashingReader] = {}
+                    "world sizes", saved_world_size=saved_world, world_size=world, step=checkpoint.ref.step)
+    return saved_world
 
-    def open_file(stack: ExitStack, file: str):
-        if file not in records or not file.endswith(".safetensors"):
-            raise CheckpointCorrupt(f"{ref.url}: state.json refers to {file!r}, which the manifest does not list; "
-                                    f"the checkpoint is corrupt")
-        f, entries, where = open_tensors(loc, stack, ref, records[file], prefetch=True, hashing=hashing)
-        if hashing:
-            readers[file] = f
+
+def _state_of_rank(loc: Location, checkpoint: Checkpoint, rank: int, saved_world: int,
+                   one_rank: bool) -> tuple[dict[str, Any], bool]:
+    """(the state rank `rank` loads, whether it is new to the saving run): `checkpoint.state` when
+    it holds this rank's own per-rank parts; for another rank of the saving run (`saved_world`
+    ranks) that state with the parts of its `rank-NNNNN.json` over rank 0's; otherwise (a rank the
+    run did not have, or any rank but the owner of a `one_rank` copy) rank 0's parts, and True:
+    `load` keeps the live values of its `kept_on_new_rank` parts."""
+    state = checkpoint.state
+    if state.get("rank", 0) == rank:  # state.json holds rank 0's per-rank parts
+        return state, False
+    if rank < saved_world and not one_rank:
+        own = read_state_file(loc, checkpoint.ref, checkpoint.manifest, rank_state_file(rank))["parts"]
+        return {**state, "parts": {**state["parts"], **own}}, False
+    return state, True
+
+
+class _TensorFiles:
+    """The tensor files one `load` of `checkpoint` opens (`open`, restore.py's OpenFile). With
+    `hashing`, each is hashed as it streams, and `check_streamed` then compares every file of the
+    manifest with its record."""
+
+    def __init__(self, loc: Location, checkpoint: Checkpoint, hashing: bool) -> None:
+        self.loc, self.ref, self.records, self.hashing = loc, checkpoint.ref, checkpoint.records, hashing
+        self.readers: dict[str, HashingReader] = {}  # file -> the hashing reader it was opened through
+
+    def open(self, stack: ExitStack, file: str):
+        """(reader, header entries, URL) of the safetensors file `file`, opened in `stack`;
+        `CheckpointCorrupt` when the manifest does not list it as one."""
+        if file not in self.records or not file.endswith(".safetensors"):
+            raise CheckpointCorrupt(f"{self.ref.url}: state.json refers to {file!r}, which the manifest does not "
+                                    f"list; the checkpoint is corrupt")
+        f, entries, where = open_tensors(self.loc, stack, self.ref, self.records[file], prefetch=True,
+                                         hashing=self.hashing)
+        if self.hashing:
+            self.readers[file] = f
         return f, entries, where
 
-    def check_streamed() -> None:
+    def check_streamed(self) -> None:
+        """`CheckpointCorrupt` naming every file whose size or digest is not the manifest's: a file
+        opened is finished through its reader (the rest of its bytes hashed), any other read and
+        hashed now; state.json is skipped (`open_checkpoint` compared its bytes with the manifest)."""
         problems = []
-        for rec in records.values():
-            path = f"{ref.path}/{rec.name}"
-            if rec.name in readers:
-                size, digest = readers[rec.name].finish()
+        for rec in self.records.values():
+            path = f"{self.ref.path}/{rec.name}"
+            if rec.name in self.readers:
+                size, digest = self.readers[rec.name].finish()
             elif rec.name == STATE_FILE:
-                continue  # `open_checkpoint` compared its bytes with the manifest
+                continue
             else:
-                size, digest = hash_file(loc, path, rec.algorithm) if loc.fs.exists(path) else (None, None)
+                size, digest = hash_file(self.loc, path, rec.algorithm) if self.loc.fs.exists(path) else (None, None)
             found = FileRecord(rec.name, size, digest, rec.algorithm)
             if found != rec:
-                problems.append(f"{loc.url_of(path)}: {found.describe()}, the manifest says {rec.describe()}")
+                problems.append(f"{self.loc.url_of(path)}: {found.describe()}, the manifest says {rec.describe()}")
         if problems:
-            raise CheckpointCorrupt(f"{ref.url} is corrupt, found while loading it:\n  " + "\n  ".join(problems))
-
-    restore_parts(state, targets, skip, open_file,
-                  where=f"checkpoint {ref.url}", check_streamed=check_streamed if hashing else None,
-                  sharded=_shards(loc, checkpoint, open_file, shard_copies))
-    return state["meta"]
+            raise CheckpointCorrupt(f"{self.ref.url} is corrupt, found while loading it:\n  " + "\n  ".join(problems))

@@ -159,7 +159,7 @@ def _read_into(f: Any, entry: TensorEntry, where: str, live: torch.Tensor | None
 
     whole = read_tensor(f, entry, where)
     shape, offset = compute_local_shape_and_global_offset(whole.shape, live.device_mesh, live.placements)
-    for dim, (start, length) in enumerate(zip(offset, shape)):
+    for dim, (start, length) in enumerate(zip(offset, shape, strict=True)):
         whole = whole.narrow(dim, start, length)
     with torch.no_grad():
         live.to_local().copy_(whole)

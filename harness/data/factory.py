@@ -63,7 +63,7 @@ def build_user_data(factory: str, args: dict[str, Any], seq_len: int, seed: int,
     if not isinstance(result, tuple) or len(result) != 2:
         raise UserError(f"data factory {factory!r} returned a {type(result).__name__}; it must return "
                         f"(train, eval) sample sources (see harness/data/factory.py)")
-    for name, source in zip(("train", "eval"), result):
+    for name, source in zip(("train", "eval"), result, strict=True):
         if name == "train" and is_iterator_source(source):
             missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(source, m, None))]
             if missing:

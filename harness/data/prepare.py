@@ -184,7 +184,7 @@ def _changed_input(recorded: list[dict] | None, current: list[dict], inputs: tup
     A state file without identities (written by an older harness) cannot be trusted: the first input."""
     if recorded is None or len(recorded) != len(current):
         return inputs[0]
-    return next((url for url, then, now in zip(inputs, recorded, current) if then != now), None)
+    return next((url for url, then, now in zip(inputs, recorded, current, strict=True) if then != now), None)
 
 
 def _discard(loc: Location, progress: _Progress) -> None:

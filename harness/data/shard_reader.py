@@ -80,7 +80,7 @@ class ShardReader:
                              f"dataset's {len(self)} tokens")
         # (row, shard, start, stop) within shards; a window crossing a shard boundary is several.
         pieces = []
-        for row, (start, shard) in enumerate(zip(starts, first)):
+        for row, (start, shard) in enumerate(zip(starts, first, strict=True)):
             at, stop = start, start + length
             while at < stop:
                 end = min(stop, self.offsets[shard + 1])
@@ -103,7 +103,7 @@ class ShardReader:
         blobs = loc.fs.cat_ranges([loc.join(self.index.shards[shard].name) for _, shard, _, _ in pieces],
                                   [a * self.dtype.itemsize for _, _, a, _ in pieces],
                                   [b * self.dtype.itemsize for _, _, _, b in pieces], on_error="raise")
-        for (row, _, a, b), blob in zip(pieces, blobs):
+        for (row, _, a, b), blob in zip(pieces, blobs, strict=True):
             out[row, at[row]:at[row] + b - a] = np.frombuffer(blob, dtype=self.dtype)
             at[row] += b - a
         return out

@@ -84,7 +84,8 @@ def open_data(data_cfg: Any, seed: int, rank: int = 0, world_size: int = 1) -> T
         raise UserError(f"data.sources / eval_sources come from {len(tokenizers)} different tokenizers "
                         f"({', '.join(urls)}); prepare every source with the same one")
     weights = [s.weight for s in data_cfg.sources]
-    identity = {"sources": [{"index_sha256": r.index.sha256, "weight": w} for r, w in zip(readers, weights)]}
+    identity = {"sources": [{"index_sha256": r.index.sha256, "weight": w}
+                            for r, w in zip(readers, weights, strict=True)]}
     if eval_readers:  # evaluation has its own datasets: train on every document of the sources
         train = Mixture([TokenDataset(r, data_cfg.seq_len) for r in readers], weights, seed)
         held_out = Mixture([TokenDataset(r, data_cfg.seq_len) for r in eval_readers],
@@ -95,7 +96,7 @@ def open_data(data_cfg: Any, seed: int, rank: int = 0, world_size: int = 1) -> T
         held_out = Mixture([e for _, e in splits], weights, seed)
         # Which windows train is decided by the split rule, not by the index and config alone: recorded,
         # a resume under another rule (an older harness held out eval_fraction of the documents) is refused.
-        for source, (part, _) in zip(identity["sources"], splits):
+        for source, (part, _) in zip(identity["sources"], splits, strict=True):
             source["train_windows"] = part.num_samples
     order = epoch_permutation(derive_seed(seed, _EVAL_ORDER_SALT), 0, held_out.num_samples)
     return TrainData(train, Reordered(held_out, order), readers[0].index.vocab_size, identity)
@@ -137,7 +138,7 @@ def identity_changes(saved: dict[str, Any] | None, current: dict[str, Any] | Non
     if len(before) != len(after):
         return {"data.sources": (f"{len(before)} sources", f"{len(after)} sources")}
     changes: dict[str, tuple[Any, Any]] = {}
-    for n, (b, a) in enumerate(zip(before, after)):
+    for n, (b, a) in enumerate(zip(before, after, strict=True)):
         if b["index_sha256"] != a["index_sha256"]:
             changes[f"data.sources[{n}] index sha256"] = (b["index_sha256"][:12], a["index_sha256"][:12])
         if b["weight"] != a["weight"]:

@@ -150,7 +150,7 @@ def format_table(arms: list[ArmSummary]) -> str:
 def markdown_table(rows: list[list[str]]) -> str:
     """Rows of cells (the first: the header) as a Markdown table with aligned columns."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) + " |" for r in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(lines)
 

@@ -104,7 +104,7 @@ def expand(axes: list[Axis]) -> list[GridPoint]:
     seed_first = sorted(range(len(axes)), key=lambda i: axes[i].key != SEED_KEY)
     points = []
     for combo in itertools.product(*(axes[i].texts for i in seed_first)):
-        chosen = dict(zip(seed_first, combo))
+        chosen = dict(zip(seed_first, combo, strict=True))
         name = "_".join(f"{labels[i]}={_name_part(chosen[i])}" for i in range(len(axes)))
         points.append(GridPoint(name, tuple(f"{axes[i].key}={chosen[i]}" for i in range(len(axes)))))
     names = [p.name for p in points]
@@ -121,4 +121,4 @@ def _name_part(text: str) -> str:
 
 def _labels(keys: list[str]) -> list[str]:
     leaves = [k.rsplit(".", 1)[-1] for k in keys]
-    return [leaf if leaves.count(leaf) == 1 else key for key, leaf in zip(keys, leaves)]
+    return [leaf if leaves.count(leaf) == 1 else key for key, leaf in zip(keys, leaves, strict=True)]

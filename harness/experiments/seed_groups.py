@@ -180,7 +180,7 @@ def _arm(groups: list[list[ArmSummary]], shared: set[str]) -> Arm:
     flats = [flatten(g[0].config) for g in groups]
     varying = [k for k in LR_KEYS if len({repr(f.get(k)) for f in flats}) > 1]
     lr_key = varying[0] if varying else next((k for k in LR_KEYS if flats[0].get(k) is not None), None)
-    seed_groups = sorted((SeedGroup(g, flat.get(lr_key)) for g, flat in zip(groups, flats)),
+    seed_groups = sorted((SeedGroup(g, flat.get(lr_key)) for g, flat in zip(groups, flats, strict=True)),
                          key=lambda g: (g.lr is None, g.lr or 0.0))
     every = [r for g in groups for r in g]
     folders = {_folder(r) for r in every}

@@ -174,13 +174,13 @@ def _write_weights(dest: Location, specs: dict[str, Whole], produce: Callable[[s
     plan = shard_plan(specs, max_shard_bytes)
     names = [WEIGHTS_FILE] if len(plan) == 1 else \
         [f"model-{k + 1:05d}-of-{len(plan):05d}.safetensors" for k in range(len(plan))]
-    for name, members in zip(names, plan):
+    for name, members in zip(names, plan, strict=True):
         done.files.append(name)
         size, _ = write_stream(dest, dest.join(name), stream({n: specs[n] for n in members}, produce))
         done.nbytes += size
     if len(plan) > 1:
         index = {"metadata": {"total_size": sum(w.dtype.itemsize * math.prod(w.shape) for w in specs.values())},
-                 "weight_map": {n: name for name, members in zip(names, plan) for n in members}}
+                 "weight_map": {n: name for name, members in zip(names, plan, strict=True) for n in members}}
         _write(dest, INDEX_FILE, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode(), done)
 
 

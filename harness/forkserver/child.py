@@ -75,7 +75,7 @@ def _reopen_stdio() -> None:
         old = getattr(sys, name)
         writing = fd > 0
         raw_only = writing and unbuffered  # stdin is buffered always (TextIOWrapper needs read1)
-        buffer = io.open(fd, "wb" if writing else "rb", 0 if raw_only else -1, closefd=False)
+        buffer = open(fd, "wb" if writing else "rb", 0 if raw_only else -1, closefd=False)
         raw = buffer if raw_only else buffer.raw
         raw.name = f"<{name}>"
         stream = io.TextIOWrapper(buffer, encoding=old.encoding, errors=old.errors, newline="\n",

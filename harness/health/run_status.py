@@ -41,7 +41,7 @@ def render(run_dir: str, log_dir: Path, now: float | None = None) -> str:
     step = steps[-1]["step"] if steps else g.last_step or 0
     recent = steps[-RECENT_STEPS:]
     speed = [r["tokens_per_s"] for r in recent if isinstance(r.get("tokens_per_s"), (int, float))]
-    gaps = [b["time"] - a["time"] for a, b in zip(recent, recent[1:]) if b["step"] == a["step"] + 1]
+    gaps = [b["time"] - a["time"] for a, b in zip(recent, recent[1:], strict=False) if b["step"] == a["step"] + 1]
     step_s = statistics.median(gaps) if gaps else None
     last_event = events[-1] if events else {}
     stopped = last_event.get("event") in ("exit", "gave_up")

@@ -74,7 +74,7 @@ def flat_gradients(params: list[torch.nn.Parameter],
     default: its `.grad`."""
     grads = [take(p) if take is not None else _take_grad(p) for p in params]
     return torch.cat([(g if g is not None else torch.zeros(p.shape, device=p.device)).reshape(-1).float()
-                      for p, g in zip(params, grads)])
+                      for p, g in zip(params, grads, strict=True)])
 
 
 def _take_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
@@ -84,7 +84,7 @@ def _take_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
 
 def set_gradients(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
     """Give every parameter its slice of the summed vector `flat` as its gradient."""
-    for p, g in zip(params, flat.split([p.numel() for p in params])):
+    for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
         p.grad = g.view_as(p).to(p.dtype)
 
 

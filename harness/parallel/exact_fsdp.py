@@ -57,13 +57,13 @@ class ShardLayout:
         self.world, self.rank = world, rank
         self.params = params
         self.rows = [p.shape[0] if p.dim() else 1 for p in params]
-        self.row_size = [p.numel() // r if r else 0 for p, r in zip(params, self.rows)]
+        self.row_size = [p.numel() // r if r else 0 for p, r in zip(params, self.rows, strict=True)]
         self.chunk = [math.ceil(r / world) for r in self.rows]  # rows per rank, as torch.chunk cuts them
 
     def scatter(self, block_sum: torch.Tensor) -> torch.Tensor:
         """[world, S]: row j holds rank j's padded chunk of every parameter of the flat `block_sum`."""
         pieces, offset = [], 0
-        for rows, size, chunk in zip(self.rows, self.row_size, self.chunk):
+        for rows, size, chunk in zip(self.rows, self.row_size, self.chunk, strict=True):
             g = block_sum[offset:offset + rows * size].view(rows, size)
             offset += rows * size
             padded = torch.nn.functional.pad(g, (0, 0, 0, chunk * self.world - rows))
@@ -75,7 +75,7 @@ class ShardLayout:
         from torch.distributed.tensor import DTensor
 
         offset = 0
-        for p, rows, size, chunk in zip(self.params, self.rows, self.row_size, self.chunk):
+        for p, rows, size, chunk in zip(self.params, self.rows, self.row_size, self.chunk, strict=True):
             part = mine[offset:offset + chunk * size].view(chunk, size)
             offset += chunk * size
             local_rows = max(0, min(rows, (self.rank + 1) * chunk) - self.rank * chunk)

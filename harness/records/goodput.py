@@ -131,77 +131,111 @@ class Goodput:
         return self.training_s / wall if wall > 0 else 0.0
 
 
-def account(events: Iterable[dict]) -> Goodput:
-    """Fold a run's events (in file order) into a `Goodput`; unknown kinds are ignored."""
-    g = Goodput()
-    procs: list[_Process] = []
-    first_time = last_time = None
-    rolled_back = 0  # steps computed again after rollbacks
+# The trainer's events that tell how far its process got (each has a step).
+_REACHED = ("progress", "checkpoint", "local_checkpoint", "exit")
+
+
+@dataclass
+class _Run:
+    """The events folded so far: the processes in order, the clock's ends, and the running
+    figures `totals` needs besides the per-process ones."""
+
+    g: Goodput = field(default_factory=Goodput)
+    procs: list[_Process] = field(default_factory=list)
+    # When the run began: the first process's start (its start time minus startup_s), or the time of
+    # an event before any start.
+    first_time: float | None = None
+    last_time: float | None = None  # of the last event of any kind
+    rolled_back: int = 0  # steps computed again after rollbacks
     persistent: int | None = None  # the newest persistent checkpoint committed so far
-    for e in events:
+
+    def add(self, e: dict) -> None:
+        """Fold in the next event."""
         kind, t = e.get("event"), float(e.get("time", 0.0))
-        last_time = t
+        self.last_time = t
         if kind == "start":
-            if procs and isinstance(e.get("previous_reached"), int):
-                procs[-1].reached(e["previous_reached"])
-            procs.append(_Process(e.get("resumed_from"), float(e.get("startup_s", 0.0)), e.get("resumed_tier"),
-                                  float(e.get("restore_s", 0.0)), newest_persistent=persistent))
-            g.exit_reason = None
-            if first_time is None:
-                first_time = t - procs[-1].startup_s
-            continue
-        if first_time is None:
-            first_time = t
+            self._start(e, t)
+            return
+        if self.first_time is None:
+            self.first_time = t
         if kind == "restart":
-            g.restarts += 1
-            g.restarting_s += float(e.get("backoff_s", 0.0))
-            continue
-        if kind == "gave_up":
-            g.exit_reason = "gave_up"
-            continue
-        if kind == "anomaly" and e.get("action") == "rollback":
-            # A run resumed from before a rollback meets the same anomaly again: the same rollback.
-            seen = {(r["step"], r["batch"], r["to_step"]) for r in g.rollbacks}
-            if (e["step"], e["batch"], e["to_step"]) not in seen:
-                g.rollbacks.append(e)
-            rolled_back += max(0, int(e["step"]) - int(e["to_step"]))
-            continue
-        if kind not in ("progress", "checkpoint", "local_checkpoint", "exit"):
-            continue
-        if not procs:  # trainer events before any "start": a process that never announced itself
-            procs.append(_Process(None))
-        p = procs[-1]
+            self.g.restarts += 1
+            self.g.restarting_s += float(e.get("backoff_s", 0.0))
+        elif kind == "gave_up":
+            self.g.exit_reason = "gave_up"
+        elif kind == "anomaly" and e.get("action") == "rollback":
+            self._rollback(e)
+        elif kind in _REACHED:
+            self._reached(kind, e)
+
+    def _start(self, e: dict, t: float) -> None:
+        """A new process: the previous one reached the step it says it logged last."""
+        if self.procs and isinstance(e.get("previous_reached"), int):
+            self.procs[-1].reached(e["previous_reached"])
+        self.procs.append(_Process(e.get("resumed_from"), float(e.get("startup_s", 0.0)), e.get("resumed_tier"),
+                                   float(e.get("restore_s", 0.0)), newest_persistent=self.persistent))
+        self.g.exit_reason = None
+        if self.first_time is None:
+            self.first_time = t - self.procs[-1].startup_s
+
+    def _rollback(self, e: dict) -> None:
+        """A rollback's steps are run again, each time it happens; it is listed once."""
+        # A run resumed from before a rollback meets the same anomaly again: the same rollback.
+        seen = {(r["step"], r["batch"], r["to_step"]) for r in self.g.rollbacks}
+        if (e["step"], e["batch"], e["to_step"]) not in seen:
+            self.g.rollbacks.append(e)
+        self.rolled_back += max(0, int(e["step"]) - int(e["to_step"]))
+
+    def _reached(self, kind: str, e: dict) -> None:
+        """A trainer event of `_REACHED`: the current process got to its step; saves block, an
+        exit ends it, progress and exit carry its training seconds so far."""
+        if not self.procs:  # trainer events before any "start": a process that never announced itself
+            self.procs.append(_Process(None))
+        p = self.procs[-1]
         p.reached(int(e["step"]))
         if kind in ("checkpoint", "local_checkpoint"):
-            g.saving_s += float(e.get("blocking_s", 0.0))
+            self.g.saving_s += float(e.get("blocking_s", 0.0))
         if kind == "local_checkpoint":
-            g.local_saving_s += float(e.get("blocking_s", 0.0))
+            self.g.local_saving_s += float(e.get("blocking_s", 0.0))
         if kind == "checkpoint":
-            persistent = int(e["step"]) if persistent is None else max(persistent, int(e["step"]))
+            self.persistent = int(e["step"]) if self.persistent is None else max(self.persistent, int(e["step"]))
         if kind == "exit":
-            g.exit_reason = e.get("reason")
+            self.g.exit_reason = e.get("reason")
         if kind in ("progress", "exit") and "train_s" in e:
             p.train_s, p.train_s_step = float(e["train_s"]), int(e["step"])
 
-    g.processes = len(procs)
-    g.wall_s = (last_time - first_time) if first_time is not None else 0.0
-    g.restarting_s += sum(p.startup_s for p in procs[1:])
-    g.last_step = max((p.last_step for p in procs if p.last_step is not None), default=None)
+    def totals(self) -> Goodput:
+        """The `Goodput` of the run, once its last event is folded in (module docstring: the
+        accounting). Called once: it adds the per-process figures to the running ones."""
+        g, procs = self.g, self.procs
+        g.processes = len(procs)
+        g.wall_s = (self.last_time - self.first_time) if self.first_time is not None else 0.0
+        g.restarting_s += sum(p.startup_s for p in procs[1:])
+        g.last_step = max((p.last_step for p in procs if p.last_step is not None), default=None)
 
-    total_train = sum(p.train_s for p in procs)
-    covered = sum(max(0, p.train_s_step - p.first_step)
-                  for p in procs if p.train_s_step is not None)
-    covered += rolled_back
-    mean_step_s = g.mean_step_s = total_train / covered if covered else 0.0
-    g.recompute_steps = rolled_back + sum(max(0, (prev.last_step or 0) - nxt.first_step)
-                                          for prev, nxt in zip(procs, procs[1:]))
-    g.recompute_s = g.recompute_steps * mean_step_s
-    g.resumes = [{"step": nxt.resumed_from, "tier": nxt.tier, "restore_s": nxt.restore_s,
-                  "steps_lost": max(0, (prev.last_step or 0) - nxt.first_step)} for prev, nxt in zip(procs, procs[1:])]
-    g.extra_steps_without_local = sum(max(0, nxt.first_step - (nxt.newest_persistent or 0))
-                                      for nxt in procs[1:] if nxt.tier not in (None, "persistent"))
-    g.training_s = total_train - g.recompute_s
-    return g
+        total_train = sum(p.train_s for p in procs)
+        covered = sum(max(0, p.train_s_step - p.first_step)
+                      for p in procs if p.train_s_step is not None)
+        covered += self.rolled_back
+        mean_step_s = g.mean_step_s = total_train / covered if covered else 0.0
+        successions = list(zip(procs, procs[1:], strict=False))  # (a process, the one after it)
+        g.recompute_steps = self.rolled_back + sum(max(0, (prev.last_step or 0) - nxt.first_step)
+                                                   for prev, nxt in successions)
+        g.recompute_s = g.recompute_steps * mean_step_s
+        g.resumes = [{"step": nxt.resumed_from, "tier": nxt.tier, "restore_s": nxt.restore_s,
+                      "steps_lost": max(0, (prev.last_step or 0) - nxt.first_step)} for prev, nxt in successions]
+        g.extra_steps_without_local = sum(max(0, nxt.first_step - (nxt.newest_persistent or 0))
+                                          for nxt in procs[1:] if nxt.tier not in (None, "persistent"))
+        g.training_s = total_train - g.recompute_s
+        return g
+
+
+def account(events: Iterable[dict]) -> Goodput:
+    """Fold a run's events (in file order) into a `Goodput`; unknown kinds are ignored."""
+    run = _Run()
+    for e in events:
+        run.add(e)
+    return run.totals()
 
 
 def describe_resumes(resumes: list[dict]) -> str:

@@ -95,51 +95,70 @@ def _covered(parts: Mapping[str, Any]) -> set[int]:
 
 def find_unregistered(roots: Mapping[str, Any], parts: Mapping[str, Any]) -> list[str]:
     """'path (type)' of every stateful object reachable from `roots` that `parts` does not cover."""
-    covered = _covered(parts)
-    seen: set[int] = set()
-    found: list[str] = []
+    walk = _Walk(_covered(parts))
+    for name, root in roots.items():
+        walk.visit(root, name, 0)
+    for name, part in parts.items():
+        walk.visit(part, name, 0)
+    return walk.found
 
-    def module_covered(m: torch.nn.Module) -> bool:
+
+class _Walk:
+    """One walk of `find_unregistered`: each object is visited once (by identity), whichever root
+    reaches it first; `found` lists the stateful ones `covered` (ids) does not hold, in the order met."""
+
+    def __init__(self, covered: set[int]) -> None:
+        self.covered = covered
+        self.seen: set[int] = set()
+        self.found: list[str] = []
+
+    def visit(self, obj: Any, path: str, depth: int) -> None:
+        """Look at `obj`, reached through `path` at `depth` levels below its root, and what it holds."""
+        if isinstance(obj, _LEAF_TYPES) or isinstance(obj, _Config) or id(obj) in self.seen:
+            return
+        self.seen.add(id(obj))
+        if isinstance(obj, torch.nn.Module):
+            self._module(obj, path, depth)
+        elif is_stateful(obj):
+            # A registered part owns its insides; an unregistered one is reported once.
+            if id(obj) not in self.covered:
+                self.found.append(f"{path} ({type(obj).__name__})")
+        elif depth < MAX_DEPTH:
+            self._members(obj, path, depth)
+
+    def _module_covered(self, m: torch.nn.Module) -> bool:
+        """Whether state parts save `m`'s parameters and buffers: `m` is covered itself, or each of
+        its tensors is."""
         # A module without parameters or buffers (a stateless wrapper such as the kernel
         # dispatchers transformers keeps in a plain dict) has nothing a state dict would save;
         # its other attributes are still walked.
-        return id(m) in covered or all(id(t) in covered for t in (*m.parameters(), *m.buffers()))
+        return id(m) in self.covered or all(id(t) in self.covered for t in (*m.parameters(), *m.buffers()))
 
-    def walk(obj: Any, path: str, depth: int) -> None:
-        if isinstance(obj, _LEAF_TYPES) or isinstance(obj, _Config) or id(obj) in seen:
+    def _module(self, m: torch.nn.Module, path: str, depth: int) -> None:
+        """A module no part covers is reported, not entered; a covered one's whole module tree is
+        seen, and the attributes of each submodule other than its parameters, buffers and
+        submodules (what its state dict does not hold) are visited."""
+        if not self._module_covered(m):
+            self.found.append(f"{path} ({type(m).__name__}, parameters no state part saves)")
             return
-        seen.add(id(obj))
-        if isinstance(obj, torch.nn.Module):
-            if not module_covered(obj):
-                found.append(f"{path} ({type(obj).__name__}, parameters no state part saves)")
-                return
-            for name, sub in obj.named_modules():
-                seen.add(id(sub))
-                for attr, value in vars(sub).items():
-                    if attr not in _MODULE_INTERNALS:
-                        walk(value, ".".join(filter(None, (path, name, attr))), depth + 1)
-            return
-        if is_stateful(obj):
-            if id(obj) not in covered:
-                found.append(f"{path} ({type(obj).__name__})")
-            return  # a registered part owns its insides; an unregistered one is reported once
-        if depth >= MAX_DEPTH:
-            return
+        for name, sub in m.named_modules():
+            self.seen.add(id(sub))
+            for attr, value in vars(sub).items():
+                if attr not in _MODULE_INTERNALS:
+                    self.visit(value, ".".join(filter(None, (path, name, attr))), depth + 1)
+
+    def _members(self, obj: Any, path: str, depth: int) -> None:
+        """Visit what a stateless `obj` holds: a mapping's values, a list's, tuple's or set's
+        items, another object's attributes."""
         if isinstance(obj, Mapping):
             for key, value in list(obj.items()):
-                walk(value, f"{path}[{key!r}]", depth + 1)
+                self.visit(value, f"{path}[{key!r}]", depth + 1)
         elif isinstance(obj, (list, tuple, set, frozenset)):
             for i, value in enumerate(obj):
-                walk(value, f"{path}[{i}]", depth + 1)
+                self.visit(value, f"{path}[{i}]", depth + 1)
         elif hasattr(obj, "__dict__"):
             for attr, value in list(vars(obj).items()):
-                walk(value, f"{path}.{attr}", depth + 1)
-
-    for name, root in roots.items():
-        walk(root, name, 0)
-    for name, part in parts.items():
-        walk(part, name, 0)
-    return found
+                self.visit(value, f"{path}.{attr}", depth + 1)
 
 
 def check_registered(roots: Mapping[str, Any], parts: Mapping[str, Any], policy: str = "error") -> list[str]:

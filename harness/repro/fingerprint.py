@@ -145,7 +145,7 @@ def part_digests(part: Any, param_names: Mapping[int, str] | None = None, saved_
             hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
             _leaves(hyper, f"{base}param_groups/{g}", out)
             labels = group.get("param_names") or [names.get(id(p), f"{g}.{i}") for i, p in enumerate(group["params"])]
-            for label, p in zip(labels, group["params"]):
+            for label, p in zip(labels, group["params"], strict=True):
                 for key, value in opt.state.get(p, {}).items():
                     _leaves(value, f"{base}state/{label}/{key}", out)
     return out

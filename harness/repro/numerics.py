@@ -34,7 +34,7 @@ from __future__ import annotations
 import ctypes
 import os
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -182,7 +182,7 @@ def cpu() -> Cpu:
     return Cpu(fields.get("vendor_id", ""), fields.get("model name", ""), frozenset(fields.get("flags", "").split()))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _warn_once(message: str, **fields: str) -> None:
     """One warning per process however many trainers it builds (the test helpers build several)."""
     from harness.log import get_logger

@@ -357,7 +357,7 @@ class Trainer:
         tree = exact.SumTree()
         losses = []
         first = self.rank * self.grad_accum
-        for k, (x, y) in enumerate(zip(block.x.split(self.batch_size), block.y.split(self.batch_size))):
+        for k, (x, y) in enumerate(zip(block.x.split(self.batch_size), block.y.split(self.batch_size), strict=True)):
             # A fresh copy of each micro-batch: the same shape and alignment whichever block it came in.
             x, y = x.to(self.device, copy=True), y.to(self.device, copy=True)
             with micro_batch_streams(self.cfg.train.seed, self.step + 1, first + k):
@@ -457,7 +457,7 @@ class Trainer:
         when a sum is not finite (or overflowed) is each tensor checked exactly, to name it."""
         named = [(f"model/{n}", t) for n, t in (*self.model.named_parameters(), *self.model.named_buffers())]
         for opt_name, opt in self.optim.optimizers.items():
-            names = {id(p): n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"])}
+            names = {id(p): n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"], strict=True)}
             named += [(f"optim/{opt_name}/{names.get(id(p), '?')}/{k}", v)
                       for p, st in opt.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)]
         named = [(n, local(t).detach()) for n, t in named if t.is_floating_point() and t.numel()]

@@ -56,7 +56,7 @@ def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
     return fs, path
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _warn_ignored_options(names: tuple[str, ...], url: str) -> None:
     # A warning, not an error: data sources inherit data.storage_options, so a local source
     # beside an S3 one gets the S3 source's options with no way to opt out.

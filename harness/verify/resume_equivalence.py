@@ -258,7 +258,7 @@ def compare_runs(a: Path, b: Path, steps: int, points: list[int]) -> Verdict:
     restored = [e for e in noticed if any(f.startswith("restored:") for f in e["fields"])]
     verdict = Verdict(identical=False, steps=steps, interrupt_at=points)
     restarts = events_of(b, "start")[1:]
-    verdict.not_resumed = [p for p, e in zip(points, restarts) if e.get("resumed_from") is None]
+    verdict.not_resumed = [p for p, e in zip(points, restarts, strict=False) if e.get("resumed_from") is None]
     verdict.details += [f"B's resumed process reported at step {e['step']}: {', '.join(e['fields'])}" for e in noticed]
     if restored and (found is None or restored[0]["step"] < found[0]):
         verdict.step, verdict.when, verdict.fields = restored[0]["step"], "restore", restored[0]["fields"]

@@ -173,7 +173,7 @@ def _elastic(config: str, run_dir: Path, sets: list[str], log_path: Path, sizes:
              sig: signal.Signals) -> list[int]:
     """Run B segment by segment; returns the step each interruption landed at."""
     landed = []
-    for world, point in zip(sizes, points):
+    for world, point in zip(sizes, points, strict=False):
         starts = len(events_of(run_dir, "start"))
         proc = start_train(config, run_dir, sets, log_path, world=world)
         wait_for_step(proc, run_dir, starts, point, log_path)
@@ -249,7 +249,7 @@ def _changes(run_dir: Path, sizes: list[int]) -> tuple[list[str], list[str]]:
             seen.append((e["old_world_size"], e["new_world_size"]))
             story[-1] += (f", world size {e['old_world_size']} -> {e['new_world_size']} (micro-batch x grad_accum "
                           f"{_shape(e['old'])} -> {_shape(e['new'])})")
-    asked = [(old, new) for old, new in zip(sizes, sizes[1:]) if old != new]
+    asked = [(old, new) for old, new in zip(sizes, sizes[1:], strict=False) if old != new]
     missing = [f"world size {old} -> {new}: no resume made that change (was a checkpoint committed before "
                f"the interruption?)" for old, new in asked if (old, new) not in seen]
     return story, missing

@@ -153,8 +153,9 @@ def run(args: argparse.Namespace) -> dict:
                       file=sys.stderr, flush=True)
         med = statistics.median
         per_rank = distributed.all_gather_object((med(b.save_s), med(b.blocking_s), med(b.persist_s)))
-        overhead = {m: med((x - n) / n for x, n in zip(wall[m], wall["none"])) for m in ("sync", "async")}
-        cpu_overhead = {m: med((x - n) / n for x, n in zip(cpu[m], cpu["none"])) for m in ("sync", "async")}
+        overhead = {m: med((x - n) / n for x, n in zip(wall[m], wall["none"], strict=True)) for m in ("sync", "async")}
+        cpu_overhead = {m: med((x - n) / n for x, n in zip(cpu[m], cpu["none"], strict=True))
+                        for m in ("sync", "async")}
         return {
             "device": str(b.device), "threads": args.threads, "state_mb": b.nbytes() / 1e6, "every": args.every,
             "rounds": args.rounds, "step_s": med(wall["none"]) / args.every,

@@ -141,7 +141,7 @@ class Counter:
 
             def reduce_scatter_single(self, output, input, *a, **k):
                 counter.total += input.numel() * input.element_size() * (counter.world - 1) // counter.world
-                return real.reduce_scatter_single(output=output, input=input, *a, **k)
+                return real.reduce_scatter_single(output, input, *a, **k)
 
         exact.dist = exact_fsdp.dist = _fsdp_collectives.dist = Counted()
 

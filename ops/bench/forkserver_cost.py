@@ -73,7 +73,8 @@ def main() -> None:
                     # A run dir each: the same path twice would resume a finished run.
                     own = {who: [*args[:-1], args[-1] + who] if name.startswith("train") else args
                            for who in ("fresh", "forked")}
-                    runs = [("fresh", lambda: fresh(own["fresh"])), ("forked", lambda: forked(server, own["forked"]))]
+                    runs = [("fresh", lambda own=own: fresh(own["fresh"])),
+                            ("forked", lambda own=own: forked(server, own["forked"]))]
                     figures = {who: run() for who, run in (runs if r % 2 == 0 else runs[::-1])}
                     print(f"{name}: round {r + 1}: fresh {figures['fresh']:.2f} CPU-s, forked "
                           f"{figures['forked']:.2f} CPU-s, {figures['fresh'] / figures['forked']:.1f}x")

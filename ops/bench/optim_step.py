@@ -145,7 +145,7 @@ def alternate(contenders: dict, reps: dict, device: str) -> dict[str, list[float
 def ratio(times: dict, a: str, b: str) -> float:
     """Median over rounds of a's time / b's time in the same round (neighbours in time share
     the machine's load, so the ratio is steadier than a ratio of medians)."""
-    return statistics.median(x / y for x, y in zip(times[a], times[b]))
+    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=False))
 
 
 def torch_ns_in(dtype: torch.dtype):
@@ -224,8 +224,9 @@ def bundle_comparison(args) -> list[tuple[str, float, float, float]]:
     adamw_time = None
     for arm in ARMS:
         opt, _ = build_bundle(parse_optim_config({"type": arm}), model_with_grads(args), 0)
+        members = tuple(opt.optimizers.values())
 
-        def direct(optimizers=tuple(opt.optimizers.values())):
+        def direct(optimizers=members):
             for o in optimizers:
                 o.step()
 
@@ -244,8 +245,9 @@ def dispatch_overhead(calls: int = 20000) -> float:
     optimizers = {name: torch.optim.SGD([(name, torch.nn.Parameter(torch.zeros(1)))], lr=0.1)
                   for name in ("matrix", "rest")}
     bundle = MultiOpt(optimizers)
+    members = tuple(optimizers.values())
 
-    def direct(optimizers=tuple(optimizers.values())):
+    def direct(optimizers=members):
         for o in optimizers:
             o.step()
 

@@ -104,7 +104,7 @@ def main() -> None:
                 shutil.rmtree(out)
             inputs["parquet"].unlink()
             shutil.rmtree(inputs["save_to_disk"])
-    for kind, sizes in results.items():
+    for sizes in results.values():
         sizes["rss_ratio"] = round(sizes[f"{large}mb"]["peak_rss_mib"] / sizes[f"{small}mb"]["peak_rss_mib"], 3)
     print(json.dumps({"sizes_mb": [small, large], "rows_per_group": args.rows_per_group, **results}, indent=2))
 

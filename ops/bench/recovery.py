@@ -99,7 +99,7 @@ def arm(run_dir: str, log_dir: Path, failures: list[int], args: argparse.Namespa
     events = records(log_dir / "events.jsonl")
     starts = [e for e in events if e["event"] == "start"][1:]
     restarts = []
-    for launched, start in zip(launches, starts):
+    for launched, start in zip(launches, starts, strict=False):
         resumed = start["resumed_from"] or 0
         restarts.append({"resumed_from": resumed, "tier": start.get("resumed_tier"), "restore_s": start["restore_s"],
                          "lost": (start["previous_reached"] or resumed) - resumed,

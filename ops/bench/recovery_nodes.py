@@ -153,7 +153,7 @@ def arm(run: Run, name: str, failures: list[int]) -> list[dict]:
     """Train with the arm's failures: one record per restart."""
     world, rows = 2, []
     run.start(world)
-    for i, step in enumerate(failures):
+    for step in failures:
         run.wait_step(step)
         killed = run.kill()
         joins = name == "shrink" and world == 1

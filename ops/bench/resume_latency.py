@@ -105,11 +105,11 @@ def main() -> None:
                 folder = copy / "checkpoints" / "step-00000001"
                 prepare = evict if cache == "cold" else raw_read
 
-                def read() -> float:
+                def read(prepare=prepare, raw_copy=raw_copy) -> float:
                     prepare(raw_copy)
                     return raw_read(raw_copy)
 
-                def resume() -> tuple[float, float]:
+                def resume(prepare=prepare, folder=folder, copy=copy) -> tuple[float, float]:
                     prepare(folder)
                     return train(copy, args)
 

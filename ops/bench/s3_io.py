@@ -182,20 +182,22 @@ def run(size_mib: int, repeat: int, endpoint: str) -> dict:
             _perturb(model, step)  # a different checkpoint each round
             ref = None
 
-            def save():
+            def save(step=step):
                 nonlocal ref
                 ref = store.save(step, {"model": model})
 
-            saves = [("store_save", save), ("boto3_upload", lambda: _upload(client, staged, f"boto3/{step}"))]
+            saves = [("store_save", save),
+                     ("boto3_upload", lambda step=step: _upload(client, staged, f"boto3/{step}"))]
             clock.reset()
             rounds = {name: timed(fn) for name, fn in (saves if step % 2 else saves[::-1])}  # alternate who goes first
             for name in completion:
                 completion[name].append(clock.seconds[name])
                 rounds[f"{name}_less_completion"] = rounds[name] - clock.seconds[name]
-            rounds["boto3_download"] = timed(lambda: _download(client, ref, Path(tmp)))
-            rounds["store_load"] = timed(lambda: load(store, ref, {"model": target}))
-            rounds["store_verify"] = timed(lambda: store.verify(ref))
-            assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), target.state_dict().values()))
+            rounds["boto3_download"] = timed(lambda ref=ref: _download(client, ref, Path(tmp)))
+            rounds["store_load"] = timed(lambda ref=ref: load(store, ref, {"model": target}))
+            rounds["store_verify"] = timed(lambda ref=ref: store.verify(ref))
+            assert all(torch.equal(a, b)
+                       for a, b in zip(model.state_dict().values(), target.state_dict().values(), strict=True))
             for k, v in rounds.items():
                 best[k] = min(best.get(k, v), v)
     mib = nbytes / 2**20
@@ -222,8 +224,8 @@ def fixed_costs(rounds: int, endpoint: str) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         staged = _download(client, store.save(0, {"model": model}), Path(tmp))
         for step in range(1, rounds + 1):
-            times["store_save"].append(timed(lambda: store.save(step, {"model": model})))
-            times["boto3_upload"].append(timed(lambda: _upload(client, staged, f"boto3-fixed/{step}")))
+            times["store_save"].append(timed(lambda step=step: store.save(step, {"model": model})))
+            times["boto3_upload"].append(timed(lambda step=step: _upload(client, staged, f"boto3-fixed/{step}")))
     return {name: round(statistics.median(values), 3) for name, values in times.items()}
 
 

@@ -126,16 +126,17 @@ def worker(size_mib: int, repeat: int, base: Path) -> None:
 
         for step in range(1, repeat + 1):
             target = base / f"dcp-{step}"
-            timed("save ours", lambda: commit(step, capture(parts, rank=topo.rank, sharded={"model", "optim"})))
-            timed("save dcp", lambda: dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(target))))
+            timed("save ours",
+                  lambda step=step: commit(step, capture(parts, rank=topo.rank, sharded={"model", "optim"})))
+            timed("save dcp", lambda target=target: dcp.save(flat, storage_writer=dcp.FileSystemWriter(str(target))))
             checkpoint = store.open(store.ref(step))
             for label, verify in (("load ours", Verify.NO), ("load ours verified", Verify.WHILE)):
                 if topo.rank == 0:
                     evict(base / "ours")
-                timed(label, lambda: load(store, checkpoint, parts, verify=verify))
+                timed(label, lambda checkpoint=checkpoint, verify=verify: load(store, checkpoint, parts, verify=verify))
             if topo.rank == 0:
                 evict(target)
-            timed("load dcp", lambda: dcp.load(flat, storage_reader=dcp.FileSystemReader(str(target))))
+            timed("load dcp", lambda target=target: dcp.load(flat, storage_reader=dcp.FileSystemReader(str(target))))
             dist.barrier()
             if topo.rank == 0:
                 shutil.rmtree(target)
@@ -168,9 +169,10 @@ def measure_async(store, parts: dict, flat: dict, base: Path, rank: int, repeat:
     persisted: dict[str, float] = {}
     for step in range(100, 100 + repeat):
         contenders = {
-            "ours": (lambda: saver.save(step, parts), lambda _: saver.finish()),
-            "dcp": (lambda: dcp.async_save(flat, storage_writer=dcp.FileSystemWriter(str(base / f"dcp-async-{step}")),
-                                           process_group=side), lambda future: future.result()),
+            "ours": (lambda step=step: saver.save(step, parts), lambda _: saver.finish()),
+            "dcp": (lambda step=step: dcp.async_save(
+                        flat, storage_writer=dcp.FileSystemWriter(str(base / f"dcp-async-{step}")), process_group=side),
+                    lambda future: future.result()),
         }
         for name, (start, wait) in contenders.items():
             blocked, done = _background_save_times(start, wait)

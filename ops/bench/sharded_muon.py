@@ -46,16 +46,16 @@ def gather_everything(params, updates, steps, dtype, batched=None):
     """The naive distributed Muon: every rank gathers every whole update and orthogonalises all
     of them, then keeps its own piece of each result."""
     wholes = []
-    for p, u in zip(params, updates):
+    for p, u in zip(params, updates, strict=True):
         w = DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
         RECEIVED["bytes"] += (w.numel() - u.numel()) * w.element_size()
         wholes.append(w)
     result = {}
     for batch in ns_batches(wholes, batched, dtype):
-        for m, q in zip(batch, orthogonalize(batch, steps, dtype)):
+        for m, q in zip(batch, orthogonalize(batch, steps, dtype), strict=True):
             result[id(m)] = q
     out = []
-    for p, w in zip(params, wholes):
+    for p, w in zip(params, wholes, strict=True):
         layout = layout_of(p)
         out.append(result[id(w)].narrow(layout.dim, layout.offset(layout.rank), layout.sizes[layout.rank]))
     return out
@@ -135,7 +135,7 @@ def main() -> None:
 
     contenders = {"ours (owner per matrix)": ours.step, "gather everything": baseline}
     first = {name: timed(step, device) for name, step in contenders.items()}
-    equal = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(ours_params, base_params))
+    equal = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(ours_params, base_params, strict=True))
     times = {name: [] for name in contenders}
     names = list(contenders)
     for r in range(args.reps):
@@ -153,8 +153,8 @@ def main() -> None:
             wall, cpu = statistics.median(w for w, _, _ in rows), statistics.median(c for _, c, _ in rows)
             print(f"| {name} | {wall * 1e3:.1f} | {cpu * 1e3:.1f} | {first[name][2] / 2**20:.2f} |")
         ours_name, base_name = names
-        wall_ratio = statistics.median(a[0] / b[0] for a, b in zip(times[ours_name], times[base_name]))
-        cpu_ratio = statistics.median(a[1] / b[1] for a, b in zip(times[ours_name], times[base_name]))
+        wall_ratio = statistics.median(a[0] / b[0] for a, b in zip(times[ours_name], times[base_name], strict=True))
+        cpu_ratio = statistics.median(a[1] / b[1] for a, b in zip(times[ours_name], times[base_name], strict=True))
         print(f"\nours / gather-everything: wall {wall_ratio:.3f}, CPU {cpu_ratio:.3f}, bytes "
               f"{first[ours_name][2] / first[base_name][2]:.3f} (expected 2/world = {2 / world:.3f})")
     dist.destroy_process_group()

@@ -52,7 +52,7 @@ def steps_of_work(work: Path, steps: int) -> int:
     lines = (work / "interrupted" / "events.jsonl").read_text().splitlines()
     starts = [e for e in map(json.loads, lines) if e.get("event") == "start"]
     ends = [e["previous_reached"] for e in starts[1:]] + [steps]
-    return steps + sum(end - (e["resumed_from"] or 0) for e, end in zip(starts, ends))
+    return steps + sum(end - (e["resumed_from"] or 0) for e, end in zip(starts, ends, strict=False))
 
 
 def train(args: argparse.Namespace, work: Path) -> tuple[float, float]:

@@ -186,7 +186,7 @@ def test_starting_a_commit_asks_the_store_once_and_a_recommit_replaces_the_manif
     store.save(1, again)
     restored = parts(seed=2)
     load(store, store.ref(1), restored)
-    assert all(torch.equal(a, b) for a, b in zip(tensors(again), tensors(restored)))
+    assert all(torch.equal(a, b) for a, b in zip(tensors(again), tensors(restored), strict=True))
 
 
 def test_finding_verifying_and_loading_read_each_object_once_without_asking_about_it(proxy, s3_server, s3_url):

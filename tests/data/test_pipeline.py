@@ -47,7 +47,7 @@ def take(stream: BatchStream, count: int) -> list[Batch]:
 
 def assert_same_batches(a: list[Batch], b: list[Batch]) -> None:
     assert len(a) == len(b)
-    for left, right in zip(a, b):
+    for left, right in zip(a, b, strict=True):
         assert (left.epoch, left.position) == (right.epoch, right.position)
         assert torch.equal(left.sample_ids, right.sample_ids)
         assert torch.equal(left.x, right.x) and torch.equal(left.y, right.y)
@@ -118,7 +118,7 @@ def test_order_is_a_pure_function_of_seed():
     second = take(BatchStream(make_dataset(50), batch_size=4, seed=7), 30)
     other_seed = take(BatchStream(make_dataset(50), batch_size=4, seed=8), 30)
     assert_same_batches(first, second)
-    assert not all(torch.equal(a.sample_ids, b.sample_ids) for a, b in zip(first, other_seed))
+    assert not all(torch.equal(a.sample_ids, b.sample_ids) for a, b in zip(first, other_seed, strict=True))
 
 
 def test_each_epoch_is_a_new_permutation():
@@ -240,7 +240,7 @@ def test_one_set_of_workers_serves_every_epoch():
     assert [b.epoch for b in batches] == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3]
     readers = {int(i) // 1000 for b in batches for i in b.sample_ids}
     assert len(readers) == 2 and os.getpid() not in readers
-    for b, expected in zip(batches, in_process):
+    for b, expected in zip(batches, in_process, strict=True):
         assert torch.equal(b.sample_ids % 1000, expected.sample_ids) and torch.equal(b.x, expected.x)
         assert (b.epoch, b.position) == (expected.epoch, expected.position)
 

@@ -299,8 +299,9 @@ def test_resume_inside_a_document_spanning_many_shards(tmp_path, monkeypatch):
     spec = PrepareSpec((str(tmp_path / "long.txt"), str(tmp_path / "long.txt")), "bytes", shard_tokens=97)
     prepare(spec, str(tmp_path / "reference"))
     write_shard = prepare_module._write_shard
-    offsets = []
-    for _ in range(6):
+
+    def crashing_at_third_shard():
+        """A `_write_shard` that writes, then raises KeyboardInterrupt right after its third shard."""
         calls = []
 
         def crashing(*args, **kwargs):
@@ -309,7 +310,11 @@ def test_resume_inside_a_document_spanning_many_shards(tmp_path, monkeypatch):
             if len(calls) == 3:
                 raise KeyboardInterrupt("simulated crash")
 
-        monkeypatch.setattr(prepare_module, "_write_shard", crashing)
+        return crashing
+
+    offsets = []
+    for _ in range(6):
+        monkeypatch.setattr(prepare_module, "_write_shard", crashing_at_third_shard())
         with pytest.raises(KeyboardInterrupt):
             prepare(spec, str(tmp_path / "resumed"))
         offsets.append(json.loads((tmp_path / "resumed" / STATE_NAME).read_text())["next"][1])
@@ -347,7 +352,7 @@ def _saved_dataset(folder: Path, columns: dict, files: int = 2) -> str:
 
     table = pa.table(columns)
     features = {name: {"dtype": "string" if pa.types.is_string(t) else str(t), "_type": "Value"}
-                for name, t in zip(table.schema.names, table.schema.types)}
+                for name, t in zip(table.schema.names, table.schema.types, strict=True)}
     schema = table.schema.with_metadata({"huggingface": json.dumps({"info": {"features": features}})})
     folder.mkdir(parents=True)
     names, per_file = [], -(-len(table) // files)

@@ -47,7 +47,7 @@ def test_reader_ranges_cross_shard_boundaries(two_sources):
     starts = [0, 45, 49, 95, len(tokens) - 12]  # 49..60 and 95..106 cross shard boundaries
     got = reader.read_windows(starts, 12)
     assert got.dtype == np.int64 and got.shape == (5, 12)
-    for row, start in zip(got, starts):
+    for row, start in zip(got, starts, strict=True):
         assert np.array_equal(row, tokens[start:start + 12])
     with pytest.raises(IndexError):
         reader.read_windows([len(tokens) - 1], 2)

@@ -44,7 +44,7 @@ def main() -> None:
         losses = [trainer.train_step().loss for _ in range(STEPS)]
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         everyone = distributed.all_gather_object((losses, params))
-        for name, p in params.items():
+        for name in params:
             assert torch.equal(everyone[0][1][name], everyone[1][1][name]), f"{name} differs across ranks"
         assert everyone[0][0] == everyone[1][0], "the logged (all-reduced) losses differ across ranks"
         if topo.rank == 0:
@@ -53,7 +53,7 @@ def main() -> None:
             single_losses = [single.train_step().loss for _ in range(STEPS)]
             for name, p in single.model.named_parameters():
                 torch.testing.assert_close(params[name], p.detach(), rtol=1e-4, atol=1e-5, msg=name)
-            assert max(abs(a - b) for a, b in zip(losses, single_losses)) < 1e-5, (losses, single_losses)
+            assert max(abs(a - b) for a, b in zip(losses, single_losses, strict=True)) < 1e-5, (losses, single_losses)
         trainer.close()
     print(f"rank {topo.rank}: ok")
 

@@ -34,7 +34,7 @@ def gathered(trainer) -> dict:
     out = {f"model/{n}": full_value(p.detach()) for n, p in trainer.model.named_parameters()}
     for opt_name, opt in trainer.optim.optimizers.items():
         for group in opt.param_groups:
-            for name, p in zip(group["param_names"], group["params"]):
+            for name, p in zip(group["param_names"], group["params"], strict=True):
                 for key, value in opt.state[p].items():
                     out[f"optim/{opt_name}/{name}/{key}"] = full_value(value.detach())
     return out

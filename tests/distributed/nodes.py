@@ -57,7 +57,7 @@ def restart(run_dir: Path, locals_: list[Path], logs: list[Path], *extra: str) -
     """Both nodes started again (`--resume auto`), each to a clean exit."""
     nodes = agents(run_dir, locals_, logs, *extra)
     try:
-        for node, log in zip(nodes, logs):
+        for node, log in zip(nodes, logs, strict=True):
             assert node.wait(300) == 0, tail(log)
     finally:
         for node in nodes:

@@ -55,7 +55,7 @@ def main() -> None:
         loaded = torch.nn.Linear(4, 4)
         load(chosen.store, ref, {"model": loaded}, one_rank=True)
         result["same_model"] = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                                      loaded.state_dict().values()))
+                                                                      loaded.state_dict().values(), strict=True))
         # A resume from step 2 (an older tier): the local checkpoints and peer copies past it go.
         after = LocalTier(section, RUN, resumed_step=2)
         result["kept"] = sorted({ref.step for store in [after.store, *after.peers.stores()] for ref in store.list()})

@@ -217,7 +217,7 @@ def test_torchrun_elastic_survivor_goes_on_from_its_local_copy_without_a_restart
     try:
         assert "listening" in store.stdout.readline()
         nodes = [start([str(ROOT / "ops/torchrun/train.sh"), str(SPOT), *COMMON, *CADENCE, "--set",
-                        f"checkpoint.local.dir='{local}'"], log, env) for local, log in zip(locals_, logs)]
+                        f"checkpoint.local.dir='{local}'"], log, env) for local, log in zip(locals_, logs, strict=True)]
         try:
             wait_step(nodes[0], run_dir, 7, logs[0])
             lost = agent_of_rank(nodes, 0)

@@ -41,7 +41,7 @@ def test_config_rejects_unknown_and_inconsistent_args():
 
 def test_same_seed_same_weights():
     a, b, c = seeded_gpt(1), seeded_gpt(1), seeded_gpt(2)
-    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb), name
     assert not torch.equal(a.head.weight, c.head.weight)
 
@@ -60,7 +60,7 @@ def test_forward_backward_with_dropout_is_bitwise_repeatable():
     logits_b, grads_b = forward_backward(seed=11)
     logits_c, _ = forward_backward(seed=12)
     assert torch.equal(logits_a, logits_b)
-    assert all(torch.equal(ga, gb) for ga, gb in zip(grads_a, grads_b))
+    assert all(torch.equal(ga, gb) for ga, gb in zip(grads_a, grads_b, strict=True))
     # Dropout is really on: another RNG state gives other masks.
     assert not torch.equal(logits_a, logits_c)
 

@@ -97,7 +97,7 @@ def assert_tree_equal(a, b, path=""):
             assert_tree_equal(a[k], b[k], f"{path}/{k}")
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_tree_equal(x, y, f"{path}/{i}")
     else:
         assert a == b, path

@@ -21,7 +21,7 @@ def reference_adafactor(steps, lr, beta2, eps, clip, wd):
     cs = [torch.zeros(p.shape[1]) for p in params]
     clipped = 0
     for step in range(steps):
-        for p, r, c, g in zip(params, rs, cs, grads_for(step)):
+        for p, r, c, g in zip(params, rs, cs, grads_for(step), strict=True):
             g2 = g.float().pow(2) + eps
             r.mul_(beta2).add_(g2.mean(1), alpha=1 - beta2)
             c.mul_(beta2).add_(g2.mean(0), alpha=1 - beta2)
@@ -45,12 +45,12 @@ def test_update_is_bitwise_the_reference_rule(beta2, clip, wd, clips):
     params = make_params(SHAPES)
     opt = Adafactor2D(params, lr=1e-2, beta2=beta2, clip=clip, wd=wd)
     for step in range(3):
-        for p, g in zip(params, grads_for(step)):
+        for p, g in zip(params, grads_for(step), strict=True):
             p.grad = g
         opt.step()
     expected, rs, cs, clipped = reference_adafactor(3, 1e-2, beta2, 1e-30, clip, wd)
     assert clipped == {"all": 3 * len(SHAPES), "none": 0}[clips]
-    for p, x, r, c in zip(params, expected, rs, cs):
+    for p, x, r, c in zip(params, expected, rs, cs, strict=True):
         assert torch.equal(p.detach(), x)
         assert torch.equal(opt.state[p]["r"], r) and torch.equal(opt.state[p]["c"], c)
 

@@ -19,7 +19,7 @@ def reference_lion(steps, lr, betas, wd):
     params = [p.detach().clone() for p in make_params(SHAPES)]
     ms = [torch.zeros_like(p) for p in params]
     for step in range(steps):
-        for p, m, g in zip(params, ms, grads_for(step)):
+        for p, m, g in zip(params, ms, grads_for(step), strict=True):
             u = torch.sign(b1 * m + (1 - b1) * g)
             if wd > 0:
                 p.mul_(1 - lr * wd)
@@ -33,10 +33,10 @@ def test_update_is_bitwise_the_reference_rule(lr, betas, wd):
     params = make_params(SHAPES)
     opt = Lion(params, lr=lr, betas=betas, wd=wd)
     for step in range(4):
-        for p, g in zip(params, grads_for(step)):
+        for p, g in zip(params, grads_for(step), strict=True):
             p.grad = g
         opt.step()
-    for x, y in zip(params, reference_lion(4, lr, betas, wd)):
+    for x, y in zip(params, reference_lion(4, lr, betas, wd), strict=True):
         assert torch.equal(x.detach(), y)
 
 

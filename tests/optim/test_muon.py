@@ -17,7 +17,7 @@ def grads_for(step):
 
 def run(opt, params, steps=3):
     for step in range(steps):
-        for p, g in zip(params, grads_for(step)):
+        for p, g in zip(params, grads_for(step), strict=True):
             p.grad = g
         opt.step()
     return [p.detach().clone() for p in params]
@@ -28,7 +28,7 @@ def reference_muon(ns, steps=3, lr=0.02, momentum=0.95, nesterov=True):
     params = [p.detach().clone() for p in make_params(SHAPES)]
     bufs = [torch.zeros_like(p) for p in params]
     for step in range(steps):
-        for p, buf, g in zip(params, bufs, grads_for(step)):
+        for p, buf, g in zip(params, bufs, grads_for(step), strict=True):
             buf.mul_(momentum).add_(g)
             u = g.add(buf, alpha=momentum) if nesterov else buf
             u = ns(u)
@@ -41,7 +41,7 @@ def reference_muon(ns, steps=3, lr=0.02, momentum=0.95, nesterov=True):
 def test_per_matrix_path_is_bitwise_the_reference(nesterov, ref_ns):
     params = make_params(SHAPES)
     got = run(Muon(params, nesterov=nesterov, ns_batched=False), params)
-    for x, y in zip(got, reference_muon(ref_ns, nesterov=nesterov)):
+    for x, y in zip(got, reference_muon(ref_ns, nesterov=nesterov), strict=True):
         assert torch.equal(x, y)
 
 
@@ -52,7 +52,7 @@ def test_batched_and_default_paths_are_bitwise_the_reference_on_cpu(ns_batched, 
     float32 CPU path (auto dtype, auto batching, foreach elementwise ops) changes no rounding."""
     params = make_params(SHAPES)
     got = run(Muon(params, ns_batched=ns_batched), params)
-    for x, y in zip(got, reference_muon(ref_ns)):
+    for x, y in zip(got, reference_muon(ref_ns), strict=True):
         assert torch.equal(x, y)
 
 
@@ -65,7 +65,7 @@ def test_bfloat16_ns_tracks_the_float32_path():
 
 def relative_update_error(ours, theirs):
     start = make_params(SHAPES)
-    return max(((a - b).norm() / (a - s).norm()).item() for a, b, s in zip(ours, theirs, start))
+    return max(((a - b).norm() / (a - s).norm()).item() for a, b, s in zip(ours, theirs, start, strict=True))
 
 
 @pytest.mark.parametrize(("consistent_rms", "adjust_lr_fn", "wd"),
@@ -125,18 +125,18 @@ def test_bfloat16_parameters_use_ns_dtype_not_the_parameter_dtype(ref_ns):
 
     def ours(**kw):
         params = [torch.nn.Parameter(p.clone()) for p in start]
-        for p, g in zip(params, grads):
+        for p, g in zip(params, grads, strict=True):
             p.grad = g.clone()
         Muon(params, ns_batched=False, **kw).step()
         return [p.detach() for p in params]
 
     reference = []
-    for p, g in zip(start, grads):
+    for p, g in zip(start, grads, strict=True):
         u = g.add(torch.zeros_like(g).mul_(0.95).add_(g), alpha=0.95)
         u = ref_ns(u)
         reference.append(p.clone().add_(u * max(1.0, u.size(0) / u.size(1)) ** 0.5, alpha=-0.02))
-    assert not any(torch.equal(x, y) for x, y in zip(ours(), reference))
-    for shape, x, y in zip(SHAPES, ours(ns_dtype="bfloat16"), reference):
+    assert not any(torch.equal(x, y) for x, y in zip(ours(), reference, strict=True))
+    for shape, x, y in zip(SHAPES, ours(ns_dtype="bfloat16"), reference, strict=True):
         # one bfloat16 rounding of the parameter, or 5% of the update (0.02 x an NS entry <= 1)
         assert ((x.float() - y.float()).abs() <= y.float().abs() * 2 ** -7 + 1e-3).all(), shape
     for g in grads:

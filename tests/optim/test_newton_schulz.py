@@ -64,14 +64,14 @@ def test_batched_equals_per_matrix_bitwise_in_float32_on_cpu_transposed_pairs_in
     g = torch.Generator().manual_seed(3)
     mats = [torch.randn(*s, generator=g) for s in [(12, 20), (20, 12), (12, 20), (20, 12), (12, 20)]]
     batched = orthogonalize(mats)
-    for m, q in zip(mats, batched):
+    for m, q in zip(mats, batched, strict=True):
         assert q.shape == m.shape and torch.equal(q, ref_ns(m))
 
 
 def test_bfloat16_batched_agrees_with_per_matrix_to_bfloat16_precision():
     g = torch.Generator().manual_seed(5)
     mats = [torch.randn(*s, generator=g) for s in [(16, 40), (40, 16), (16, 40)]]
-    for m, q in zip(mats, orthogonalize(mats, dtype=torch.bfloat16)):
+    for m, q in zip(mats, orthogonalize(mats, dtype=torch.bfloat16), strict=True):
         (single,) = orthogonalize([m], dtype=torch.bfloat16)
         assert q.dtype == torch.float32 and q.shape == m.shape
         assert (q - single).norm() / single.norm() < 2e-2
@@ -98,7 +98,7 @@ def test_bfloat16_iteration_agrees_with_float32_whichever_kernel_layout_it_takes
     monkeypatch.setattr(module, "_torch_own_bfloat16_products", lambda: by_layout)
     g = torch.Generator().manual_seed(6)
     mats = [torch.randn(*s, generator=g) for s in [(24, 56), (56, 24), (24, 56)]]
-    for m, batched in zip(mats, orthogonalize(mats, dtype=torch.bfloat16)):
+    for m, batched in zip(mats, orthogonalize(mats, dtype=torch.bfloat16), strict=True):
         exact = newton_schulz(m)
         for q in (batched, newton_schulz(m, dtype=torch.bfloat16).float()):
             assert (q - exact).norm() / exact.norm() < 2e-2

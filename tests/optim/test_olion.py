@@ -17,7 +17,7 @@ def run(steps, **kw):
     params = make_params(SHAPES)
     opt = OLion(params, **kw)
     for step in range(steps):
-        for p, g in zip(params, grads_for(step)):
+        for p, g in zip(params, grads_for(step), strict=True):
             p.grad = g
         opt.step()
     return [p.detach() for p in params]
@@ -29,7 +29,7 @@ def reference_olion(ns, steps, lr, betas, gamma, wd):
     params = [p.detach().clone() for p in make_params(SHAPES)]
     ms = [torch.zeros_like(p) for p in params]
     for step in range(steps):
-        for p, m, g in zip(params, ms, grads_for(step)):
+        for p, m, g in zip(params, ms, grads_for(step), strict=True):
             m.mul_(b2).add_(g, alpha=1 - b2)
             q = ns((1 - b1) * g + b1 * m)
             if wd > 0:
@@ -42,13 +42,13 @@ def reference_olion(ns, steps, lr, betas, gamma, wd):
                          [(1e-3, (0.9, 0.99), 0.2, 0.0), (1e-2, (0.8, 0.9), 0.5, 0.1)])
 def test_update_is_bitwise_the_reference_rule(ref_ns, lr, betas, gamma, wd):
     got = run(3, lr=lr, betas=betas, gamma=gamma, wd=wd, ns_batched=False)
-    for x, y in zip(got, reference_olion(ref_ns, 3, lr, betas, gamma, wd)):
+    for x, y in zip(got, reference_olion(ref_ns, 3, lr, betas, gamma, wd), strict=True):
         assert torch.equal(x, y)
 
 
 def test_batched_newton_schulz_gives_the_same_update():
     # sign() makes any NS difference all-or-nothing per entry; on CPU bmm and mm agree bitwise.
-    for x, y in zip(run(3, ns_batched=True), run(3, ns_batched=False)):
+    for x, y in zip(run(3, ns_batched=True), run(3, ns_batched=False), strict=True):
         assert torch.equal(x, y)
 
 
@@ -71,10 +71,10 @@ def test_bfloat16_parameters_get_float32_newton_schulz(ref_ns):
     start = [p.detach().bfloat16() for p in make_params(SHAPES)]
     grads = [g.bfloat16() for g in grads_for(0)]
     params = [torch.nn.Parameter(p.clone()) for p in start]
-    for p, g in zip(params, grads):
+    for p, g in zip(params, grads, strict=True):
         p.grad = g.clone()
     OLion(params, ns_batched=False).step()
-    for p, start_p, g in zip(params, start, grads):
+    for p, start_p, g in zip(params, start, grads, strict=True):
         m = torch.zeros_like(g).mul_(0.99).add_(g, alpha=0.01)
         q = ref_ns(((1 - 0.9) * g + 0.9 * m).float()).bfloat16()
         assert torch.equal(p.detach(), start_p.clone().add_(torch.sign(q), alpha=-1e-3 * 0.2))

@@ -82,9 +82,9 @@ def test_untyped_config_decaying_everything_reproduces_plain_adamw_and_lambdalr_
     lambdalr = torch.optim.lr_scheduler.LambdaLR(adamw, fn)
     train(ours, opt, sched, 0, 7)
     train(plain, adamw, lambdalr, 0, 7)
-    for (n, a), b in zip(ours.named_parameters(), plain.parameters()):
+    for (n, a), b in zip(ours.named_parameters(), plain.parameters(), strict=True):
         assert torch.equal(a, b), n
-    for p, q in zip(ours.parameters(), plain.parameters()):
+    for p, q in zip(ours.parameters(), plain.parameters(), strict=True):
         st, ref = opt.optimizers["adamw"].state[p], adamw.state[q]
         assert all(torch.equal(st[k], ref[k]) for k in ref)
     assert list(opt.optimizers) == ["adamw"]

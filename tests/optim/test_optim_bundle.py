@@ -133,7 +133,7 @@ def test_hyperparameters_and_grouping_come_from_the_bundle_not_the_checkpoint(tr
     assert new_opt.restored_with_changes == ["adafactor/initial_lr", "adamw/betas", "adamw/initial_lr",
                                              "adamw/weight_decay"]
     assert new_sched.restored_with_changes == ["adafactor/base_lrs", "adamw/base_lrs"]
-    names = {n: p for g in adamw.param_groups for n, p in zip(g["param_names"], g["params"])}
+    names = {n: p for g in adamw.param_groups for n, p in zip(g["param_names"], g["params"], strict=True)}
     saved = ckpt["optim"]["adamw"]["state"]["head.weight"]["exp_avg"]
     assert torch.equal(adamw.state[names["head.weight"]]["exp_avg"], saved)
 

@@ -1,5 +1,5 @@
 """Exact elastic mode in one process: the summation tree (harness/parallel/exact.py), the exact world sizes
-and the configs refused (harness/config.py), the per-micro-batch streams (harness/repro/rng.py). The
+and the configs refused (harness/config/batch.py), the per-micro-batch streams (harness/repro/rng.py). The
 runs across world sizes: tests/distributed/test_exact_elastic.py."""
 
 from __future__ import annotations

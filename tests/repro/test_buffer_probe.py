@@ -51,7 +51,7 @@ def test_the_watched_forward_computes_the_same_numbers():
     x = torch.randn(3, 4)
     BufferProbe(b)
     assert torch.equal(a(x), b(x))
-    assert all(torch.equal(p, q) for p, q in zip(a.buffers(), b.buffers()))
+    assert all(torch.equal(p, q) for p, q in zip(a.buffers(), b.buffers(), strict=True))
 
 
 def test_a_forward_that_raises_leaves_no_mode_behind():

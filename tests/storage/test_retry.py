@@ -4,7 +4,6 @@ bucket costs one request and says what to fix; a failed multipart upload is abor
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import random
@@ -44,7 +43,7 @@ def client_error(code: str, status: int) -> ClientError:
     (EndpointConnectionError(endpoint_url="http://x"), True),
     (ConnectionClosedError(endpoint_url="http://x"), True),
     (ReadTimeoutError(endpoint_url="http://x"), True),
-    (asyncio.TimeoutError(), True),
+    (TimeoutError(), True),
     (ConnectionResetError(), True),
     (OSError(errno.ETIMEDOUT, "timed out"), True),
     (client_error("AccessDenied", 403), False),
