@@ -27,6 +27,8 @@ tensor whose shape differs. Loaded tensors become the optimizer's state as they 
 when dtype and device already match), so a resume never holds two copies of the optimizer state.
 """
 
+from collections.abc import Collection
+
 import torch
 
 from optim.errors import OptimError
@@ -64,21 +66,38 @@ def _require(ok: bool, where: str, what: str) -> None:
                         "harness's optimizer bundle")
 
 
+def _torch_state_keys(opt: torch.optim.Optimizer, group: dict) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """(the state keys shaped like the parameter, the scalar ones) of torch's own optimizers, or
+    None for another class. AdamW subclasses Adam; the conditional keys follow the group's flags."""
+    if isinstance(opt, torch.optim.Adam):
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ()), ("step",)
+    if isinstance(opt, torch.optim.SGD):
+        return ("momentum_buffer",) if group["momentum"] != 0 else (), ()
+    if isinstance(opt, torch.optim.RMSprop):
+        return (("square_avg",) + (("momentum_buffer",) if group["momentum"] > 0 else ())
+                + (("grad_avg",) if group["centered"] else ())), ("step",)
+    table = {torch.optim.Adagrad: (("sum",), ("step",)), torch.optim.Adamax: (("exp_avg", "exp_inf"), ("step",)),
+             torch.optim.NAdam: (("exp_avg", "exp_avg_sq"), ("step", "mu_product")),
+             torch.optim.RAdam: (("exp_avg", "exp_avg_sq"), ("step",)),
+             torch.optim.Adadelta: (("square_avg", "acc_delta"), ("step",)),
+             torch.optim.ASGD: (("ax",), ("step", "eta", "mu")), torch.optim.Rprop: (("prev", "step_size"), ("step",))}
+    return next((keys for cls, keys in table.items() if isinstance(opt, cls)), None)
+
+
 def state_shapes(opt: torch.optim.Optimizer, p: torch.Tensor, group: dict) -> dict[str, tuple]:
     """The state keys `opt` keeps for `p` (in `group`) once it has stepped, with their shapes.
 
-    Our optimizers declare theirs (`state_shapes(p)`); torch's AdamW/Adam and SGD are known here.
-    Raises TypeError for any other optimizer (MultiOpt refuses it when built)."""
+    Our optimizers declare theirs (`state_shapes(p)`); torch's own (Adam, AdamW, SGD, RMSprop,
+    Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop) are known here. Raises TypeError for any
+    other optimizer (MultiOpt refuses it when built)."""
     if hasattr(opt, "state_shapes"):
         return {k: tuple(v) for k, v in opt.state_shapes(p).items()}
-    shape = tuple(p.shape)
-    if isinstance(opt, torch.optim.Adam):  # AdamW subclasses Adam
-        keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
-        return {"step": (), **{k: shape for k in keys}}
-    if isinstance(opt, torch.optim.SGD):
-        return {"momentum_buffer": shape} if group["momentum"] != 0 else {}
-    raise TypeError(f"{type(opt).__name__} does not declare its state keys; give it a "
-                    "state_shapes(p) -> {key: shape} method")
+    keys = _torch_state_keys(opt, group)
+    if keys is None:
+        raise TypeError(f"{type(opt).__name__} does not declare its state keys; give it a "
+                        "state_shapes(p) -> {key: shape} method")
+    shaped, scalars = keys
+    return {**{k: () for k in scalars}, **{k: tuple(p.shape) for k in shaped}}
 
 
 def _check_group_keys(where: str, opt: torch.optim.Optimizer, saved_groups: list) -> None:
@@ -229,25 +248,30 @@ class MultiOpt:
 
 
 class MultiSched:
-    """Named schedulers (optim.schedule.ScheduledLR), one per optimizer of a MultiOpt, stepped
-    together. After a load, `replanned` is the schedule change it made (None when it kept the
-    schedule) and `restored_with_changes` what differs from the saved state on purpose (as in
-    MultiOpt: `scheduler/what`)."""
+    """Named schedulers, each named after the optimizer of a MultiOpt it drives, stepped together
+    (or those of the optimizers that stepped: `step(names)`). Ours (optim.schedule.ScheduledLR)
+    or any with state_dict / load_state_dict / step / get_last_lr (torch's LR schedulers). After
+    a load, `replanned` is the schedule change ours made (None when it kept the schedule) and
+    `restored_with_changes` what differs from the saved state on purpose (as in MultiOpt:
+    `scheduler/what`)."""
 
     def __init__(self, schedulers: dict[str, ScheduledLR]):
         self.schedulers = dict(schedulers)
 
     @property
     def replanned(self):
-        return next((s.replanned for s in self.schedulers.values() if s.replanned), None)
+        return next((s.replanned for s in self.schedulers.values() if getattr(s, "replanned", None)), None)
 
     @property
     def restored_with_changes(self) -> list[str]:
-        return [f"{name}/{what}" for name, s in self.schedulers.items() for what in s.restored_with_changes]
+        return [f"{name}/{what}" for name, s in self.schedulers.items()
+                for what in getattr(s, "restored_with_changes", ())]
 
-    def step(self) -> None:
-        for sched in self.schedulers.values():
-            sched.step()
+    def step(self, names: Collection[str] | None = None) -> None:
+        """Step every scheduler, or those of the optimizers `names`."""
+        for name, sched in self.schedulers.items():
+            if names is None or name in names:
+                sched.step()
 
     def get_last_lr(self) -> dict[str, list[float]]:
         return {name: list(s.get_last_lr()) for name, s in self.schedulers.items()}
@@ -264,7 +288,8 @@ class MultiSched:
         for name, sched in self.schedulers.items():
             try:
                 _require(isinstance(state_dict[name], dict), f"sched/{name}", "expected a dict")
-                sched.parse(state_dict[name])
+                if hasattr(sched, "parse"):
+                    sched.parse(state_dict[name])
             except (TypeError, ValueError, KeyError) as e:
                 _require(False, f"sched/{name}", f"{type(e).__name__}: {e}")
         for name, sched in self.schedulers.items():

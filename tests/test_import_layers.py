@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("harness.checkpoint.",),
     ("harness.repro.", "harness.models.", "harness.health.", "harness.process."),
     ("harness.parallel.",),
-    ("harness.data.",),
+    ("harness.data.", "harness.task."),
     ("harness.checkpoint.save.",),
     ("harness.checkpoint", "harness.export."),
     ("harness.run.",),

@@ -12,7 +12,7 @@ Contract:
   before torch loads.
 
 This is the face: every name the rest of the harness uses comes from here. The rooms: section.py
-(the base), model.py, data.py, train.py, checkpoint.py (with the local tier), parallel.py,
+(the base), task.py, model.py, data.py, train.py, checkpoint.py (with the local tier), parallel.py,
 monitoring.py (health, log, debug), run.py (RunConfig, the root; [optim] is optim/config.py's),
 loading.py (load_config), batch.py (the batch shape), math_keys.py (math vs free keys),
 public.py (the redacted config). A room imports other rooms, never this face.
@@ -29,6 +29,7 @@ from harness.config.parallel import ParallelSection
 from harness.config.public import SECRET_KEYS, public_config
 from harness.config.run import RunConfig, model_args
 from harness.config.section import Section
+from harness.config.task import TaskSection
 from harness.config.train import TrainSection
 
 # Re-exported for the callers that flatten a config the way the math check does.
@@ -37,7 +38,7 @@ from harness.config_layers import flatten
 __all__ = [
     "ADDED_MATH_KEYS", "DEFAULT_FACTORY", "FREE_FIELDS", "SECRET_KEYS",
     "CheckpointSection", "DataSection", "DataSource", "DebugSection", "HealthSection", "LocalTierSection",
-    "LogSection", "ModelSection", "ParallelSection", "RunConfig", "Section", "TrainSection",
+    "LogSection", "ModelSection", "ParallelSection", "RunConfig", "Section", "TaskSection", "TrainSection",
     "batch_shape", "config_changes", "exact_shape", "exact_world_sizes", "flatten", "is_free", "load_config",
     "math_fields", "model_args", "public_config", "valid_world_sizes",
 ]

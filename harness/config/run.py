@@ -1,6 +1,7 @@
 """RunConfig: the root of the config, a section per table; [optim] is optim/config.py's OptimConfig
-(a union discriminated on `type`). A validator across sections checks what one section alone cannot
-(the model's seq_len against the samples'). `model_args` is what the model factory is called with."""
+(a union discriminated on `type`). Validators across sections check what one section alone cannot
+(the model's seq_len against the samples'; a task factory against the built-in model's keys).
+`model_args` is what the model factory is called with."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from harness.config.model import ModelSection
 from harness.config.monitoring import DebugSection, HealthSection, LogSection
 from harness.config.parallel import ParallelSection
 from harness.config.section import Section
+from harness.config.task import LANGUAGE_MODEL_KEYS, TaskSection
 from harness.config.train import TrainSection
 from optim.config import OptimConfig, parse_optim_config
 
@@ -28,6 +30,7 @@ class RunConfig(Section):
     log_dir: str | None = Field(
         None, description="Local folder for events.jsonl/metrics.jsonl; unset = run_dir when local, else runs/<name>."
     )
+    task: TaskSection = Field(default_factory=TaskSection)
     model: ModelSection = Field(default_factory=ModelSection)
     data: DataSection = Field(default_factory=DataSection)
     optim: OptimConfig = Field(
@@ -47,6 +50,18 @@ class RunConfig(Section):
         if isinstance(longest, int) and longest < self.data.seq_len:
             raise ValueError(f"model.args.seq_len = {longest} is shorter than data.seq_len = {self.data.seq_len}: "
                              "remove model.args.seq_len (the model then follows data.seq_len) or raise it")
+        return self
+
+    @model_validator(mode="after")
+    def _task_or_language_model(self) -> RunConfig:
+        if self.task.factory is None:
+            return self
+        for section, keys in LANGUAGE_MODEL_KEYS.items():
+            given = sorted(set(getattr(self, section).model_fields_set) & set(keys))
+            if given:
+                raise ValueError(f"{section}.{given[0]} is a setting of the built-in language model, which "
+                                 f"task.factory = {self.task.factory!r} replaces: remove it (the task builds its own "
+                                 "models and data; pass what it needs in task.args)")
         return self
 
 

@@ -43,7 +43,10 @@ and a resume on another identity is refused, as for token shards). `data.factory
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from harness.data.dataset import SampleSource
 from harness.errors import UserError
@@ -51,6 +54,7 @@ from harness.models import call_factory, load_factory
 
 EXAMPLE = "mypackage.data:build"
 MAP_STYLE = ("num_samples", "__getitem__", "sample_id")
+_WHAT_TO_YIELD = "each next() must give (x, y) or (x, y, sample_id): int64 tensors of seq_len tokens"
 
 
 def build_user_data(factory: str, args: dict[str, Any], seq_len: int, seed: int, rank: int = 0,
@@ -60,27 +64,78 @@ def build_user_data(factory: str, args: dict[str, Any], seq_len: int, seed: int,
     the factory's own exception (a wrong signature, bad data.args) too, as a model factory's."""
     result = call_factory(load_factory(factory, "data factory", EXAMPLE), factory, "data factory", "data.args", args,
                           {**args, "seq_len": seq_len, "seed": seed, "rank": rank, "world_size": world_size})
+    return checked_sources(result, f"data factory {factory!r}", "__getitem__(i) -> (x, y)")
+
+
+def checked_sources(result: Any, where: str, item: str) -> tuple[Any, SampleSource]:
+    """`result` as (train, eval) sample sources, each map-style (`MapSource`: `num_samples` or
+    `__len__`, `__getitem__`, `sample_id` or the index) or, for train, a stateful iterator;
+    UserError naming `where` (the factory or task) and what is wrong. `item`: what `__getitem__`
+    must give, for the message."""
     if not isinstance(result, tuple) or len(result) != 2:
-        raise UserError(f"data factory {factory!r} returned a {type(result).__name__}; it must return "
-                        f"(train, eval) sample sources (see harness/data/factory.py)")
+        raise UserError(f"{where} returned a {type(result).__name__}; it must return (train, eval) sample sources "
+                        f"(see harness/data/factory.py)")
+    sources = []
     for name, source in zip(("train", "eval"), result, strict=True):
         if name == "train" and is_iterator_source(source):
             missing = [m for m in ("state_dict", "load_state_dict") if not callable(getattr(source, m, None))]
             if missing:
-                raise UserError(f"data factory {factory!r}: its train source is an iterator without "
-                                f"{' and '.join(missing)}, so a checkpoint could not hold its position: add "
-                                f"state_dict() -> dict and load_state_dict(state) (see harness/data/factory.py), "
-                                f"or return a map-style source")
+                raise UserError(f"{where}: its train source is an iterator without {' and '.join(missing)}, so a "
+                                f"checkpoint could not hold its position: add state_dict() -> dict and "
+                                f"load_state_dict(state) (see harness/data/factory.py), or return a map-style source")
+            sources.append(source)
             continue
-        missing = [a for a in MAP_STYLE if not hasattr(source, a)]
-        if missing:
-            raise UserError(f"data factory {factory!r}: its {name} source has no {', '.join(missing)}; a sample "
-                            f"source needs num_samples, __getitem__(i) -> (x, y) and sample_id(i)")
-        if int(source.num_samples) < 1:
-            raise UserError(f"data factory {factory!r}: its {name} source is empty")
-    return result
+        if not hasattr(source, "__getitem__") or not (hasattr(source, "num_samples") or hasattr(source, "__len__")):
+            missing = [a for a in ("num_samples (or __len__)", "__getitem__") if not hasattr(source, a.split()[0])]
+            raise UserError(f"{where}: its {name} source has no {', '.join(missing)}; a sample source needs "
+                            f"num_samples (or __len__), {item} and optionally sample_id(i)")
+        source = MapSource.of(source)
+        if source.num_samples < 1:
+            raise UserError(f"{where}: its {name} source is empty")
+        sources.append(source)
+    return sources[0], sources[1]
+
+
+class MapSource:
+    """A map-style source as the harness reads it: `num_samples` (the source's, or its `len`),
+    `__getitem__`, and `sample_id(i)` (the source's, else `i`). A source with all three (the
+    harness's own) is used as it is."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self.num_samples = int(source.num_samples if hasattr(source, "num_samples") else len(source))
+
+    @classmethod
+    def of(cls, source: Any) -> Any:
+        return source if all(hasattr(source, a) for a in MAP_STYLE) else cls(source)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.source[index]
+
+    def sample_id(self, index: int) -> int:
+        own = getattr(self.source, "sample_id", None)
+        return int(own(index)) if callable(own) else index
 
 
 def is_iterator_source(source: Any) -> bool:
     """An iterable that is not a map-style sample source: the harness draws from `iter(source)`."""
-    return hasattr(source, "__iter__") and not all(hasattr(source, a) for a in MAP_STYLE)
+    return hasattr(source, "__iter__") and not hasattr(source, "__getitem__")
+
+
+def token_sample(seq_len: int) -> Callable[[Any, int], tuple[tuple[torch.Tensor, torch.Tensor], int]]:
+    """How `IteratorStream` reads a language model's iterator: each item `(x, y)` or `(x, y,
+    sample_id)`, x and y integer tensors of `seq_len` tokens (UserError naming what is wrong); a
+    sample without an id of its own gets its global index."""
+
+    def sample(item: Any, index: int) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+        if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
+            raise UserError(f"the data.factory iterator gave a {type(item).__name__}: {_WHAT_TO_YIELD}")
+        x, y = item[0], item[1]
+        for name, t in (("x", x), ("y", y)):
+            if not isinstance(t, torch.Tensor) or t.shape != (seq_len,) or t.is_floating_point():
+                what = f"a tensor of shape {tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else \
+                    f"a {type(t).__name__}"
+                raise UserError(f"the data.factory iterator's {name} is {what}: {_WHAT_TO_YIELD} ({seq_len})")
+        return (x.long(), y.long()), int(item[2]) if len(item) == 3 else index
+
+    return sample

@@ -1,6 +1,10 @@
 """`IteratorStream`: training batches drawn from a user's stateful iterator (`data.factory`).
 
 Contract (the user's side is in factory.py):
+- Each item the iterator gives becomes a sample and its id through `sample(item, index)` (a
+  language model's data.factory: `token_sample`, factory.py, which checks `(x, y[, sample_id])`;
+  a task's: the item itself, its id the global index), and `batch_size` samples a batch through
+  `collate` (batch.py's default).
 - The harness calls `iter(source)` once, lazily, before the first batch and again after every
   `load_state_dict`, and draws `batch_size` samples per batch from that iterator, in the
   training process (no loader workers: the iterator's `state_dict()` must describe exactly the
@@ -17,25 +21,33 @@ Contract (the user's side is in factory.py):
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils.data import default_collate
 
 from harness.checkpoint.format import capture
-from harness.data.batch import Batch
+from harness.data.batch import Batch, Collate
 from harness.errors import StorageError, UserError
 
-_WHAT_TO_YIELD = "each next() must give (x, y) or (x, y, sample_id): int64 tensors of seq_len tokens"
+SampleOf = Callable[[Any, int], tuple[Any, int]]  # (item, global index) -> (sample, sample id)
+
+
+def as_sample(item: Any, index: int) -> tuple[Any, int]:
+    """A task iterator's item is the sample; its id is its global index."""
+    return item, index
 
 
 class IteratorStream:
     """Batches of `batch_size` samples from `source` (a stateful iterable) for `rank` of `world_size`."""
 
-    def __init__(self, source: Any, batch_size: int, seq_len: int, *, rank: int = 0, world_size: int = 1):
+    def __init__(self, source: Any, batch_size: int, sample: SampleOf = as_sample, *, rank: int = 0,
+                 world_size: int = 1, collate: Collate | None = None):
         self.source = source
         self.batch_size = batch_size
-        self.seq_len = seq_len
+        self.sample = sample
+        self.collate = collate or default_collate
         self.rank = rank
         self.world_size = world_size
         self.samples = 0  # delivered by this rank
@@ -54,20 +66,19 @@ class IteratorStream:
         if self._iterator is None:
             self._iterator = iter(self.source)
         first = self.samples
-        xs, ys, ids = [], [], []
+        samples, ids = [], []
         for n in range(self.batch_size):
             try:
                 item = next(self._iterator)
             except StopIteration:
                 raise UserError(f"the data.factory iterator ended after {first + n} samples on rank {self.rank}: "
                                 "it must be endless (start the next epoch itself)") from None
-            x, y, sample_id = self._sample(item, first + n)
-            xs.append(x)
-            ys.append(y)
+            sample, sample_id = self.sample(item, (first + n) * self.world_size + self.rank)
+            samples.append(sample)
             ids.append(sample_id)
         self.samples += self.batch_size
-        return Batch(x=torch.stack(xs), y=torch.stack(ys), sample_ids=torch.tensor(ids, dtype=torch.long),
-                     epoch=0, position=first * self.world_size + self.rank)
+        return Batch(self.collate(samples), torch.tensor(ids, dtype=torch.long), epoch=0,
+                     position=first * self.world_size + self.rank)
 
     def state_dict(self) -> dict[str, Any]:
         return {"samples": self.samples, "rank": self.rank, "world_size": self.world_size,
@@ -88,18 +99,6 @@ class IteratorStream:
     def close(self) -> None:
         """Drop the iterator; the next batch calls `iter(source)` again (at the same position)."""
         self._iterator = None
-
-    def _sample(self, item: Any, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-        if not isinstance(item, (tuple, list)) or len(item) not in (2, 3):
-            raise UserError(f"the data.factory iterator gave a {type(item).__name__}: {_WHAT_TO_YIELD}")
-        x, y = item[0], item[1]
-        for name, t in (("x", x), ("y", y)):
-            if not isinstance(t, torch.Tensor) or t.shape != (self.seq_len,) or t.is_floating_point():
-                what = f"a tensor of shape {tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else \
-                    f"a {type(t).__name__}"
-                raise UserError(f"the data.factory iterator's {name} is {what}: {_WHAT_TO_YIELD} ({self.seq_len})")
-        sample_id = int(item[2]) if len(item) == 3 else index * self.world_size + self.rank
-        return x.long(), y.long(), sample_id
 
     def _check_checkpointable(self) -> None:
         """At start, not at the first save: a state the checkpoint format cannot hold is a UserError."""

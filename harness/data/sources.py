@@ -27,10 +27,12 @@ from typing import Any
 
 import torch
 
+from harness.data.batch import Collate
 from harness.data.dataset import SampleSource, TokenDataset
 from harness.data.document_split import split_by_document
-from harness.data.factory import build_user_data
+from harness.data.factory import build_user_data, token_sample
 from harness.data.identity import data_identity
+from harness.data.iterator_stream import SampleOf, as_sample
 from harness.data.mixture import Mixture
 from harness.data.order import epoch_permutation
 from harness.data.shard_index import read_index
@@ -44,11 +46,17 @@ _EVAL_ORDER_SALT = 0x4556414C  # "EVAL"
 
 @dataclass(frozen=True)
 class TrainData:
+    """A run's data: the `train` and `eval` sources, the vocabulary they declare, their identity,
+    how samples become a batch (`collate`: None, torch's default) and how an iterator's items
+    become samples (`sample`, iterator_stream.py)."""
+
     train: SampleSource | Any  # Any: a user's stateful iterator (factory.py)
     eval: SampleSource
     vocab_size: int | None  # None: byte text (the model's default 256), or a user dataset that does not say
     # text: data_identity(); shards: index hashes + weights; None: a user factory without one
     identity: dict[str, Any] | None
+    collate: Collate | None = None
+    sample: SampleOf = as_sample
 
     def sizes(self, seq_len: int) -> dict[str, Any]:
         """How much data trains and how much is held out, in windows and in the tokens they
@@ -70,7 +78,8 @@ def open_data(data_cfg: Any, seed: int, rank: int = 0, world_size: int = 1) -> T
         train, held_out = build_user_data(data_cfg.factory, data_cfg.args, data_cfg.seq_len, seed, rank, world_size)
         identity = getattr(train, "identity", None)
         return TrainData(train, held_out, getattr(train, "vocab_size", None),
-                         {"factory": identity()} if identity is not None else None)
+                         {"factory": identity()} if identity is not None else None,
+                         sample=token_sample(data_cfg.seq_len))
     if not data_cfg.sources:
         dataset = TokenDataset.from_url(data_cfg.url, data_cfg.seq_len, data_cfg.storage_options)
         train, held_out = dataset.split(data_cfg.eval_fraction)

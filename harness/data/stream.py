@@ -16,6 +16,8 @@ Contract:
   batches in page-locked memory, so their copy to the device can be asynchronous.
 - `contiguous` (parallel.exact_elastic): a rank's batch is its contiguous block of the global
   batch (`order.rank_block`) instead of every world_size-th sample; the cursor is the same.
+- `collate` makes a batch of samples (default: torch's `default_collate`; batch.py's
+  `fetch_samples`), in the loader workers where there are any.
 - The stream never touches the process's global RNGs (the trainer's dropout depends on them):
   the permutation and the DataLoader's worker seeds come from dedicated generators.
 """
@@ -23,11 +25,12 @@ Contract:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from harness.data.batch import Batch, fetch_samples
+from harness.data.batch import Batch, Collate, fetch_samples
 from harness.data.dataset import SampleSource
 from harness.data.order import batches_left, epoch_permutation, rank_batch, rank_block
 from harness.errors import UserError
@@ -45,6 +48,7 @@ class _BatchesAhead(Dataset):
 
     def __init__(self, stream: BatchStream):
         self.dataset = stream.dataset
+        self.collate = stream.collate
         self.seed = stream.seed
         self.epoch = stream.epoch
         self.start = stream.position
@@ -68,13 +72,13 @@ class _BatchesAhead(Dataset):
         later = index - self.in_first_epoch
         return self.epoch + 1 + later // self.per_epoch, (later % self.per_epoch) * self.global_batch
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | UserError:
+    def __getitem__(self, index: int) -> tuple[Any, torch.Tensor] | UserError:
         epoch, position = self.cursor(index)
         dataset, permutation = self._epoch(epoch)
         indices = (rank_block(permutation, position, self.batch_size, self.rank) if self.contiguous
                    else rank_batch(permutation, position, self.batch_size, self.rank, self.world_size))
         try:
-            return fetch_samples(dataset, indices)
+            return fetch_samples(dataset, indices, self.collate)
         except UserError as e:
             # Handed back as a value: re-raised by a DataLoader, it would carry the worker's
             # traceback in its message, and a user error is one line.
@@ -105,6 +109,7 @@ class BatchStream:
         drop_last: bool = True,
         pin_memory: bool = False,
         contiguous: bool = False,
+        collate: Collate | None = None,
     ):
         if batch_size < 1 or num_workers < 0 or not 0 <= rank < world_size:
             raise ValueError(
@@ -129,9 +134,10 @@ class BatchStream:
         self.drop_last = drop_last
         self.pin_memory = pin_memory and num_workers > 0
         self.contiguous = contiguous
+        self.collate = collate
         self.epoch = 0
         self.position = 0
-        self._pending: Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+        self._pending: Iterator[tuple[Any, torch.Tensor] | UserError] | None = None
 
     @property
     def global_batch_size(self) -> int:
@@ -150,8 +156,8 @@ class BatchStream:
         if isinstance(item, UserError):
             self.close()
             raise item
-        x, y, sample_ids = item
-        batch = Batch(x=x, y=y, sample_ids=sample_ids, epoch=self.epoch, position=self.position)
+        inputs, sample_ids = item
+        batch = Batch(inputs, sample_ids, epoch=self.epoch, position=self.position)
         # Without drop_last the final batch may be short; it still ends the epoch.
         self.position = min(self.position + self.global_batch_size, self.dataset.num_samples)
         self._roll_over_if_epoch_ended()
@@ -195,7 +201,7 @@ class BatchStream:
             self.epoch += 1
             self.position = 0
 
-    def _open(self) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | UserError]:
+    def _open(self) -> Iterator[tuple[Any, torch.Tensor] | UserError]:
         ahead = _BatchesAhead(self)
         if self.num_workers == 0:
             return (ahead[i] for i in range(len(ahead)))

@@ -144,7 +144,7 @@ class Loop:
                     return self.preempt(watch)
                 with self.watch("eval", **self.eval_limits()):
                     final_eval = trainer.evaluate()  # overlaps the final persist: the snapshot is a copy
-                self.write_metrics({"step": trainer.step, "eval_loss": final_eval})
+                self.write_metrics({"step": trainer.step, **final_eval})
                 with self.watch("save", **self.save_limits()):
                     self.finish_saves()  # "finished" means the final checkpoint is committed
             finally:
@@ -157,7 +157,7 @@ class Loop:
                 if self.local_tier is not None:
                     self.local_tier.close()  # the same for a peer exchange, within a bound
         self.events.emit("exit", reason="finished", step=trainer.step, train_s=self.train_s, save_s=self.save_s)
-        log.info("finished", step=trainer.step, eval_loss=round(final_eval, 4), run_dir=cfg.run_dir)
+        log.info("finished", step=trainer.step, **{k: round(v, 4) for k, v in final_eval.items()}, run_dir=cfg.run_dir)
         return exit_codes.FINISHED
 
     def step_or_roll_back(self) -> StepResult | None:
@@ -175,12 +175,13 @@ class Loop:
         return result
 
     def evaluate_if_due(self) -> None:
-        """Every `train.eval_every` steps, the eval loss into the metrics. Not at the last step: its
-        evaluation is the final one, after the loop (it overlaps the final persist)."""
+        """Every `train.eval_every` steps, the task's eval metrics (`eval_loss`, ...) into the metrics.
+        Not at the last step: its evaluation is the final one, after the loop (it overlaps the
+        final persist)."""
         every, step = self.cfg.train.eval_every, self.trainer.step
         if every and step % every == 0 and step < self.cfg.train.steps:
             with self.watch("eval", **self.eval_limits()):
-                self.write_metrics({"step": step, "eval_loss": self.trainer.evaluate()})
+                self.write_metrics({"step": step, **self.trainer.evaluate()})
 
     def record(self, r) -> None:
         self.write_metrics({"step": r.step, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,

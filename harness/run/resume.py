@@ -1,24 +1,25 @@
-"""Which checkpoint a training process starts from, and loading it into a new `Trainer`.
+"""Which checkpoint a training process starts from, and loading it into a new `Trainer`: `Resume`
+(candidates, choice, restore).
 
 `choose_checkpoint` turns `--resume auto|never|CKPT_URL` into candidates; `agree_on_checkpoint`
-makes every rank of a group load the one rank 0 verified; `resume_newest` tries the candidates
-newest first, verifying each while it loads, and refuses (`all_damaged`) a run dir whose every
-checkpoint is damaged. With a local tier its choice joins the candidates by step (local first
-at an equal step: it reads faster): every rank verifies the copies its node holds, and one
-all-gather gives the newest step the surviving copies can rebuild for this world, at its world
-size or another, the copies some ranks lack moved from the ranks holding them
-(`LocalRecovery`, checkpoint/save/local_recovery.py); a copy passed over is recorded in
-`LocalRecovery.rejected` (the caller emits `checkpoint_rejected` events). Exact elastic mode is
-decided per candidate (harness/run/exact_mode.py). `check_compatible` refuses a changed math key
-or other data unless `--allow-config-change`, and warns about another environment.
+makes every rank of a group load the one rank 0 verified. With a local tier its choice joins the
+candidates by step: every rank verifies the copies its node holds, and one all-gather gives the
+newest step the surviving copies can rebuild for this world, at its world size or another, the
+copies some ranks lack moved from the ranks holding them (`LocalRecovery`,
+checkpoint/save/local_recovery.py); a copy passed over is recorded in `Resume.rejected` (the
+caller emits `checkpoint_rejected` events). Exact elastic mode is decided per candidate
+(harness/run/exact_mode.py). `check_compatible` refuses a changed math key or other data unless
+`--allow-config-change`, and warns about another environment.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from harness.checkpoint import (
     PERSISTENT,
@@ -35,7 +36,7 @@ from harness.checkpoint import (
 )
 from harness.config import RunConfig, config_changes
 from harness.data.factory import is_iterator_source
-from harness.data.sources import identity_changes, open_data
+from harness.data.sources import TrainData, identity_changes
 from harness.errors import UserError
 from harness.log import get_logger
 from harness.parallel import distributed
@@ -44,6 +45,7 @@ from harness.run.environment import warn_if_changed
 from harness.run.exact_mode import AUTO, decide, saved_mode, with_mode
 from harness.run.trainer import Trainer, resolve_device
 from harness.storage.location import folder_name
+from harness.task import BoundTask, TaskContext, load_task
 
 log = get_logger(__name__)
 
@@ -65,114 +67,191 @@ class Candidate:
         return self.ref.step
 
 
+class PassedOver(Exception):
+    """A chosen checkpoint was found damaged while it loaded, and passed over (`Resume.restore`)."""
+
+
 @dataclass(frozen=True)
-class Resumed:
-    """What `resume_newest` started: the `trainer` (its `cfg` is the config the run trains with,
-    exact elastic mode decided), the checkpoint it was restored from (`chosen`, None for a fresh
-    start), the seconds spent reading, loading and verifying checkpoints (`restore_s`), the config
-    changes since that checkpoint as `config_changes` gives them, the world-size change since it
-    (`resized`, or None), and why exact elastic mode is on or off (`exact_why`)."""
+class Choice:
+    """What a training process starts from: the `candidate` (None: a fresh start) opened
+    (`checkpoint`, its shards' copies `shard_copies` for a local candidate), the config the run
+    trains with (`cfg`: exact elastic mode decided, `exact_why`), and the config changes since the
+    checkpoint (`changes`, as `config_changes` gives them)."""
+
+    candidate: Candidate | None
+    cfg: RunConfig
+    exact_why: str
+    checkpoint: Checkpoint | None = None
+    changes: dict = field(default_factory=dict)
+    shard_copies: tuple[tuple[CheckpointStore, Checkpoint], ...] = ()
+
+
+@dataclass(frozen=True)
+class Started:
+    """A trainer restored (`choice`: from where and how), the seconds spent reading, loading and
+    verifying checkpoints (`restore_s`), and the world-size change since the checkpoint (`resized`,
+    or None)."""
 
     trainer: Trainer
-    chosen: Candidate | None
+    choice: Choice
     restore_s: float
-    changes: dict
     resized: WorldChange | None
-    exact_why: str
+
+    @property
+    def chosen(self) -> Candidate | None:
+        return self.choice.candidate
 
 
-def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[CheckpointRef], verify: Verify,
-                  allow_config_change: bool, local: LocalRecovery | None = None) -> Resumed | None:
-    """The trainer restored from the newest good checkpoint (`Resumed`), or None when that is of
-    a finished run (it says so on stderr; with `Verify.WHILE` that checkpoint is verified first,
-    since it is not loaded). At another world size than the checkpoint's, every rank's random
-    streams are restarted outside exact elastic mode (harness/run/elastic.py); the mode itself is
-    decided per candidate (harness/run/exact_mode.py) and logged.
+class Resume:
+    """Where a training process starts, in three steps: the `candidates` (the run dir's checkpoints
+    as `--resume` names them, with the local tier's agreed choice among them: newest step first,
+    local first at an equal step, it reads faster), the `choose`n one (the newest whose manifest
+    and state open, whose local copies are whole and whose config fits; None for a run that
+    finished), and its `restore` into a trainer built for that choice. `start` does the three.
 
-    `local`: a local tier whose copies are tried too, newest step first across both tiers (local
-    first at an equal step: it reads faster); its choice is agreed by every rank and made whole
-    (checkpoint/save/local_recovery.py) before anything is loaded, and verified again here.
+    A candidate found damaged is passed over (`rejected` lists the local tier's, for the
+    `checkpoint_rejected` events). Most damage shows before a trainer exists (a manifest, a local
+    copy's verification); a persistent checkpoint verified while it loads (one read of every
+    byte) can only show it part-way into the trainer, which is then thrown away and built anew
+    for the next choice. When every checkpoint of the run dir is damaged, `all_damaged` refuses to
+    start over. A checkpoint that is intact but does not fit (another model width) is an error,
+    never passed over."""
 
-    `candidates` are tried newest first, each read once (`source.open`: manifest and state.json)
-    and passed down. With `Verify.WHILE` each is hashed as it loads (one read of every byte); one
-    found damaged (`CheckpointCorrupt`) is logged and skipped, and the trainer is built anew for
-    the next, since the damaged one was already partly streamed into it. A checkpoint that is
-    intact but does not fit (another model width) is an error, never skipped."""
-    restore_s = 0.0
-    world = distributed.world()
-    # Read once: every candidate is checked against it.
-    data = open_data(cfg.data, cfg.train.seed, distributed.rank(), world)
-    device = resolve_device(cfg.train.device).type
-    iterator = is_iterator_source(data.train)
-    tried = [Candidate(source, ref, PERSISTENT) for ref in candidates]
-    if local is not None:
-        t0 = time.perf_counter()  # with several ranks the local copies are verified here, before agreeing
-        own = local.choose(Coverage(global_data=not iterator))
+    def __init__(self, cfg: RunConfig, store: CheckpointStore, resume: str = "auto", allow_config_change: bool = False,
+                 *, task: BoundTask | None = None, data: TrainData | None = None,
+                 local: LocalRecovery | None = None) -> None:
+        """`resume`: auto | never | a checkpoint URL; `task` and its `data` (opened once, by the
+        caller or here); `local`: the local tier's copies to consider (session.local_source)."""
+        self.cfg, self.allow_config_change, self.local = cfg, allow_config_change, local
+        self.world, self.rank = distributed.world(), distributed.rank()
+        self.task = task if task is not None else load_task(cfg)
+        self.device = resolve_device(cfg.train.device)
+        self.data = data if data is not None else self.task.data(
+            TaskContext(args=cfg.task.args, seed=cfg.train.seed, rank=self.rank, world_size=self.world,
+                        device=self.device, steps=cfg.train.steps))
+        self.iterator = is_iterator_source(self.data.train)
+        self.restore_s = 0.0
+        self.rejected: list[dict[str, Any]] = local.rejected if local is not None else []
+        self.source, self.persistent, self.verify = agree_on_checkpoint(store, cfg, resume)
+        self.candidates = self._candidates()
+        self._next = 0
+
+    def _candidates(self) -> list[Candidate]:
+        tried = [Candidate(self.source, ref, PERSISTENT) for ref in self.persistent]
+        if self.local is None:
+            return tried
+        with self._timed():  # with several ranks the local copies are verified here, before agreeing
+            own = self.local.choose(Coverage(global_data=not self.iterator))
         own_candidates = [] if own is None else [Candidate(own.store, own.ref, own.tier, own.owner, own.shards)]
-        tried = sorted(own_candidates + tried, key=lambda c: -c.step)  # stable: local first at an equal step
-        restore_s += time.perf_counter() - t0
-    for chosen in tried:
-        source, ref = chosen.store, chosen.ref
+        return sorted(own_candidates + tried, key=lambda c: -c.step)  # stable: local first at an equal step
+
+    @contextlib.contextmanager
+    def _timed(self) -> Iterator[None]:
         t0 = time.perf_counter()
-        trainer = None
         try:
-            checkpoint = source.open(ref)
-            saved = checkpoint.state
-            shard_copies = []
-            if chosen.owner is not None:
-                # Every rank tries the same local candidate (agreed by `choose`): all load it or none.
-                problem, shard_copies = _local_problem(local, chosen, checkpoint)
-                if not distributed.all_ok(problem is None):
-                    if problem:
-                        skipped(ref, [problem])
-                        local.rejected.append({"tier": chosen.tier, "step": ref.step, "url": ref.url,
-                                               "problem": problem[:300], "rank": distributed.rank()})
-                    restore_s += time.perf_counter() - t0
-                    continue
-            exact, exact_why = decide(cfg, world, device, iterator, saved=saved_mode(saved["meta"]))
-            run_cfg = with_mode(cfg, exact)
-            changes = check_compatible(saved["meta"], run_cfg, allow_config_change, data.identity,
-                                       mode_decided=cfg.parallel.exact_elastic == AUTO)
-            # Whether the run finished is the trainer part's (state.TrainerCounters), nowhere else.
-            if saved["parts"]["trainer"]["finished"] and ref.step >= cfg.train.steps:
-                # Finished only if that checkpoint is whole: a damaged one is passed over like any
-                # other, and the steps after the one before are trained again.
-                problems = source.verify(ref) if verify is Verify.WHILE else []
-                if problems:
-                    skipped(ref, problems)
-                    restore_s += time.perf_counter() - t0
-                    continue
-                log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
-                print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
+            yield
+        finally:
+            self.restore_s += time.perf_counter() - t0
+
+    def start(self) -> Started | None:
+        """The trainer restored from the newest good checkpoint, or None when that is of a finished
+        run (it says so on stderr). See the class docstring."""
+        while True:
+            choice = self.choose()
+            if choice is None:
                 return None
-            restore_s += time.perf_counter() - t0
-            log.info("exact elastic mode", on=exact, why=exact_why)
-            trainer = Trainer(run_cfg, rank=distributed.rank(), world_size=world, data=data)
-            t0 = time.perf_counter()
-            if trainer.sharded or checkpoint.sharded:
-                trainer.materialize_optimizer_state()  # read into live tensors of the right sharding
-            # A local or peer checkpoint was verified above, and is one rank's own copy.
-            local_copy = chosen.owner is not None
-            load(source, checkpoint, trainer.state.parts(), verify=Verify.NO if local_copy else verify,
-                 kept_on_new_rank=trainer.state.kept_on_new_rank, one_rank=local_copy, shard_copies=shard_copies)
-            resized = after_load(saved, run_cfg, ref.step, trainer.state.sharded)
-            return Resumed(trainer, chosen, restore_s + time.perf_counter() - t0, changes, resized, exact_why)
-        except BaseException as e:
-            if trainer is not None:
+            trainer = Trainer(choice.cfg, rank=self.rank, world_size=self.world, task=self.task, data=self.data,
+                              fresh=choice.candidate is None)
+            try:
+                resized = self.restore(trainer, choice)
+            except PassedOver:
+                trainer.close()  # partly loaded: the next choice gets a trainer of its own
+                continue
+            except BaseException:
                 trainer.close()
-            if not isinstance(e, CheckpointCorrupt) or (verify is not Verify.WHILE and chosen.owner is None):
-                raise  # an intact checkpoint that does not fit: the error is about the setup
-            skipped(ref, [str(e)])
-            if chosen.owner is not None:
-                local.rejected.append({"tier": chosen.tier, "step": ref.step, "url": ref.url,
-                                       "problem": str(e)[:300], "rank": distributed.rank()})
-            restore_s += time.perf_counter() - t0
-    if candidates:
-        raise all_damaged(cfg, candidates)
-    exact, exact_why = decide(cfg, world, device, iterator)
-    log.info("exact elastic mode", on=exact, why=exact_why)
-    return Resumed(Trainer(with_mode(cfg, exact), rank=distributed.rank(), world_size=world, data=data, fresh=True),
-                   None, restore_s, {}, None, exact_why)
+                raise
+            return Started(trainer, choice, self.restore_s, resized)
+
+    def choose(self) -> Choice | None:
+        """The next candidate to load (candidates already chosen are not offered again), a fresh
+        start when none is left, or None for a finished run's last checkpoint (with `Verify.WHILE`
+        verified first, since it is not loaded)."""
+        while self._next < len(self.candidates):
+            chosen = self.candidates[self._next]
+            self._next += 1
+            with self._timed():
+                choice = self._consider(chosen)
+            if choice is not False:
+                return choice
+        if self.persistent:
+            raise all_damaged(self.cfg, self.persistent)
+        exact, why = decide(self.cfg, self.world, self.device.type, self.iterator)
+        log.info("exact elastic mode", on=exact, why=why)
+        return Choice(None, with_mode(self.cfg, exact), why)
+
+    def _consider(self, chosen: Candidate) -> Choice | None | Literal[False]:
+        """`chosen` opened and checked: its Choice, None (a finished run), or False (passed over)."""
+        try:
+            checkpoint = chosen.store.open(chosen.ref)
+        except CheckpointCorrupt as e:
+            if self.verify is not Verify.WHILE and chosen.owner is None:
+                raise  # verified already: damaged since, which a person must look at
+            self._pass_over(chosen, str(e))
+            return False
+        shard_copies: list[tuple[CheckpointStore, Checkpoint]] = []
+        if chosen.owner is not None:
+            # Every rank tries the same local candidate (agreed by `choose`): all load it or none.
+            problem, shard_copies = _local_problem(self.local, chosen, checkpoint)
+            if not distributed.all_ok(problem is None):
+                if problem:
+                    self._pass_over(chosen, problem)
+                return False
+        saved = checkpoint.state
+        exact, why = decide(self.cfg, self.world, self.device.type, self.iterator, saved=saved_mode(saved["meta"]))
+        run_cfg = with_mode(self.cfg, exact)
+        changes = check_compatible(saved["meta"], run_cfg, self.allow_config_change, self.data.identity,
+                                   mode_decided=self.cfg.parallel.exact_elastic == AUTO)
+        # Whether the run finished is the trainer part's (state.TrainerCounters), nowhere else.
+        if saved["parts"]["trainer"]["finished"] and chosen.step >= self.cfg.train.steps:
+            # Finished only if that checkpoint is whole: a damaged one is passed over like any
+            # other, and the steps after the one before are trained again.
+            problems = chosen.store.verify(chosen.ref) if self.verify is Verify.WHILE else []
+            if problems:
+                skipped(chosen.ref, problems)
+                return False
+            log.info("run already finished", step=chosen.step, run_dir=self.cfg.run_dir)
+            print(f"run already finished at step {chosen.step}: {self.cfg.run_dir}", file=sys.stderr)
+            return None
+        log.info("exact elastic mode", on=exact, why=why)
+        return Choice(chosen, run_cfg, why, checkpoint, changes, tuple(shard_copies))
+
+    def restore(self, trainer: Trainer, choice: Choice) -> WorldChange | None:
+        """Load `choice`'s checkpoint into `trainer` (built for it); the world-size change since it.
+        A local or peer copy was verified when chosen; a persistent one is verified while it loads
+        (`Verify.WHILE`): found damaged, it is passed over (`PassedOver`)."""
+        chosen = choice.candidate
+        if chosen is None:
+            return None
+        with self._timed():
+            if trainer.sharded or choice.checkpoint.sharded:
+                trainer.materialize_optimizer_state()  # read into live tensors of the right sharding
+            local_copy = chosen.owner is not None
+            try:
+                load(chosen.store, choice.checkpoint, trainer.state.parts(),
+                     verify=Verify.NO if local_copy else self.verify, kept_on_new_rank=trainer.state.kept_on_new_rank,
+                     one_rank=local_copy, shard_copies=list(choice.shard_copies))
+            except CheckpointCorrupt as e:
+                if self.verify is not Verify.WHILE and not local_copy:
+                    raise
+                self._pass_over(chosen, str(e))
+                raise PassedOver(str(e)) from e
+            return after_load(choice.checkpoint.state, choice.cfg, chosen.step, trainer.state.sharded)
+
+    def _pass_over(self, chosen: Candidate, problem: str) -> None:
+        skipped(chosen.ref, [problem])
+        if chosen.owner is not None:
+            self.rejected.append({"tier": chosen.tier, "step": chosen.step, "url": chosen.ref.url,
+                                  "problem": problem[:300], "rank": self.rank})
 
 
 def _local_problem(local: LocalRecovery, chosen: Candidate,

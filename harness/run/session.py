@@ -52,7 +52,7 @@ from harness.repro import numerics
 from harness.run.elastic import fingerprint_checks
 from harness.run.environment import environment_fingerprint
 from harness.run.loop import Loop
-from harness.run.resume import agree_on_checkpoint, resume_newest
+from harness.run.resume import Resume
 
 log = get_logger(__name__)
 
@@ -73,9 +73,8 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
     except OSError as e:
         raise UserError(f"cannot write to run dir {cfg.run_dir}: {e}; choose a writable --run-dir") from None
     try:
-        source, candidates, verify = agree_on_checkpoint(store, cfg, resume)
-        local = local_source(cfg, resume)
-        started = resume_newest(cfg, source, candidates, verify, allow_config_change, local=local)
+        starting = Resume(cfg, store, resume, allow_config_change, local=local_source(cfg, resume))
+        started = starting.start()
         if started is None:
             return exit_codes.FINISHED
         trainer, chosen, restore_s, resized = started.trainer, started.chosen, started.restore_s, started.resized
@@ -104,7 +103,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
                 trainer.fingerprints.watch(events, [] if allow_config_change else ran_past,
                                            **fingerprint_checks(resized))
             restore_s += time.perf_counter() - t_check
-            for rejected in local.rejected if local else []:
+            for rejected in starting.rejected:
                 events.emit("checkpoint_rejected", **rejected)
             if chosen is not None:
                 log.info("resumed", step=ref.step, tier=chosen.tier, url=ref.url, restore_s=round(restore_s, 3),
@@ -114,12 +113,12 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
                         host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time(),
                         restore_s=restore_s, world_size=distributed.world(),
                         saved_world_size=resized.old_world if resized else None, exact_elastic=trainer.exact,
-                        exact_elastic_why=started.exact_why)
+                        exact_elastic_why=started.choice.exact_why)
             if resized is not None:
                 events.emit("world_size_changed", **resized.event())
-            if started.changes:
+            if started.choice.changes:
                 events.emit("config_changed", step=trainer.step,
-                            changes={k: {"old": a, "new": b} for k, (a, b) in started.changes.items()},
+                            changes={k: {"old": a, "new": b} for k, (a, b) in started.choice.changes.items()},
                             schedule=trainer.sched.replanned)
             resumed_here = chosen is not None and chosen.store is store
             trackers = open_trackers(cfg.log, log_dir, trainer.step, run_id) if lead else distributed.Silent()

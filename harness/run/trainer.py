@@ -19,16 +19,16 @@ from typing import Any
 
 import torch
 
-from harness.config import RunConfig, batch_shape, model_args
+from harness.config import RunConfig, batch_shape
 from harness.data import BatchStream, eval_batches
+from harness.data.batch import split_batch, to_device
 from harness.data.factory import is_iterator_source
 from harness.data.iterator_stream import IteratorStream
-from harness.data.sources import TrainData, open_data
+from harness.data.sources import TrainData
 from harness.errors import UserError
 from harness.health import debug_hooks
 from harness.health.anomaly import Anomaly, detect
 from harness.log import get_logger
-from harness.models.contract import build_model, split_output
 from harness.models.init_from import load_initial_weights
 from harness.parallel import distributed, exact, exact_fsdp
 from harness.parallel.sharding import full_value, materialize_optimizer_state, shard_model
@@ -40,8 +40,10 @@ from harness.repro.prng import derive_seed
 from harness.repro.rng import RNGState, micro_batch_streams, seed_everything
 from harness.run.exact_mode import AUTO, decide, with_mode
 from harness.run.state import TrainerCounters, TrainState
+from harness.task import BoundTask, StepInfo, TaskContext, load_task
 from optim.build import build_bundle
-from optim.dtensor import local
+from optim.bundle import MultiOpt
+from optim.dtensor import is_dtensor, local
 from optim.errors import OptimError
 
 log = get_logger(__name__)
@@ -92,42 +94,62 @@ def compile_options(device: torch.device) -> dict[str, Any] | None:
     return {"fallback_random": True} if device.type == "cpu" else None
 
 
-class Trainer:
-    """Builds model, optimizer bundle, data stream, RNG and scaler from a config; runs steps."""
+class StepModule(torch.nn.Module):
+    """One micro-batch of the task as a module: the models are its submodule and its forward is the
+    task's loss (or step), so what wraps a step wraps the whole of it: DDP's reducer sees every
+    forward whatever models the loss calls, and `train.compile` compiles the loss too. Returns
+    (the loss, the optimizers it steps: None for all)."""
 
-    def __init__(self, cfg: RunConfig, *, rank: int = 0, world_size: int = 1, data: TrainData | None = None,
-                 fresh: bool = False) -> None:
-        """`data`: the datasets, when the caller opened them already (`open_data`). `fresh`: a
+    def __init__(self, task: BoundTask, models: torch.nn.Module, optim: MultiOpt) -> None:
+        super().__init__()
+        self.models = models
+        self.task = task
+        self.optim = optim
+
+    def forward(self, batch: Any, info: StepInfo) -> tuple[torch.Tensor, tuple[str, ...] | None]:
+        return self.task.micro_batch(self.models, self.optim, batch, info)
+
+
+class Trainer:
+    """Builds the task's models, optimizer bundle, data stream, RNG and scaler; runs steps."""
+
+    def __init__(self, cfg: RunConfig, *, rank: int = 0, world_size: int = 1, task: BoundTask | None = None,
+                 data: TrainData | None = None, fresh: bool = False) -> None:
+        """`task`: the run's task (default: `task.factory`'s, or the built-in language model);
+        `data`: its data, when the caller opened them already (with the same `task`). `fresh`: a
         start at step 0, whose model then loads `model.init_from` (when set; `initialised_from`
         records what was read); a trainer a checkpoint is restored into never reads it.
 
-        The order of the steps is part of the numbers: the run seed before the model draws its
+        The order of the steps is part of the numbers: the run seed before the models draw their
         initial weights (the same on every rank), whole weights loaded before sharding, the
         sharded parameters before the optimizers take them, and the rank's own seed only once
-        the model and the optimizers are built."""
+        the models and the optimizers are built."""
+        if data is not None and task is None:
+            raise ValueError("Trainer: data opened by a task needs that task")
         self.rank = rank
         self.world_size = world_size
-        self.data = data if data is not None else open_data(cfg.data, cfg.train.seed, rank, world_size)
+        self.task = task if task is not None else load_task(cfg)
+        self.device = self._choose_device(cfg)
+        self.context = TaskContext(args=cfg.task.args, seed=cfg.train.seed, rank=rank, world_size=world_size,
+                                   device=self.device, steps=cfg.train.steps)
+        self.data = data if data is not None else self.task.data(self.context)
         if cfg.parallel.exact_elastic == AUTO:  # not decided by the caller (a resume decides): a fresh start's mode
-            cfg = with_mode(cfg, decide(cfg, world_size, resolve_device(cfg.train.device).type,
-                                        is_iterator_source(self.data.train))[0])
+            cfg = with_mode(cfg, decide(cfg, world_size, self.device.type, is_iterator_source(self.data.train))[0])
         self.cfg = cfg
         self.batch_size, self.grad_accum = batch_shape(cfg, world_size)
         self.exact = cfg.parallel.exact_elastic is True  # harness/parallel/exact.py: the step does not depend on W
-        self.device = self._choose_device()
         self._apply_numerics()
         seed_everything(cfg.train.seed)
-        self.model = self._build_model()
+        self.model = self.task.models(self.context).to(self.device)
         self.hf_config = self._hf_config()
         self.initialised_from = self._load_initial_weights(fresh)
         self.sharded = self._shard()
         self.optim, self.sched = self._build_optimizer()
-        self.net = self._wrap_ddp()
+        self.net = self._wrap_ddp(StepModule(self.task, self.model, self.optim))
         self._fsdp_gradients = exact_fsdp.FSDPGradients(self.model) if self.exact and self.sharded else None
         self._seed_rank()
         self.net = self._compile(self.net)
         self.batch_hook: Callable[[int, Any], None] | None = None  # debug.sample_log
-        self.train_set, self.eval_set = self.data.train, self.data.eval
         self.stream = self._open_stream()
         self._autocast, self.scaler = self._mixed_precision()
         self.counters = TrainerCounters()
@@ -135,14 +157,15 @@ class Trainer:
         self.fingerprints = FingerprintLog(
             lambda: {k: v for k, v in self.state.parts().items() if k != "fingerprints"},
             cfg.train.fingerprint_every, cfg.train.on_divergence)
+        self._bundles: dict[tuple[str, ...], MultiOpt] = {}  # `_stepping`'s
         self._register_state()
         check_registered({"trainer": self}, self.state.parts(), cfg.train.unregistered_state)
         # Non-persistent buffers are judged by watching this process's first forward.
         self._buffer_probe = BufferProbe(self.model) if non_persistent_buffers(self.model) else None
 
-    def _choose_device(self) -> torch.device:
+    def _choose_device(self, cfg: RunConfig) -> torch.device:
         """`train.device`; in a group on CUDA, this rank's own device."""
-        device = resolve_device(self.cfg.train.device)
+        device = resolve_device(cfg.train.device)
         if device.type == "cuda" and self.world_size > 1:
             return torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, set by the process group
         return device
@@ -157,20 +180,6 @@ class Trainer:
                             "count at every world size, e.g. 1)")
         numerics.apply(self.cfg.train.cpu_threads)
         numerics.warn_of_open_residual(self.device.type)
-
-    def _build_model(self) -> torch.nn.Module:
-        """The model of `model.factory` on this trainer's device, its initial weights drawn from
-        the generators as seeded now. A vocabulary the data declares fills in an unset
-        `model.args.vocab_size` and must fit in a set one."""
-        factory_args = model_args(self.cfg)
-        vocab = self.data.vocab_size
-        if vocab is not None:  # token shards (their tokenizer), or a user dataset that says
-            factory_args.setdefault("vocab_size", vocab)
-            if factory_args["vocab_size"] < vocab:
-                raise UserError(
-                    f"model.args.vocab_size = {factory_args['vocab_size']} does not cover the data's vocabulary "
-                    f"({vocab} ids): raise it to at least {vocab}, or leave it unset")
-        return build_model(self.cfg.model.factory, factory_args).to(self.device)
 
     def _hf_config(self) -> dict[str, Any] | None:
         """A transformers model's config.json (harness.models.hf), kept in every checkpoint's meta:
@@ -198,16 +207,26 @@ class Trainer:
         return False
 
     def _build_optimizer(self) -> tuple[Any, Any]:
-        """The optimizer bundle and its scheduler over the model's (sharded) parameters."""
+        """The optimizer bundle and its schedulers over the model's (sharded) parameters: the
+        task's own, or the `[optim]` config's (which a task with its own must not set: it would
+        be ignored)."""
+        own = self.task.optimizers(self.model, self.context)
+        if own is not None:
+            if "optim" in self.cfg.model_fields_set:
+                raise UserError(f"[optim] is set, but task {self.task.name!r} builds its own optimizers (its "
+                                "optimizers() returned them), so [optim] would be ignored: remove it")
+            return own
         try:
             return build_bundle(self.cfg.optim, self.model, total_steps=self.cfg.train.steps)
         except OptimError as e:  # the optimizers' user error (optim imports nothing from the harness)
             raise UserError(str(e)) from None
 
-    def _wrap_ddp(self) -> torch.nn.Module:
-        """What forward and backward go through: the DDP wrapper in a replicated group (its
-        backward all-reduces the gradients before any optimizer, Muon's orthogonalisation
-        included, sees them), else the model itself: under FSDP the model is its own wrapper (its
+    def _wrap_ddp(self, step: StepModule) -> torch.nn.Module:
+        """What forward and backward go through: the step module in the DDP wrapper in a
+        replicated group (its backward all-reduces the gradients before any optimizer, Muon's
+        orthogonalisation included, sees them; with a task's own `step`, whose optimizers step at
+        their cadences, a micro-batch may leave parameters without a gradient, which DDP is told
+        to look for), else the step module itself: under FSDP the model is its own wrapper (its
         backward reduce-scatters the gradients), and exact elastic mode sums the gradients
         itself, in its tree's order. `self.model`, the inner module, stays the state part, so
         parameter names stay unprefixed."""
@@ -215,8 +234,8 @@ class Trainer:
             from torch.nn.parallel import DistributedDataParallel
 
             device_ids = [self.device] if self.device.type == "cuda" else None
-            return DistributedDataParallel(self.model, device_ids=device_ids)
-        return self.model
+            return DistributedDataParallel(step, device_ids=device_ids, find_unused_parameters=self.task.has_step)
+        return step
 
     def _seed_rank(self) -> None:
         """In a group, reseed this rank's generators from (run seed, rank): dropout differs by rank
@@ -250,17 +269,19 @@ class Trainer:
         state.register("data", self.stream, per_rank=True)  # the cursor: global, cheap to keep per rank
         state.register("scaler", self.scaler)
         state.register("trainer", self.counters)
+        for name, part in self.task.state().items():  # the task's extra state: an EMA, a counter
+            state.register(name, part, sharded=self.sharded and _holds_dtensors(part))
         state.register("rng", RNGState(), per_rank=True, kept_on_new_rank=True)
         state.register("fingerprints", self.fingerprints)
 
     def _open_stream(self) -> BatchStream | IteratorStream:
         """The harness's global order over a map-style source, or a user's stateful iterator as it is."""
-        cfg = self.cfg
-        if not is_iterator_source(self.train_set):
+        cfg, data = self.cfg, self.data
+        if not is_iterator_source(data.train):
             # Exact elastic mode reads a rank's whole block of micro-batches of a step at once.
-            return BatchStream(self.train_set, self.batch_size * (self.grad_accum if self.exact else 1), cfg.train.seed,
+            return BatchStream(data.train, self.batch_size * (self.grad_accum if self.exact else 1), cfg.train.seed,
                                rank=self.rank, world_size=self.world_size, num_workers=cfg.data.num_workers,
-                               pin_memory=self.device.type == "cuda", contiguous=self.exact)
+                               pin_memory=self.device.type == "cuda", contiguous=self.exact, collate=data.collate)
         if self.exact:
             raise UserError("parallel.exact_elastic needs a map-style dataset (the harness's own order cuts the "
                             "canonical micro-batches); a data.factory iterator cannot: set exact_elastic = false")
@@ -268,8 +289,8 @@ class Trainer:
             raise UserError(f"data.num_workers = {cfg.data.num_workers} with a data.factory iterator: the harness "
                             "reads an iterator in the training process, so its state_dict matches the batches "
                             "trained on; set data.num_workers = 0 (read ahead inside the iterator if needed)")
-        return IteratorStream(self.train_set, self.batch_size, cfg.data.seq_len, rank=self.rank,
-                              world_size=self.world_size)
+        return IteratorStream(data.train, self.batch_size, data.sample, rank=self.rank, world_size=self.world_size,
+                              collate=data.collate)
 
     @property
     def step(self) -> int:
@@ -282,20 +303,22 @@ class Trainer:
         data_s = self._skip_rolled_back_batches()
         batch_no = self.counters.anomalies.next_batch(self.step)
         accumulate = self._exact_micro_batches if self.exact else self._micro_batches
-        loss_value, tokens, sample_ids, micro_data_s = accumulate(batch_no)
+        loss_value, tokens, sample_ids, micro_data_s, names = accumulate(batch_no)
         data_s += micro_data_s
         # Host clock, no extra device sync: exact on CPU. On CUDA the loss read above has synced,
         # but the optimizer's kernels may still run at t_end, so there it is approximate (low).
         t_optim = time.perf_counter()
+        stepping = self._stepping(names)
         grad_norm = math.nan
         if math.isfinite(loss_value):
-            self.scaler.unscale_(self.optim)
-            grad_norm = self._clip_gradients()
+            self.scaler.unscale_(stepping)
+            grad_norm = self._clip_gradients(stepping if names is not None else None)
         self._stop_if_diverged(loss_value, grad_norm, batch_no)
-        self.scaler.step(self.optim)
+        self.scaler.step(stepping)
         self.scaler.update()
-        self.sched.step()
-        self.optim.zero_grad(set_to_none=True)
+        self.sched.step(names)
+        self.optim.zero_grad(set_to_none=True)  # also the gradients of the optimizers that did not step
+        self.task.after_step(self.model, self._info(0, tuple(stepping.optimizers)))
         t_end = time.perf_counter()
         self.counters.record(loss_value, tokens)
         if self.cfg.train.spike_threshold is not None:
@@ -305,15 +328,51 @@ class Trainer:
         return StepResult(self.step, loss_value, grad_norm, lr, tokens, t_end - t0, t_end - t_optim,
                           fingerprint=fingerprint, data_seconds=data_s)
 
-    def _micro_batches(self, batch_no: int) -> tuple[float, int, list[torch.Tensor], float]:
+    def _info(self, k: int, stepped: tuple[str, ...] = ()) -> StepInfo:
+        """Where this rank's micro-batch `k` of the step being trained lies (contract.py)."""
+        return StepInfo(step=self.step + 1, micro_batch=self.rank * self.grad_accum + k,
+                        micro_batches=self.grad_accum * self.world_size, rank=self.rank, world_size=self.world_size,
+                        stepped=stepped)
+
+    def _stepping(self, names: tuple[str, ...] | None) -> MultiOpt:
+        """The bundle of the optimizers that step now: all (None), or those a task's step named
+        (one bundle per set, kept: the grad scaler keys its state by the optimizer object)."""
+        if names is None:
+            return self.optim
+        if names not in self._bundles:
+            unknown = sorted(set(names) - set(self.optim.optimizers))
+            if unknown:
+                raise UserError(f"task {self.task.name!r}: step() names optimizer {unknown[0]!r}; its optimizers are "
+                                f"{sorted(self.optim.optimizers)}")
+            self._bundles[names] = MultiOpt({n: self.optim.optimizers[n] for n in names})
+        return self._bundles[names]
+
+    def _forward(self, inputs: Any, k: int, names: list[tuple[str, ...] | None]) -> torch.Tensor:
+        """Micro-batch `k`'s loss through the step module (the first forward watched for stateful
+        non-persistent buffers); the optimizers it names go into `names`, which every micro-batch
+        of a step must agree on."""
+        with self._autocast():
+            loss, stepping = self.net(inputs, self._info(k))
+        if self._buffer_probe is not None and self._buffer_probe.done:
+            self._check_buffers()
+        stepping = None if stepping is None else tuple(sorted(stepping))
+        if names and names[0] != stepping:
+            raise UserError(f"task {self.task.name!r}: step() named optimizers {names[0]} for one micro-batch of step "
+                            f"{self.step + 1} and {stepping} for another; every micro-batch of a step must step the "
+                            "same optimizers (decide by info.step)")
+        names[:1] = [stepping]
+        return loss
+
+    def _micro_batches(self, batch_no: int) -> tuple[float, int, list[torch.Tensor], float, tuple[str, ...] | None]:
         """Forward and backward of this rank's `grad_accum` micro-batches, the gradients reduced by
         DDP's (FSDP's) own collective; returns (the loss, mean over all ranks; tokens over all ranks;
-        this rank's sample ids per micro-batch; seconds waited for data)."""
+        this rank's sample ids per micro-batch; seconds waited for data; the optimizers to step)."""
         accum = self.grad_accum
         total = torch.zeros((), device=self.device)
         tokens = 0
         sample_ids = []
         data_s = 0.0
+        names: list[tuple[str, ...] | None] = []
         for i in range(accum):
             t_data = time.perf_counter()
             batch = next(self.stream)
@@ -322,24 +381,22 @@ class Trainer:
                 self.batch_hook(self.step + 1, batch)
             sample_ids.append(batch.sample_ids)
             # From pinned memory (a CUDA device, loader workers) the copy overlaps; otherwise it is the same copy.
-            x, y = batch.x.to(self.device, non_blocking=True), batch.y.to(self.device, non_blocking=True)
+            inputs = to_device(batch.inputs, self.device)
             # DDP all-reduces (FSDP reduce-scatters) in the last micro-batch's backward only: the sum is the same.
             with self._accumulating(i < accum - 1):
-                with self._autocast():
-                    _, loss = split_output(self.net(x, y))
-                if self._buffer_probe is not None and self._buffer_probe.done:
-                    self._check_buffers()
+                loss = self._forward(inputs, i, names)
                 self.scaler.scale(loss / accum).backward()
             total += loss.detach().float()
-            tokens += x.numel()
+            tokens += self.task.tokens(batch.inputs)
         total = debug_hooks.poisoned(self.cfg.debug, self.rank, batch_no, total)  # the all-reduce spreads it
         if self.world_size > 1:  # every rank logs, digests and checks the mean over all ranks
             torch.distributed.all_reduce(total)
             tokens *= self.world_size
         loss_value = float(total) / (accum * self.world_size)
-        return loss_value, tokens, sample_ids, data_s
+        return loss_value, tokens, sample_ids, data_s, names[0]
 
-    def _exact_micro_batches(self, batch_no: int) -> tuple[float, int, list[torch.Tensor], float]:
+    def _exact_micro_batches(self, batch_no: int) -> tuple[float, int, list[torch.Tensor], float,
+                                                           tuple[str, ...] | None]:
         """`_micro_batches` of `parallel.exact_elastic` (harness/parallel/exact.py): this rank's contiguous
         block of the step's canonical micro-batches, each drawing its random numbers from (seed,
         step, its index v) and leaving its own gradient, summed over the fixed tree and then
@@ -356,15 +413,13 @@ class Trainer:
             self.model.set_requires_gradient_sync(False)
         tree = exact.SumTree()
         losses = []
+        names: list[tuple[str, ...] | None] = []
         first = self.rank * self.grad_accum
-        for k, (x, y) in enumerate(zip(block.x.split(self.batch_size), block.y.split(self.batch_size), strict=True)):
+        for k, piece in enumerate(split_batch(block.inputs, self.batch_size)):
             # A fresh copy of each micro-batch: the same shape and alignment whichever block it came in.
-            x, y = x.to(self.device, copy=True), y.to(self.device, copy=True)
+            piece = to_device(piece, self.device, copy=True)
             with micro_batch_streams(self.cfg.train.seed, self.step + 1, first + k):
-                with self._autocast():
-                    _, loss = split_output(self.net(x, y))
-                if self._buffer_probe is not None and self._buffer_probe.done:
-                    self._check_buffers()
+                loss = self._forward(piece, k, names)
                 self.scaler.scale(loss / micro_batches).backward()
             tree.push(exact.flat_gradients(params, take))
             losses.append(loss.detach())
@@ -375,7 +430,8 @@ class Trainer:
         else:
             exact.set_gradients(params, exact.reduce_blocks(tree.result(), self.world_size))
         loss_value = exact.mean_over_micro_batches(block_losses, self.world_size)
-        return loss_value, block.x.numel() * self.world_size, [block.sample_ids], data_s
+        tokens = self.task.tokens(block.inputs) * self.world_size
+        return loss_value, tokens, [block.sample_ids], data_s, names[0]
 
     def _accumulating(self, more: bool):
         """The context of one micro-batch's backward: no gradient reduction when `more` follow."""
@@ -409,9 +465,12 @@ class Trainer:
         if stateful:
             self.fingerprints.note_unsaved(stateful, self.step + 1)
 
-    def _clip_gradients(self) -> float:
-        """The global gradient norm (one fused norm, one host sync), clipping to train.grad_clip."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
+    def _clip_gradients(self, stepping: MultiOpt | None) -> float:
+        """The global gradient norm (one fused norm, one host sync) of the parameters whose
+        optimizers step (`stepping`; None: all), clipping to train.grad_clip; in the model's
+        order of parameters, whichever optimizers step."""
+        owned = None if stepping is None else {id(p) for g in stepping.param_groups for p in g["params"]}
+        params = [p for p in self.model.parameters() if p.grad is not None and (owned is None or id(p) in owned)]
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip is not None else math.inf
         if self.exact:  # in an order no sharding changes
             return exact.clip_gradients(params, max_norm, self.world_size)
@@ -472,16 +531,22 @@ class Trainer:
                                f"step). {DIVERGED_ADVICE}")
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean loss over a fixed set of held-out batches; draws no random numbers."""
+    def evaluate(self) -> dict[str, float]:
+        """The task's metrics over a fixed set of held-out batches (`eval_<metric>` -> value; the
+        built-in: `eval_loss`, the mean loss); draws no random numbers."""
         self.model.eval()
-        losses = []
-        for batch in eval_batches(self.eval_set, self.batch_size, self.cfg.train.eval_batches):
-            with self._autocast():
-                _, loss = split_output(self.model(batch.x.to(self.device), batch.y.to(self.device)))
-            losses.append(float(loss))
+        batches = eval_batches(self.data.eval, self.batch_size, self.cfg.train.eval_batches, self.data.collate)
+        with self._autocast():
+            metrics = self.task.evaluate(self.model, (to_device(b.inputs, self.device) for b in batches))
         self.model.train()
-        return sum(losses) / max(len(losses), 1)
+        return metrics
 
     def close(self) -> None:
         self.stream.close()
+
+
+def _holds_dtensors(part: Any) -> bool:
+    """Whether a task's state part holds sharded tensors (an EMA of FSDP's parameters): then every
+    rank writes its own shards of it, as of the model."""
+    tensors = part.parameters() if isinstance(part, torch.nn.Module) else part.state_dict().values()
+    return any(is_dtensor(t) for t in tensors)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from harness.config import load_config
+from harness.data.factory import token_sample
 from harness.data.iterator_stream import IteratorStream
 from harness.errors import UserError
 from harness.run.trainer import Trainer
@@ -76,9 +77,9 @@ def test_what_the_harness_could_not_resume_exactly_is_refused_at_start(overrides
 
 
 def test_a_resume_at_another_world_size_is_refused_naming_both():
-    two = IteratorStream(RandomWalk(0, 1, 16), 4, 16, rank=1, world_size=2)
+    two = IteratorStream(RandomWalk(0, 1, 16), 4, token_sample(16), rank=1, world_size=2)
     next(two)
-    one = IteratorStream(RandomWalk(0, 0, 16), 4, 16)
+    one = IteratorStream(RandomWalk(0, 0, 16), 4, token_sample(16))
     with pytest.raises(UserError, match="saved by rank 1 of 2, and this is rank 0 of 1: .* Resume with 2 ranks"):
         one.load_state_dict(two.state_dict())
 
@@ -92,9 +93,9 @@ class TwoSamples(RandomWalk):
 
 def test_an_ending_or_misshapen_iterator_is_a_clear_error():
     with pytest.raises(UserError, match="ended after 2 samples on rank 0: it must be endless"):
-        next(IteratorStream(TwoSamples(0, 0, 16), 4, 16))
+        next(IteratorStream(TwoSamples(0, 0, 16), 4, token_sample(16)))
     with pytest.raises(UserError, match="x is a tensor of shape \\(8,\\) torch.int64"):
-        next(IteratorStream(RandomWalk(0, 0, 8), 4, 16))
+        next(IteratorStream(RandomWalk(0, 0, 8), 4, token_sample(16)))
 
 
 def test_two_ranks_train_their_iterators_and_one_rank_may_not_resume_them(tmp_path):

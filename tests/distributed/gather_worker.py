@@ -25,7 +25,7 @@ from harness.config import load_config  # noqa: E402
 from harness.parallel import distributed  # noqa: E402
 from harness.parallel.sharding import full_value  # noqa: E402
 from harness.process import process_end  # noqa: E402
-from harness.run.resume import agree_on_checkpoint, resume_newest  # noqa: E402
+from harness.run.resume import Resume  # noqa: E402
 
 TINY = Path(__file__).resolve().parents[1] / "data" / "tiny.toml"
 
@@ -45,8 +45,7 @@ def main() -> None:
     run_dir = ckpt.rsplit("/checkpoints/", 1)[0]
     cfg = load_config(TINY, [f"run_dir='{run_dir}'", f"parallel.strategy='{strategy}'", *overrides])
     with distributed.process_group():
-        source, candidates, verify = agree_on_checkpoint(CheckpointStore(run_dir), cfg, ckpt)
-        started = resume_newest(cfg, source, candidates, verify, allow_config_change=True)
+        started = Resume(cfg, CheckpointStore(run_dir), ckpt, allow_config_change=True).start()
         trainer, ref = started.trainer, started.chosen.ref
         state = gathered(trainer)
         if distributed.rank() == 0:

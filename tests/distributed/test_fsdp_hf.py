@@ -11,7 +11,7 @@ from harness.checkpoint import CheckpointStore
 from harness.cli import main
 from harness.config import load_config
 from harness.models.hf import HF_CONFIG_META
-from harness.run.resume import agree_on_checkpoint, resume_newest
+from harness.run.resume import Resume
 from launch import Ranks, kill_all, run, start, tail, wait_step
 from procs import ROOT, assert_same_run, events, final_checkpoint
 
@@ -27,8 +27,7 @@ def unsharded_copy(ckpt: Path, run_dir: Path) -> Path:
     """The model of the sharded checkpoint `ckpt`, loaded by one process the way `harness train`
     resumes (run/resume.py), saved again by that process: an unsharded checkpoint of the same state."""
     cfg = load_config(HF_LLAMA, [f"run_dir='{ckpt.parents[1]}'"])
-    source, candidates, verify = agree_on_checkpoint(CheckpointStore(cfg.run_dir), cfg, str(ckpt))
-    started = resume_newest(cfg, source, candidates, verify, allow_config_change=False)
+    started = Resume(cfg, CheckpointStore(cfg.run_dir), str(ckpt)).start()
     trainer, ref = started.trainer, started.chosen.ref
     try:
         CheckpointStore(str(run_dir)).save(ref.step, {"model": trainer.model}, meta={HF_CONFIG_META: trainer.hf_config})

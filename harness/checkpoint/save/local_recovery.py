@@ -15,10 +15,10 @@ a global data cursor, at another world size or in exact elastic mode; coverage.p
 at another rank or world size one copy per rank that wrote the shards. A rank that needs a copy
 another rank holds receives it from that rank (point to point on the peer group) and commits it
 in its own local folder (its own part) or in the owner's peer folder (another rank's copy
-standing in for it, or supplying its shards); from there `resume_newest` verifies it again before loading it. If a
-copy arrives damaged no rank resumes from the local tier (all or none: ranks never load
-different steps) and the persistent tier is the fallback, as when no step is covered; the steps
-passed over for want of coverage are reported with their reason.
+standing in for it, or supplying its shards); from there `Resume` (run/resume.py) verifies it
+again before loading it. If a copy arrives damaged no rank resumes from the local tier (all or
+none: ranks never load different steps) and the persistent tier is the fallback, as when no
+step is covered; the steps passed over for want of coverage are reported with their reason.
 """
 
 from __future__ import annotations

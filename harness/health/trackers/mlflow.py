@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.health.trackers.packages import require
+from harness.health.trackers.scalars import scalars
 
-SCALARS = ("loss", "grad_norm", "tokens_per_s", "eval_loss")
 RUN_TAG = "harness.run_id"
 SUBDIR = "mlruns"
 
@@ -54,9 +54,7 @@ class MlflowTracker:
         step = int(record["step"])
         if step <= self.logged_up_to:
             return
-        values = {k: record[k] for k in SCALARS if isinstance(record.get(k), (int, float))}
-        for group, lrs in (record.get("lr") or {}).items():
-            values.update({f"lr/{group}/{i}": v for i, v in enumerate(lrs)})
+        values = scalars(record)
         now = int(record.get("time", 0) * 1000)
         self.client.log_batch(self.run_id, metrics=[Metric(k, float(v), now, step) for k, v in values.items()])
         self.logged_up_to = step

@@ -9,13 +9,12 @@ good if its step is before the checkpoint the run resumes from.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 from harness.health.trackers.packages import require
+from harness.health.trackers.scalars import scalars
 
-SCALARS = ("loss", "grad_norm", "tokens_per_s", "eval_loss")
 SUBDIR = "tensorboard"
 
 
@@ -35,13 +34,8 @@ class TensorBoardTracker:
 
     def write(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
-        for key in SCALARS:
-            value = record.get(key)
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                self.writer.add_scalar(key, value, step)
-        for group, values in (record.get("lr") or {}).items():
-            for i, value in enumerate(values):
-                self.writer.add_scalar(f"lr/{group}/{i}", value, step)
+        for key, value in scalars(record).items():
+            self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
     def close(self) -> None:

@@ -16,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.health.trackers.packages import require
-
-SCALARS = ("loss", "grad_norm", "tokens_per_s", "eval_loss")
+from harness.health.trackers.scalars import scalars
 
 
 class WandbTracker:
@@ -27,9 +26,7 @@ class WandbTracker:
         self.run = wandb.init(id=run_id, resume="allow", mode=mode, project=project, dir=str(log_dir))
 
     def write(self, record: dict[str, Any]) -> None:
-        values = {k: record[k] for k in SCALARS if isinstance(record.get(k), (int, float))}
-        for group, lrs in (record.get("lr") or {}).items():
-            values.update({f"lr/{group}/{i}": v for i, v in enumerate(lrs)})
+        values = scalars(record)
         if values:
             self.run.log(values, step=int(record["step"]))
 

@@ -1,0 +1,21 @@
+"""`load_task(cfg)`: the task a run trains, bound (bound.py): `task.factory`'s, called with
+`task.args` (an exception of the factory is one line naming it and its args, as a model factory's),
+or the built-in language model."""
+
+from __future__ import annotations
+
+from harness.config import RunConfig
+from harness.models import call_factory, load_factory
+from harness.task.bound import BoundTask
+from harness.task.language_model import NAME, LanguageModel
+
+EXAMPLE = "my_package.task:build"
+
+
+def load_task(cfg: RunConfig) -> BoundTask:
+    path = cfg.task.factory
+    if path is None:
+        return BoundTask(LanguageModel(cfg), NAME)
+    task = call_factory(load_factory(path, "task factory", EXAMPLE), path, "task factory", "task.args",
+                        cfg.task.args, dict(cfg.task.args))
+    return BoundTask(task, path)
