@@ -294,3 +294,8 @@ class MultiSched:
                 _require(False, f"sched/{name}", f"{type(e).__name__}: {e}")
         for name, sched in self.schedulers.items():
             sched.load_state_dict(state_dict[name])
+            if not hasattr(sched, "parse"):
+                # A torch scheduler sets its optimizer's lr when it steps, not when it loads, and
+                # MultiOpt keeps the live groups' lr: put back the lr it had set when saved.
+                for group, lr in zip(sched.optimizer.param_groups, sched.get_last_lr(), strict=True):
+                    group["lr"] = lr

@@ -57,7 +57,10 @@ class RunConfig(Section):
         if self.task.factory is None:
             return self
         for section, keys in LANGUAGE_MODEL_KEYS.items():
-            given = sorted(set(getattr(self, section).model_fields_set) & set(keys))
+            # A key set to its default changes nothing (and a saved config, dumped whole, sets them all).
+            part = getattr(self, section)
+            defaults = type(part)()
+            given = sorted(k for k in part.model_fields_set & set(keys) if getattr(part, k) != getattr(defaults, k))
             if given:
                 raise ValueError(f"{section}.{given[0]} is a setting of the built-in language model, which "
                                  f"task.factory = {self.task.factory!r} replaces: remove it (the task builds its own "

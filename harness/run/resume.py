@@ -131,7 +131,7 @@ class Resume:
                         device=self.device, steps=cfg.train.steps))
         self.iterator = is_iterator_source(self.data.train)
         self.restore_s = 0.0
-        self.rejected: list[dict[str, Any]] = local.rejected if local is not None else []
+        self._rejected: list[dict[str, Any]] = []
         self.source, self.persistent, self.verify = agree_on_checkpoint(store, cfg, resume)
         self.candidates = self._candidates()
         self._next = 0
@@ -247,10 +247,15 @@ class Resume:
                 raise PassedOver(str(e)) from e
             return after_load(choice.checkpoint.state, choice.cfg, chosen.step, trainer.state.sharded)
 
+    @property
+    def rejected(self) -> list[dict[str, Any]]:
+        """The local tier's copies passed over: by the tier's choice, then here."""
+        return (self.local.rejected if self.local is not None else []) + self._rejected
+
     def _pass_over(self, chosen: Candidate, problem: str) -> None:
         skipped(chosen.ref, [problem])
         if chosen.owner is not None:
-            self.rejected.append({"tier": chosen.tier, "step": chosen.step, "url": chosen.ref.url,
+            self._rejected.append({"tier": chosen.tier, "step": chosen.step, "url": chosen.ref.url,
                                   "problem": problem[:300], "rank": self.rank})
 
 

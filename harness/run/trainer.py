@@ -199,6 +199,12 @@ class Trainer:
         FSDP2 swaps the parameters for DTensors, so this runs before the optimizers see them."""
         cfg = self.cfg
         if self.world_size > 1 and cfg.parallel.strategy == "fsdp":
+            if isinstance(self.model, torch.nn.ModuleDict):
+                # FSDP2 gathers a root's parameters in the root's forward, which a task calling its
+                # models one by one never runs.
+                raise UserError(f"parallel.strategy = 'fsdp' shards one model, and task {self.task.name!r} has "
+                                f"several ({', '.join(self.model)}): train it with strategy 'ddp', or return one "
+                                "module from models() that calls the others in its forward")
             shard_model(self.model, cfg.parallel, self.device, self.world_size)
             return True
         if cfg.parallel.strategy == "fsdp":
@@ -212,7 +218,7 @@ class Trainer:
         be ignored)."""
         own = self.task.optimizers(self.model, self.context)
         if own is not None:
-            if "optim" in self.cfg.model_fields_set:
+            if self.cfg.optim != RunConfig().optim:
                 raise UserError(f"[optim] is set, but task {self.task.name!r} builds its own optimizers (its "
                                 "optimizers() returned them), so [optim] would be ignored: remove it")
             return own

@@ -1,11 +1,13 @@
-"""The harness's own tax: the quickstart's training steps in a bare PyTorch loop against the same
-steps through `harness train` with its defaults.
+"""The harness's own tax: a config's training steps in a bare PyTorch loop against the same steps
+through `harness train` with its defaults.
 
-Both contenders train the quickstart config (configs/quickstart.toml: model, optimizer bundle,
-batches, seed) in one process each:
-* bare: a nanoGPT-style loop written here: next batch, forward, backward, clip the gradient
-  norm, optimizer and scheduler step, zero the gradients. It builds the model, optimizer bundle
-  and batch stream through the same factories as the harness, so both compute the same steps.
+Both contenders train one config (`--config`, default configs/quickstart.toml; a task's, such as
+examples/image_classifier.toml, with `PYTHONPATH=examples`: model, optimizer bundle, batches,
+seed) in one process each:
+* bare: a nanoGPT-style loop written here: the step's micro-batches (next batch, the task's loss,
+  backward), clip the gradient norm, optimizer and scheduler step, zero the gradients. It builds
+  the model, optimizer bundle and batch stream through the task's own methods (harness/task) and
+  the same order of samples as the harness, so both compute the same steps.
 * harness: `harness train` with every default on (determinism, per-step fingerprints and the
   state hash every `train.fingerprint_every` steps, metrics.jsonl, the lease heartbeat, the
   progress bar and log lines, the checkpoint clock). Evaluation is off in both (`eval_every=0`:
@@ -31,6 +33,7 @@ geometric mean of the rounds are printed: where one process's speed differs from
 more than the target (10% on a shared 2-core VM), a median of few rounds is mostly that noise.
 
     python ops/bench/harness_overhead.py --steps 110 --rounds 5 [--bare-numerics] [--contender strict-cnr]
+    PYTHONPATH=examples python ops/bench/harness_overhead.py --config examples/image_classifier.toml
 """
 
 from __future__ import annotations
@@ -65,27 +68,33 @@ class StepClock:
         self.ends.append((time.perf_counter(), time.process_time()))
 
 
-def bare_loop(steps: int, clock: StepClock) -> None:
-    """The nanoGPT-style loop over the quickstart's model, optimizer bundle and batches."""
+def bare_loop(config: Path, steps: int, clock: StepClock) -> None:
+    """The nanoGPT-style loop over the config task's model, optimizer bundle and batches."""
     import torch
 
-    from harness.config import load_config
-    from harness.data import BatchStream, TokenDataset
-    from harness.models import load_factory
+    from harness.config import batch_shape, load_config
+    from harness.data import BatchStream
+    from harness.task import TaskContext, load_task
     from optim.build import build_bundle
 
-    cfg = load_config(CONFIG, settings(steps))
+    cfg = load_config(config, settings(steps))
+    task = load_task(cfg)
+    ctx = TaskContext(args=cfg.task.args, seed=cfg.train.seed, rank=0, world_size=1, device=torch.device("cpu"),
+                      steps=steps)
+    data = task.data(ctx)
     torch.manual_seed(cfg.train.seed)
-    model = load_factory(cfg.model.factory)({"seq_len": cfg.data.seq_len, **cfg.model.args})
-    opt, sched = build_bundle(cfg.optim, model, total_steps=cfg.train.steps)
-    train_set, _ = TokenDataset.from_url(cfg.data.url, cfg.data.seq_len).split(cfg.data.eval_fraction)
-    stream = BatchStream(train_set, cfg.data.batch_size, cfg.train.seed, num_workers=cfg.data.num_workers)
+    model = task.models(ctx)
+    opt, sched = task.optimizers(model, ctx) or build_bundle(cfg.optim, model, total_steps=cfg.train.steps)
+    batch_size, accum = batch_shape(cfg, 1)
+    stream = BatchStream(data.train, batch_size, cfg.train.seed, num_workers=cfg.data.num_workers,
+                         collate=data.collate)
     model.train()
+    clip = cfg.train.grad_clip if cfg.train.grad_clip is not None else math.inf
     for _ in range(steps):
-        batch = next(stream)
-        _, loss = model(batch.x, batch.y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
+        for _ in range(accum):
+            loss = task.task.loss(model, next(stream).inputs)
+            (loss / accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
@@ -93,7 +102,7 @@ def bare_loop(steps: int, clock: StepClock) -> None:
     stream.close()
 
 
-def harness_loop(steps: int, clock: StepClock, run_dir: str) -> None:
+def harness_loop(config: Path, steps: int, clock: StepClock, run_dir: str) -> None:
     """`harness train` in this process; the clock ticks where the loop records a step."""
     from harness.cli import main
     from harness.run.loop import Loop
@@ -105,26 +114,26 @@ def harness_loop(steps: int, clock: StepClock, run_dir: str) -> None:
         clock.tick()
 
     Loop.record = timed_record
-    argv = ["--log-level", "warning", "train", str(CONFIG), "--run-dir", run_dir]
+    argv = ["--log-level", "warning", "train", str(config), "--run-dir", run_dir]
     for s in settings(steps):
         argv += ["--set", s]
     if main(argv) != 0:
         raise SystemExit("harness train failed")
 
 
-def child(mode: str, steps: int, threads: int, work: str, bare_numerics: bool) -> None:
+def child(mode: str, args: argparse.Namespace) -> None:
     import torch
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(args.threads)
     clock = StepClock()
     if mode == "harness":
-        harness_loop(steps, clock, tempfile.mkdtemp(prefix="run-", dir=work))
+        harness_loop(args.config, args.steps, clock, tempfile.mkdtemp(prefix="run-", dir=args.work))
     else:
-        if bare_numerics:
+        if args.bare_numerics:
             from harness.repro import numerics
 
-            numerics.apply(threads)
-        bare_loop(steps, clock)
+            numerics.apply(args.threads)
+        bare_loop(args.config, args.steps, clock)
     print(json.dumps(clock.ends))
 
 
@@ -135,7 +144,7 @@ def run_child(mode: str, args: argparse.Namespace, work: str) -> dict[str, float
     if mode == "strict-cnr":
         env["MKL_CBWR"] = "AUTO,STRICT"  # read by MKL when it loads, before any computation
     proc = subprocess.run([sys.executable, __file__, "--child", mode, "--steps", str(args.steps),
-                           "--threads", str(args.threads), "--work", work,
+                           "--threads", str(args.threads), "--work", work, "--config", str(args.config),
                            *(["--bare-numerics"] if args.bare_numerics else [])],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
@@ -149,6 +158,7 @@ def run_child(mode: str, args: argparse.Namespace, work: str) -> dict[str, float
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", type=Path, default=CONFIG, help="the run config both contenders train")
     p.add_argument("--steps", type=int, default=110, help="steps per run (the state hash falls on step 100)")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the mean at the start")
     p.add_argument("--rounds", type=int, default=5)
@@ -161,10 +171,11 @@ def main() -> None:
     p.add_argument("--work", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child, args.steps, args.threads, args.work, args.bare_numerics)
+        child(args.child, args)
         return
+    args.config = args.config.resolve()
     other = args.contender
-    print(f"quickstart, {args.steps} steps per run (mean over the last {args.steps - args.warmup - 1}), "
+    print(f"{args.config.name}, {args.steps} steps per run (mean over the last {args.steps - args.warmup - 1}), "
           f"{args.threads} torch thread(s), {args.rounds} rounds, bare against {other}"
           + (", the bare loop under the harness's reproducibility settings" if args.bare_numerics else ""))
     rows = []

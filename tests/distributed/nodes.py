@@ -16,15 +16,16 @@ CADENCE = ["--set", "checkpoint.every_steps=4", "--set", "checkpoint.async_save=
 
 
 def agents(run_dir: Path, locals_: list[Path], logs: list[Path], *extra: str, config: Path = TINY,
-           nproc: int = 1) -> list:
+           nproc: int = 1, common: tuple[str, ...] = tuple(COMMON), env: dict[str, str] | None = None) -> list:
     """One torchrun agent per local folder (node ranks 0, 1, ...), `nproc` ranks each, meeting at
-    a static rendezvous on localhost, training `config` with `CADENCE` and `extra`; node i's local
-    tier is in `locals_[i]`."""
+    a static rendezvous on localhost, training `config` with `common` (Muon), `CADENCE` and
+    `extra` (in `env`, over the launcher's); node i's local tier is in `locals_[i]`."""
     port, nodes = str(free_port()), len(locals_)
     return [start([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--node-rank", str(node),
                    "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", port,
                    "--max-restarts", "0", "--no-python", HARNESS, "train", str(config), "--run-dir", str(run_dir),
-                   *COMMON, *CADENCE, *extra, "--set", f"checkpoint.local.dir='{locals_[node]}'"], logs[node])
+                   *common, *CADENCE, *extra, "--set", f"checkpoint.local.dir='{locals_[node]}'"], logs[node],
+                  env)
             for node in range(nodes)]
 
 

@@ -234,3 +234,25 @@ def test_torchs_own_optimizers_round_trip_by_name_and_step_on_bitwise(make, roun
     del entry[missing]
     with pytest.raises(OptimError, match=f"lacks state '{missing}'"):
         build()[1].load_state_dict(damaged)
+
+
+def test_a_torch_scheduler_puts_back_the_lr_it_had_set_when_loaded(roundtrip):
+    """A torch LR scheduler sets its optimizer's lr when it steps, not when it loads: after a load
+    the live group holds the lr of the saved state (else the next step trains at the initial lr)."""
+    def build():
+        w = torch.nn.Parameter(torch.zeros(2))
+        opt = torch.optim.SGD([("w", w)], lr=1.0)
+        return opt, MultiSched({"sgd": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (s + 1))})
+
+    opt, sched = build()
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == 0.25
+    fresh_opt, fresh = build()
+    fresh.load_state_dict(roundtrip(sched.state_dict()))
+    assert fresh_opt.param_groups[0]["lr"] == 0.25 and fresh.get_last_lr() == {"sgd": [0.25]}
+    fresh.step(["other"])  # only the schedulers of the optimizers that stepped advance
+    assert fresh.get_last_lr() == {"sgd": [0.25]}
+    fresh.step(["sgd"])
+    assert fresh.get_last_lr() == {"sgd": [0.2]}
