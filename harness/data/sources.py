@@ -35,7 +35,6 @@ from harness.data.identity import data_identity
 from harness.data.iterator_stream import SampleOf, as_sample
 from harness.data.mixture import Mixture
 from harness.data.order import epoch_permutation
-from harness.data.shard_index import read_index
 from harness.data.shard_reader import ShardReader
 from harness.errors import UserError
 from harness.repro.prng import derive_seed
@@ -85,8 +84,8 @@ def open_data(data_cfg: Any, seed: int, rank: int = 0, world_size: int = 1) -> T
         train, held_out = dataset.split(data_cfg.eval_fraction)
         # The model's default vocabulary is the bytes; the identity is the file's size and end blocks.
         return TrainData(train, held_out, None, data_identity(data_cfg.url, data_cfg.storage_options))
-    readers = _readers(data_cfg.sources, data_cfg)
-    eval_readers = _readers(data_cfg.eval_sources, data_cfg)
+    readers = _readers("data.sources", data_cfg.sources, data_cfg)
+    eval_readers = _readers("data.eval_sources", data_cfg.eval_sources, data_cfg)
     tokenizers = {r.index.tokenizer["sha256"] for r in readers + eval_readers}
     if len(tokenizers) > 1:
         urls = [s.url for s in data_cfg.sources + data_cfg.eval_sources]
@@ -111,23 +110,19 @@ def open_data(data_cfg: Any, seed: int, rank: int = 0, world_size: int = 1) -> T
     return TrainData(train, Reordered(held_out, order), readers[0].index.vocab_size, identity)
 
 
-def check_sources(data_cfg: Any) -> None:
-    """Refuse, before a run writes anything, a `data.sources` / `data.eval_sources` url that names
-    no prepared dataset: a file, or a folder without a valid index.json (a UserError naming it).
-    Reads each index once more than `open_data` does: a few KiB per source."""
-    for key, specs in (("data.sources", data_cfg.sources), ("data.eval_sources", data_cfg.eval_sources)):
-        for n, spec in enumerate(specs):
-            options = _storage_options(spec, data_cfg)
-            loc = open_location(spec.url, options)
-            if loc.fs.isfile(loc.root):
-                text = "; to train on a text file's bytes set data.url instead" if key == "data.sources" else ""
-                raise UserError(f"{key}[{n}].url = {spec.url!r} is a file; a source url must be the folder of a "
-                                f"dataset made by `harness data prepare` (the folder holding index.json){text}")
-            read_index(spec.url, options)
-
-
-def _readers(specs: list[Any], data_cfg: Any) -> list[ShardReader]:
-    return [ShardReader.open(s.url, _storage_options(s, data_cfg), data_cfg.hash_check) for s in specs]
+def _readers(key: str, specs: list[Any], data_cfg: Any) -> list[ShardReader]:
+    """A reader of each source of `key` (`data.sources` / `data.eval_sources`); a url that names no
+    prepared dataset (a file, or a folder without a valid index.json) is a UserError naming it."""
+    readers = []
+    for n, spec in enumerate(specs):
+        options = _storage_options(spec, data_cfg)
+        loc = open_location(spec.url, options)
+        if loc.fs.isfile(loc.root):
+            text = "; to train on a text file's bytes set data.url instead" if key == "data.sources" else ""
+            raise UserError(f"{key}[{n}].url = {spec.url!r} is a file; a source url must be the folder of a "
+                            f"dataset made by `harness data prepare` (the folder holding index.json){text}")
+        readers.append(ShardReader.open(spec.url, options, data_cfg.hash_check))
+    return readers
 
 
 def _storage_options(spec: Any, data_cfg: Any) -> dict | None:

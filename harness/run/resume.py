@@ -43,9 +43,9 @@ from harness.parallel import distributed
 from harness.run.elastic import WorldChange, after_load
 from harness.run.environment import warn_if_changed
 from harness.run.exact_mode import AUTO, decide, saved_mode, with_mode
-from harness.run.trainer import Trainer, resolve_device
+from harness.run.trainer import Trainer, process_device, resolve_device
 from harness.storage.location import folder_name
-from harness.task import BoundTask, TaskContext, load_task
+from harness.task import BoundTask, load_task, task_context
 
 log = get_logger(__name__)
 
@@ -125,10 +125,9 @@ class Resume:
         self.cfg, self.allow_config_change, self.local = cfg, allow_config_change, local
         self.world, self.rank = distributed.world(), distributed.rank()
         self.task = task if task is not None else load_task(cfg)
-        self.device = resolve_device(cfg.train.device)
-        self.data = data if data is not None else self.task.data(
-            TaskContext(args=cfg.task.args, seed=cfg.train.seed, rank=self.rank, world_size=self.world,
-                        device=self.device, steps=cfg.train.steps))
+        self.device = process_device(cfg, self.world)
+        self.data = data if data is not None else self.task.data(task_context(cfg, self.rank, self.world,
+                                                                              self.device))
         self.iterator = is_iterator_source(self.data.train)
         self.restore_s = 0.0
         self._rejected: list[dict[str, Any]] = []

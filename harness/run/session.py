@@ -40,7 +40,6 @@ import psutil
 from harness import exit_codes
 from harness.checkpoint import PEER, PERSISTENT, CheckpointStore, LocalRecovery, LocalTier
 from harness.config import RunConfig, batch_shape
-from harness.data.sources import check_sources
 from harness.errors import Unavailable, UserError
 from harness.health.trackers import open_trackers
 from harness.log import get_logger
@@ -53,6 +52,8 @@ from harness.run.elastic import fingerprint_checks
 from harness.run.environment import environment_fingerprint
 from harness.run.loop import Loop
 from harness.run.resume import Resume
+from harness.run.trainer import process_device
+from harness.task import load_task, task_context
 
 log = get_logger(__name__)
 
@@ -66,14 +67,17 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
                     "exits; nothing can resume from them. Use a local path or s3:// for a real run",
                     run_dir=cfg.run_dir)
     batch_shape(cfg, distributed.world())  # a world size the global batch cannot split is refused before any write
-    check_sources(cfg.data)  # so is a dataset url that names no prepared dataset
+    task, world = load_task(cfg), distributed.world()
+    # Opened once, here: a dataset that is not there (a url naming no prepared dataset) is refused before any write.
+    data = task.data(task_context(cfg, distributed.rank(), world, process_device(cfg, world)))
     store = open_store(cfg)
     try:
         distributed.on_rank0(store.acquire_lease, takeover=takeover)  # rank 0 is the run dir's one writer
     except OSError as e:
         raise UserError(f"cannot write to run dir {cfg.run_dir}: {e}; choose a writable --run-dir") from None
     try:
-        starting = Resume(cfg, store, resume, allow_config_change, local=local_source(cfg, resume))
+        starting = Resume(cfg, store, resume, allow_config_change, task=task, data=data,
+                          local=local_source(cfg, resume))
         started = starting.start()
         if started is None:
             return exit_codes.FINISHED

@@ -40,7 +40,7 @@ from harness.repro.prng import derive_seed
 from harness.repro.rng import RNGState, micro_batch_streams, seed_everything
 from harness.run.exact_mode import AUTO, decide, with_mode
 from harness.run.state import TrainerCounters, TrainState
-from harness.task import BoundTask, StepInfo, TaskContext, load_task
+from harness.task import BoundTask, StepInfo, load_task, task_context
 from optim.build import build_bundle
 from optim.bundle import MultiOpt
 from optim.dtensor import is_dtensor, local
@@ -81,6 +81,14 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise UserError("train.device = 'cuda' but no CUDA device is visible; use 'cpu' or 'auto'")
     return torch.device(name)
+
+
+def process_device(cfg: RunConfig, world_size: int) -> torch.device:
+    """`train.device` of this process; in a group on CUDA, this rank's own device."""
+    device = resolve_device(cfg.train.device)
+    if device.type == "cuda" and world_size > 1:
+        return torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, set by the process group
+    return device
 
 
 def compile_options(device: torch.device) -> dict[str, Any] | None:
@@ -129,9 +137,8 @@ class Trainer:
         self.rank = rank
         self.world_size = world_size
         self.task = task if task is not None else load_task(cfg)
-        self.device = self._choose_device(cfg)
-        self.context = TaskContext(args=cfg.task.args, seed=cfg.train.seed, rank=rank, world_size=world_size,
-                                   device=self.device, steps=cfg.train.steps)
+        self.device = process_device(cfg, world_size)
+        self.context = task_context(cfg, rank, world_size, self.device)
         self.data = data if data is not None else self.task.data(self.context)
         if cfg.parallel.exact_elastic == AUTO:  # not decided by the caller (a resume decides): a fresh start's mode
             cfg = with_mode(cfg, decide(cfg, world_size, self.device.type, is_iterator_source(self.data.train))[0])
@@ -162,13 +169,6 @@ class Trainer:
         check_registered({"trainer": self}, self.state.parts(), cfg.train.unregistered_state)
         # Non-persistent buffers are judged by watching this process's first forward.
         self._buffer_probe = BufferProbe(self.model) if non_persistent_buffers(self.model) else None
-
-    def _choose_device(self, cfg: RunConfig) -> torch.device:
-        """`train.device`; in a group on CUDA, this rank's own device."""
-        device = resolve_device(cfg.train.device)
-        if device.type == "cuda" and self.world_size > 1:
-            return torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, set by the process group
-        return device
 
     def _apply_numerics(self) -> None:
         """The process's reproducibility settings (harness/repro/numerics.py), before the model is

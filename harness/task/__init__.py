@@ -10,6 +10,6 @@ built-in task), loading.py (`task.factory` or the built-in).
 
 from harness.task.bound import BoundTask
 from harness.task.contract import StepInfo, StepLoss, TaskContext
-from harness.task.loading import load_task
+from harness.task.loading import load_task, task_context
 
-__all__ = ["BoundTask", "StepInfo", "StepLoss", "TaskContext", "load_task"]
+__all__ = ["BoundTask", "StepInfo", "StepLoss", "TaskContext", "load_task", "task_context"]

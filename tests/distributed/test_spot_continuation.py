@@ -8,9 +8,9 @@ due) with peer copies; exact elastic mode is on by default (tests/data/spot.toml
 node's folder. Each restart must resume from the local tier, at most one local interval lost
 (2 steps), and the run must end bit for bit where an uninterrupted world-size-2 run ends
 (every loss, the final model, optimizer, schedulers, counters, fingerprints): from copies
-written at another world size (2 -> 1, 1 -> 2, 4 -> 2), from a copy another node sent, and
-after a second loss right after the first (re-replication). Without the coverage rule, every
-restart below falls back to the persistent tier."""
+written at another world size (2 -> 1, 1 -> 2, 4 -> 2, under DDP and FSDP), from a copy another
+node sent, and after a second loss right after the first (re-replication). Without the coverage
+rule, every restart below falls back to the persistent tier."""
 
 from __future__ import annotations
 
@@ -172,6 +172,33 @@ def test_four_to_two_resumes_from_the_survivors_own_copies_bitwise(tmp_path, uni
     assert (start_b["resumed_from"], start_b["resumed_tier"], start_b["world_size"], start_b["saved_world_size"]) \
         == (6, "local", 2, 4), start_b
     assert_bitwise(uninterrupted, run_dir)
+
+
+def test_fsdp_four_to_two_reads_the_lost_nodes_shards_from_its_peer_copies_bitwise(tmp_path, uninterrupted_fsdp):
+    """FSDP, two nodes of two ranks (world 4; each rank's peer copy goes to the other node): both
+    die after step 7, once node 0 holds its peer copies of ranks 2 and 3 of step 6, and node 1's
+    disk is gone. Node 0's two ranks go on at world size 2 from step 6, each reading its new share
+    of every sharded weight from the four ranks' copies (two their own, two peer copies),
+    resharded by DCP; bitwise the uninterrupted world-2 FSDP run."""
+    run_dir = tmp_path / "run"
+    locals_ = [tmp_path / "node0-local", tmp_path / "node1-local"]
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    nodes = agents(run_dir, locals_, logs, *FSDP, config=SPOT, nproc=2)
+    try:
+        wait_step(nodes[0], run_dir, 7, logs[0])
+        deadline = time.monotonic() + 60
+        while not all(6 in steps_in(next(locals_[0].iterdir()) / f"peer-of-rank-{r:05d}") for r in (2, 3)):
+            assert time.monotonic() < deadline, tail(logs[0])
+            time.sleep(0.05)
+    finally:
+        lose_all(nodes, run_dir, 7, logs[0], starts=1)
+    shutil.rmtree(locals_[1])
+    (node,) = agents(run_dir, locals_[:1], logs[:1], *FSDP, config=SPOT, nproc=2)
+    assert node.wait(300) == 0, tail(logs[0])
+    start_b = resumed(run_dir)
+    assert (start_b["resumed_from"], start_b["resumed_tier"], start_b["world_size"], start_b["saved_world_size"]) \
+        == (6, "peer", 2, 4), start_b
+    assert_bitwise(uninterrupted_fsdp, run_dir)
 
 
 def test_outside_exact_mode_a_shrink_resumes_from_the_local_tier_within_the_elastic_promise(tmp_path):
