@@ -421,14 +421,15 @@ class Trainer:
         losses = []
         names: list[tuple[str, ...] | None] = []
         first = self.rank * self.grad_accum
-        for k, piece in enumerate(split_batch(block.inputs, self.batch_size)):
-            # A fresh copy of each micro-batch: the same shape and alignment whichever block it came in.
-            piece = to_device(piece, self.device, copy=True)
-            with micro_batch_streams(self.cfg.train.seed, self.step + 1, first + k):
+        with micro_batch_streams(self.cfg.train.seed, self.step + 1) as use_streams:
+            for k, piece in enumerate(split_batch(block.inputs, self.batch_size)):
+                # A fresh copy of each micro-batch: the same shape and alignment whichever block it came in.
+                piece = to_device(piece, self.device, copy=True)
+                use_streams(first + k)
                 loss = self._forward(piece, k, names)
                 self.scaler.scale(loss / micro_batches).backward()
-            tree.push(exact.flat_gradients(params, take))
-            losses.append(loss.detach())
+                tree.push(exact.flat_gradients(params, take))
+                losses.append(loss.detach())
         block_losses = torch.stack(losses)
         block_losses = debug_hooks.poisoned(self.cfg.debug, self.rank, batch_no, block_losses)
         if self.sharded:

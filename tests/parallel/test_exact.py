@@ -73,12 +73,17 @@ def test_micro_batch_streams_depend_on_step_and_index_only_and_restore_the_proce
     torch.manual_seed(7)
     random.seed(7)
     before = torch.get_rng_state(), random.getstate()
-    with micro_batch_streams(1, 3, 2):
+    with micro_batch_streams(1, 3) as use:
+        use(2)
         first = torch.rand(4), random.random()
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
     torch.rand(100)  # the process's own streams moved on: the micro-batch's must not care
-    with micro_batch_streams(1, 3, 2):
+    with micro_batch_streams(1, 3) as use:
+        use(1)
+        torch.rand(50)  # nor what an earlier micro-batch of the block drew
+        use(2)
         again = torch.rand(4), random.random()
-    with micro_batch_streams(1, 3, 1):
+    with micro_batch_streams(1, 3) as use:
+        use(1)
         other = torch.rand(4)
     assert torch.equal(first[0], again[0]) and first[1] == again[1] and not torch.equal(first[0], other)
