@@ -78,3 +78,13 @@ def test_an_example_loses_a_node_under_torchrun_and_goes_on_alone_bitwise(exampl
         == (6, "local", 1, 2), start
     assert not events(run_dir, "resume_mismatch")
     assert_same_run(uninterrupted, run_dir, STEPS)
+
+
+def test_verify_resume_certifies_a_task_unchanged(tmp_path):
+    """`harness verify-resume` on the example with a whole step (two optimizers, two cadences):
+    interrupted twice by SIGKILL, every step's fingerprints and the final checkpoints identical."""
+    proc = harness("verify-resume", str(EXAMPLES / "two_cadences.toml"), "--steps", "12", "--interrupt-at", "6,10",
+                   "--set", "checkpoint.every_steps=4", "--set", "checkpoint.async_save=false",
+                   "--work-dir", str(tmp_path), env=ENV_EXAMPLES, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "identical: 12 steps" in proc.stdout and "resumed from 8" in proc.stdout, proc.stdout
