@@ -87,8 +87,10 @@ def saved_world_size(meta: dict[str, Any]) -> int:
     return int(meta.get(WORLD_SIZE_KEY, 1))
 
 
-def world_change(meta: dict[str, Any], cfg: RunConfig, world: int, step: int) -> WorldChange | None:
-    """The change from the checkpoint's world size (its `meta`) to `world`, or None when equal."""
+def world_change(meta: dict[str, Any], cfg: RunConfig, world: int, step: int, *,
+                 shape: tuple[int, int]) -> WorldChange | None:
+    """The change from the checkpoint's world size (its `meta`) to `world`, where the run trains
+    with batch `shape` (the trainer's), or None when equal."""
     old = saved_world_size(meta)
     if old == world:
         return None
@@ -96,7 +98,7 @@ def world_change(meta: dict[str, Any], cfg: RunConfig, world: int, step: int) ->
         old_shape = batch_shape(cfg, old)
     except UserError:
         old_shape = None
-    change = WorldChange(step, old, world, old_shape, batch_shape(cfg, world), exact=cfg.parallel.exact_elastic is True)
+    change = WorldChange(step, old, world, old_shape, shape, exact=cfg.parallel.exact_elastic is True)
     before, after = change.global_batch
     if before is not None and before != after:
         log.warning("train.global_batch is not set, so the global batch changes with the world size; set it to "
@@ -110,12 +112,14 @@ def reseed(change: WorldChange, seed: int, rank: int) -> None:
     seed_everything(derive_seed(_RESEED_DOMAIN, seed, change.step, rank, change.new_world))
 
 
-def after_load(saved: dict[str, Any], cfg: RunConfig, step: int, sharded: Collection[str]) -> WorldChange | None:
+def after_load(saved: dict[str, Any], cfg: RunConfig, step: int, sharded: Collection[str], *,
+               shape: tuple[int, int]) -> WorldChange | None:
     """On every rank, right after a checkpoint (its parsed state.json `saved`, written at `step`)
     was loaded into the live parts, by a resume or a rollback (`sharded`: the parts this run
-    shards): the world-size change since it, with this rank's random streams restarted for the
-    new world size; None (and nothing done) at the same size."""
-    change = world_change(saved["meta"], cfg, distributed.world(), step)
+    shards, `shape`: the batch shape it trains with): the world-size change since it, with this
+    rank's random streams restarted for the new world size; None (and nothing done) at the same
+    size."""
+    change = world_change(saved["meta"], cfg, distributed.world(), step, shape=shape)
     if change is not None:
         change = replace(change, resharded=sharded_parts(saved["parts"]) | frozenset(sharded))
         if not change.exact:

@@ -244,7 +244,8 @@ class Resume:
                     raise
                 self._pass_over(chosen, str(e))
                 raise PassedOver(str(e)) from e
-            return after_load(choice.checkpoint.state, choice.cfg, chosen.step, trainer.state.sharded)
+            return after_load(choice.checkpoint.state, choice.cfg, chosen.step, trainer.state.sharded,
+                              shape=(trainer.batch_size, trainer.grad_accum))
 
     @property
     def rejected(self) -> list[dict[str, Any]]:

@@ -57,7 +57,8 @@ def roll_back(loop: Any, anomaly: Anomaly) -> None:
     load(loop.store, checkpoint, trainer.state.parts(),  # rank 0 verified it
          kept_on_new_rank=trainer.state.kept_on_new_rank)
     # A checkpoint of another world size (from before an elastic resume): as a resume does.
-    resized = after_load(checkpoint.state, loop.cfg, step, trainer.state.sharded)
+    resized = after_load(checkpoint.state, loop.cfg, step, trainer.state.sharded,
+                         shape=(trainer.batch_size, trainer.grad_accum))
     ran_past = loop.metrics.truncate_after(step) or []
     if distributed.rank() == 0:  # before the ledger changes: the restored parts match their saved hashes
         trainer.fingerprints.watch(loop.events, [r for r in ran_past if int(r["step"]) < anomaly.step],

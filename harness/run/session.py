@@ -39,7 +39,7 @@ import psutil
 
 from harness import exit_codes
 from harness.checkpoint import PEER, PERSISTENT, CheckpointStore, LocalRecovery, LocalTier
-from harness.config import RunConfig, batch_shape
+from harness.config import RunConfig
 from harness.errors import Unavailable, UserError
 from harness.health.trackers import open_trackers
 from harness.log import get_logger
@@ -66,7 +66,6 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
         log.warning("run_dir is memory://: checkpoints and run.json live in this process only and are gone when it "
                     "exits; nothing can resume from them. Use a local path or s3:// for a real run",
                     run_dir=cfg.run_dir)
-    batch_shape(cfg, distributed.world())  # a world size the global batch cannot split is refused before any write
     task, world = load_task(cfg), distributed.world()
     # Opened once, here: a dataset that is not there (a url naming no prepared dataset) is refused before any write.
     data = task.data(task_context(cfg, distributed.rank(), world, process_device(cfg, world)))

@@ -54,14 +54,14 @@ def test_a_batch_split_error_says_what_was_given_and_what_is_derived():
 
 def test_world_change_records_the_derived_accumulation():
     cfg = _cfg({"batch_size": 2}, {"global_batch": 8})
-    assert world_change({"world_size": 2}, cfg, 2, step=4) is None
-    assert world_change({}, cfg, 1, step=4) is None  # no key: written by one process
-    change = world_change({"world_size": 2}, cfg, 1, step=4)
+    assert world_change({"world_size": 2}, cfg, 2, step=4, shape=batch_shape(cfg, 2)) is None
+    assert world_change({}, cfg, 1, step=4, shape=batch_shape(cfg, 1)) is None  # no key: written by one process
+    change = world_change({"world_size": 2}, cfg, 1, step=4, shape=batch_shape(cfg, 1))
     assert change.event() == {"step": 4, "old_world_size": 2, "new_world_size": 1,
                               "old": {"batch_size": 2, "grad_accum": 2, "global_batch": 8},
                               "new": {"batch_size": 2, "grad_accum": 4, "global_batch": 8}}
     # Without global_batch the global batch follows the world size (warned, recorded).
-    grown = world_change({}, _cfg({"batch_size": 2}, {}), 2, step=4)
+    grown = world_change({}, _cfg({"batch_size": 2}, {}), 2, step=4, shape=batch_shape(_cfg({"batch_size": 2}, {}), 2))
     assert grown.global_batch == (2, 4)
 
 
@@ -71,7 +71,7 @@ def test_restarted_streams_depend_on_step_rank_and_world_only():
     def draws(meta: dict, world: int, rank: int) -> list:
         torch.manual_seed(123)  # whatever the streams were before
         random.seed(5)
-        reseed(world_change(meta, cfg, world, step=8), seed=1, rank=rank)
+        reseed(world_change(meta, cfg, world, step=8, shape=batch_shape(cfg, world)), seed=1, rank=rank)
         return [torch.rand(3).tolist(), random.random()]
 
     assert draws({"world_size": 1}, 2, 1) == draws({"world_size": 4}, 2, 1)  # not the saving layout's
@@ -85,16 +85,16 @@ def test_a_sharded_part_is_not_checked_against_its_hash_at_save_time_across_worl
     cfg = _cfg({"batch_size": 2}, {"global_batch": 8})
     sharded = {"model": {"w": {"$tensor": ["$dcp", "model/w"]}}, "sched": {"step": 4}}
     plain = {"model": {"w": {"$tensor": ["model.safetensors", "w"]}}, "sched": {"step": 4}}
-    from_fsdp = after_load({"meta": {"world_size": 2}, "parts": sharded}, cfg, 4, sharded=())
+    from_fsdp = after_load({"meta": {"world_size": 2}, "parts": sharded}, cfg, 4, sharded=(), shape=(2, 4))
     assert from_fsdp.resharded == {"model"}
     assert fingerprint_checks(from_fsdp) == {"inputs_only": True, "unchecked": ("rng", "model")}
     # One process's checkpoint into FSDP would be resharded too (this process shards "optim" for the test).
-    into_fsdp = after_load({"meta": {"world_size": 4}, "parts": plain}, cfg, 4, sharded=("optim",))
+    into_fsdp = after_load({"meta": {"world_size": 4}, "parts": plain}, cfg, 4, sharded=("optim",), shape=(2, 4))
     assert fingerprint_checks(into_fsdp)["unchecked"] == ("rng", "optim")
     # DDP at both ends: the replicated parts are still checked; the same world size changes nothing.
-    assert fingerprint_checks(after_load({"meta": {"world_size": 2}, "parts": plain}, cfg, 4, sharded=()))[
-        "unchecked"] == ("rng",)
-    assert after_load({"meta": {}, "parts": sharded}, cfg, 4, sharded=()) is None
+    ddp = after_load({"meta": {"world_size": 2}, "parts": plain}, cfg, 4, sharded=(), shape=(2, 4))
+    assert fingerprint_checks(ddp)["unchecked"] == ("rng",)
+    assert after_load({"meta": {}, "parts": sharded}, cfg, 4, sharded=(), shape=(2, 4)) is None
     assert fingerprint_checks(None) == {}
 
 
