@@ -36,8 +36,8 @@ from typing import Any
 from harness.checkpoint.discovery import CheckpointRef, read_manifest, size_problem
 from harness.checkpoint.errors import CheckpointCorrupt
 from harness.checkpoint.format import WORLD_SIZE_KEY, parse_state, rank_state_file
+from harness.checkpoint.into_live import restore_parts
 from harness.checkpoint.manifest import STATE_FILE, FileRecord, Manifest
-from harness.checkpoint.restore import restore_parts
 from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE
 from harness.checkpoint.tensorfile import TensorEntry, read_header
 from harness.errors import StorageError

@@ -27,9 +27,9 @@ from harness.checkpoint.diff import diff_checkpoints
 from harness.checkpoint.discovery import CHECKPOINTS_DIR, CheckpointRef
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import tensor_refs
+from harness.checkpoint.integrity import verify_target
 from harness.checkpoint.store import CheckpointStore
 from harness.checkpoint.target import open_target
-from harness.checkpoint.verify import verify_target
 from harness.cli.args import storage_option_parser, storage_options_of
 from harness.errors import StorageError
 from harness.records.run_id import RUN_JSON

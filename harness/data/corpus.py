@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from harness.repro.prng import SplitMix64
+from harness.repro.splitmix import SplitMix64
 
 CORPUS_SEED = 20240601
 CORPUS_BYTES = 256 * 1024

@@ -23,7 +23,7 @@ import torch
 from harness.data.dataset import TokenDataset
 from harness.data.order import epoch_permutation
 from harness.errors import UserError
-from harness.repro.prng import derive_seed
+from harness.repro.splitmix import derive_seed
 
 SOURCE_ID_STRIDE = 1 << 40
 _MIXTURE_SALT = 0x4D4958  # "MIX": keeps the source permutations apart from the epoch order

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from harness.repro.prng import derive_seed
+from harness.repro.splitmix import derive_seed
 
 
 def epoch_permutation(seed: int, epoch: int, num_samples: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ from harness.data.mixture import Mixture
 from harness.data.order import epoch_permutation
 from harness.data.shard_reader import ShardReader
 from harness.errors import UserError
-from harness.repro.prng import derive_seed
+from harness.repro.splitmix import derive_seed
 from harness.storage.location import open_location
 
 _EVAL_ORDER_SALT = 0x4556414C  # "EVAL"

@@ -34,7 +34,7 @@ from harness.data.batch import Batch, Collate, fetch_samples
 from harness.data.dataset import SampleSource
 from harness.data.order import batches_left, epoch_permutation, rank_batch, rank_block
 from harness.errors import UserError
-from harness.repro.prng import derive_seed
+from harness.repro.splitmix import derive_seed
 
 EPOCHS_AHEAD = 1 << 20  # epochs one loader serves before the stream opens another (at its cursor)
 

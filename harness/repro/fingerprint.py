@@ -340,7 +340,7 @@ class FingerprintLog:
 
     def restore_template(self) -> dict[str, Any]:
         """The state dict's shape without computing its `state_hash` (no tensors either way): what
-        a restore matches the checkpoint against (checkpoint/restore.py, `live_state`)."""
+        a restore matches the checkpoint against (checkpoint/into_live.py, `live_state`)."""
         return {"records": [], "state_hash": {}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from harness.errors import UserError
-from harness.repro.prng import derive_seed
+from harness.repro.splitmix import derive_seed
 
 try:
     import numpy as np

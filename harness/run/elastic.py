@@ -38,8 +38,8 @@ from harness.config import RunConfig, batch_shape
 from harness.errors import UserError
 from harness.log import get_logger
 from harness.parallel import distributed
-from harness.repro.prng import derive_seed
 from harness.repro.rng import seed_everything
+from harness.repro.splitmix import derive_seed
 
 log = get_logger(__name__)
 

@@ -3,7 +3,7 @@
 A part is anything with `state_dict()` / `load_state_dict()` (the `Stateful` protocol) whose
 state dict is a tree of dicts, lists, tensors and JSON scalars (see docs/architecture.md); a part
 may also offer `restore_template()`, its live tensors without the cost of its full state dict,
-for loading to match against (checkpoint/restore.py, `live_state`). Parts
+for loading to match against (checkpoint/into_live.py, `live_state`). Parts
 are registered under stable names; the checkpoint stores each under its name, and loading
 refuses a missing or unexpected part. The order of registration is the order of restoring,
 and `rng` is restored last on purpose: building the other parts may draw random numbers.

@@ -36,8 +36,8 @@ from harness.repro import numerics
 from harness.repro.buffer_probe import BufferProbe, non_persistent_buffers
 from harness.repro.completeness import check_buffers, check_registered
 from harness.repro.fingerprint import FingerprintLog
-from harness.repro.prng import derive_seed
 from harness.repro.rng import RNGState, micro_batch_streams, seed_everything
+from harness.repro.splitmix import derive_seed
 from harness.run.exact_mode import AUTO, decide, with_mode
 from harness.run.state import TrainerCounters, TrainState
 from harness.task import BoundTask, StepInfo, load_task, task_context

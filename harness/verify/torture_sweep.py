@@ -46,9 +46,9 @@ from typing import Any
 import torch
 
 from harness.checkpoint import CheckpointStore, load
+from harness.checkpoint.integrity import verify_target
 from harness.checkpoint.lease import LEASE_FILE, MISSED_HEARTBEATS
 from harness.checkpoint.manifest import MANIFEST_FILE
-from harness.checkpoint.verify import verify_target
 from harness.errors import StorageError
 from harness.storage.faults import FaultPlan, SimulatedCrash
 from harness.storage.location import open_location
