@@ -7,14 +7,11 @@ The children are real processes (pids, signals, exit codes, process groups as an
 the server shares its starter's group), children of the server. Modules:
   inherited_env.py  the variables read before a child's first line: a child must match its server there
   protocol.py     the messages between client and server (JSON, fds over a unix socket)
+  relay.py        the process a launcher starts that has a server fork the real one and stands in for it
   server.py       the server process: preload, serve, fork, reap
   child.py        the forked child made into a fresh `python -m harness.cli` process
   client.py       ForkServer (one server process) and ForkedPopen (a Popen of one of its children)
   pool.py         ForkServers: a server per environment signature, for a test session or a command;
                   popen_for: a pool's popen where the environment lets it serve (verify-resume)
+This face imports none of them: the CLI imports relay.py for every command, which must stay light.
 """
-
-from harness.forkserver.client import ForkedPopen, ForkServer, ForkServerError
-from harness.forkserver.pool import ForkServers
-
-__all__ = ["ForkServer", "ForkServerError", "ForkServers", "ForkedPopen"]

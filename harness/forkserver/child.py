@@ -1,6 +1,7 @@
 """A forked child made into the process a fresh `python -m harness.cli ARGS` would be.
 
-`become(request)` runs first in the child, before any of the program: a session of its own when
+`become(request)` runs first in the child, before any of the program: death with its relay if a
+relay asked for it (first: harness/process/parent_death.py `die_with_relay`), a session of its own when
 asked (`start_new_session`), the client's stdin/stdout/stderr on fds 0-2, the working folder
 (first on sys.path, as `-m` puts it), the environment (os.environ and the C environment: the
 program's subprocesses get it), argv, and new sys.stdin/stdout/stderr made as the interpreter
@@ -35,12 +36,14 @@ import sys
 from typing import NoReturn
 
 from harness.forkserver.server import Request
-from harness.process import process_end
+from harness.process import parent_death, process_end
 
 MODULE = "harness.cli"
 
 
 def become(request: Request) -> None:
+    if request.lifeline is not None:
+        parent_death.die_with_relay(request.lifeline)
     if request.new_session:
         os.setsid()
     for target, fd in enumerate(request.fds):

@@ -8,7 +8,7 @@ caller: its exit code comes from the server, which reaps it, and signals go thro
 they cannot reach another process that took its pid. A command line of another form, or a
 request the server refuses (an environment it cannot honour: harness/forkserver/inherited_env.py),
 starts a fresh interpreter through Popen's own code: the same object, the same behaviour. So does
-a server that found it cannot fork safely (server.UNSERVABLE); one gone otherwise raises
+a server that found it cannot fork safely (protocol.UNSERVABLE); one gone otherwise raises
 `ForkServerError` (a bug, not a reason to fall back quietly).
 
 What a child inherits from its server, not from the caller at the time of the call: umask,
@@ -28,9 +28,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from harness.forkserver import protocol
-from harness.forkserver.server import UNSERVABLE
-
-REPLY_TIMEOUT_S = 300  # a server answers once its imports are done: seconds, minutes on a loaded machine
 
 
 class ForkServerError(RuntimeError):
@@ -71,7 +68,7 @@ class ForkServer:
 
     def unservable(self) -> bool:
         """Whether the server found it cannot fork safely in its environment (and exited)."""
-        return self.process.poll() == UNSERVABLE
+        return self.process.poll() == protocol.UNSERVABLE
 
     def failure(self) -> str:
         """Why the server is gone (its exit code and the end of its log)."""
@@ -113,37 +110,24 @@ class ForkedPopen(subprocess.Popen):
 
     def _request(self, args: list[str], env, cwd, fds: list[int]) -> tuple[int, int] | None:
         """(pid, pidfd) of the forked child, or None when the server refused the request."""
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        request = {"args": args, "env": dict(os.environ if env is None else env),
+                   "cwd": os.path.abspath(os.getcwd() if cwd is None else os.fspath(cwd)),
+                   "new_session": self._new_session}
         try:
-            conn.connect(self._server.socket_path)
-            protocol.send(conn, {"args": args, "env": dict(os.environ if env is None else env),
-                                 "cwd": os.path.abspath(os.getcwd() if cwd is None else os.fspath(cwd)),
-                                 "new_session": self._new_session}, fds)
+            reply = protocol.ask(self._server.socket_path, request, fds)
         except protocol.TooLarge:
-            conn.close()
             return None
         except OSError as e:
-            conn.close()
             return self._gone(e)
-        try:
-            conn.settimeout(REPLY_TIMEOUT_S)
-            reply, pidfds = protocol.receive(conn, max_fds=1)
-        except OSError as e:
-            conn.close()
-            return self._gone(e)
-        if reply is None or ("pid" in reply and len(pidfds) != 1):
-            conn.close()
-            return self._gone(None)
-        if "refused" in reply:
-            conn.close()
+        if isinstance(reply, str):
             return None
-        self._conn = conn
-        return reply["pid"], pidfds[0]
+        self._conn, pid, pidfd = reply
+        return pid, pidfd
 
     def _gone(self, error: OSError | None) -> None:
         """The server did not answer: None (a fresh interpreter) if it found it cannot serve, else raise."""
         try:
-            self._server.process.wait(REPLY_TIMEOUT_S)  # it is exiting, or has
+            self._server.process.wait(protocol.REPLY_TIMEOUT_S)  # it is exiting, or has
         except subprocess.TimeoutExpired:
             pass
         if self._server.unservable():

@@ -29,9 +29,14 @@ SENSITIVE = (
     "HF_", "TRANSFORMERS_", "TOKENIZERS_", "MALLOC_", "GLIBC_",
 )
 
+# Torchrun's: what it puts in its workers' environment (and TORCH_DISABLE_SHARE_RDZV_TCP_STORE, which
+# its own agent reads), all read when a worker sets up its process group or its error reporting,
+# never at import. A relayed torchrun worker (relay.py) differs from its server in these alone.
+LAUNCHER = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+
 
 def sensitive(name: str) -> bool:
-    return name.startswith(SENSITIVE)
+    return name.startswith(SENSITIVE) and not name.startswith(LAUNCHER)
 
 
 def signature(env: Mapping[str, str]) -> dict[str, str]:

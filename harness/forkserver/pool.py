@@ -6,11 +6,15 @@ Contract: `ForkServers.popen(args, env=..., ...)` returns a Popen for the comman
 at most `limit` servers, each holds some 400 MiB until its children share it), or a plain Popen
 (a fresh interpreter) when the command line is not `python -m harness.cli ...`, the server
 found it cannot fork safely there (OMP_NUM_THREADS other than 1: server.py), or every server's
-place is taken by another signature, or elsewhere than on Linux. `close()` ends the servers and removes their
-sockets; processes they started run on.
+place is taken by another signature, or elsewhere than on Linux. Where a server matches, the
+process's environment names it (relay.SERVER_ENV, unless `env` sets that itself), so the `harness`
+processes that it starts in turn as fresh interpreters (torchrun's workers, a supervisor's
+children) relay to the same server.
+`close()` ends the servers and removes their sockets; processes they started run on.
 
-`popen_for(env, cwd)`: a pool for the length of a block where `env` lets a server fork, else
-`subprocess.Popen` (verify-resume starts its runs with it).
+`popen_for(env, cwd)`: a pool for the length of a block where `env` lets a server fork and names
+none, else `subprocess.Popen` (verify-resume starts its runs with it): where `env` names a
+server, each process relays to it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 
 from harness.forkserver.client import ForkServer, served
 from harness.forkserver.inherited_env import signature
+from harness.forkserver.relay import SERVER_ENV
 
 # Linux only: pidfds (Linux 5.3, Python 3.9) and SOCK_SEQPACKET unix sockets; elsewhere every
 # process starts fresh.
@@ -43,8 +48,10 @@ class ForkServers:
 
     def popen(self, args, *, env: Mapping[str, str] | None = None, **kwargs) -> subprocess.Popen:
         env = dict(os.environ if env is None else env)
-        server = self._server_for(env) if SUPPORTED and served(args) is not None else None
-        if server is None:
+        server = self._server_for(env) if SUPPORTED else None
+        if server is not None:
+            env.setdefault(SERVER_ENV, server.socket_path)  # unless the caller chose (an empty value: none)
+        if server is None or served(args) is None:
             return subprocess.Popen(args, env=env, **kwargs)
         return server.popen(args, env=env, **kwargs)
 
@@ -67,8 +74,9 @@ def popen_for(env: Mapping[str, str], cwd: str | Path) -> Iterator[Callable[...,
     """What a command that starts several `harness` processes in turn (verify-resume) starts
     them with: a pool's `popen` (closed when the block ends) where `env` lets a server fork
     (OMP_NUM_THREADS=1: otherwise torch's import starts an OpenMP pool and the server could
-    only refuse, after paying for its imports), else `subprocess.Popen`."""
-    if not SUPPORTED or env.get("OMP_NUM_THREADS") != "1":
+    only refuse, after paying for its imports), else `subprocess.Popen`; that too where `env`
+    names a server already (the test session's), to which each process relays."""
+    if not SUPPORTED or env.get("OMP_NUM_THREADS") != "1" or env.get(SERVER_ENV):
         yield subprocess.Popen
         return
     servers = ForkServers(cwd)

@@ -1,7 +1,9 @@
 """`harness train` at world size > 1 for the distributed tests: start, find a rank's process, kill.
 
 Two ways to start a group. `torchrun(...)`: the launcher users run, for the tests of what torchrun
-does (restarts, a rank or agent killed, signals, node loss: test_torchrun.py, test_launchers.py).
+does (restarts, a rank or agent killed, signals, node loss: test_torchrun.py, test_launchers.py);
+each worker it starts is a relay that has the session's fork server fork the real rank
+(harness/forkserver/relay.py), and `rank_process` finds the relay, the process torchrun knows.
 `Ranks` (what `train_args` and `fsdp_args` give): the ranks alone, each a `harness` process forked
 by the session's fork server (tests/procs.py) with the environment torchrun gives its workers, for
 the tests of what the ranks do (checkpoints, resume, tiers); torchrun's launcher and a fresh
@@ -23,7 +25,7 @@ from pathlib import Path
 import psutil
 
 from harness.checkpoint.manifest import MANIFEST_FILE
-from procs import ENV, ROOT, TINY, final_checkpoint, last_step, popen
+from procs import ENV, ROOT, TINY, final_checkpoint, last_step, popen, spawn
 
 # torchrun shares its rendezvous store with the workers' process group by default, and a
 # restarted group then reads the previous group's gloo addresses (pytorch/pytorch#135712):
@@ -132,8 +134,8 @@ def start(args: list[str] | Ranks, log: Path, env: dict[str, str] | None = None,
     if isinstance(args, Ranks):
         return RankGroup(args, log, env)
     with log.open("ab") as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**TORCHRUN_ENV, **(env or {})},
-                                cwd=ROOT, start_new_session=new_session)
+        return spawn(args, stdout=out, stderr=subprocess.STDOUT, env={**TORCHRUN_ENV, **(env or {})}, cwd=ROOT,
+                     start_new_session=new_session)
 
 
 def run(args: list[str] | Ranks, log: Path, timeout: float = 300, env: dict[str, str] | None = None) -> int:

@@ -14,8 +14,8 @@ import tempfile
 
 import pytest
 
-from harness.forkserver import ForkServer, ForkServers
-from harness.forkserver.pool import popen_for
+from harness.forkserver.client import ForkServer
+from harness.forkserver.pool import ForkServers, popen_for
 from procs import DEFAULT_THREADS_ENV, ENV, ROOT, TINY, assert_same_run, wait_for_step
 
 
