@@ -1,4 +1,5 @@
-"""A forked child made into the process a fresh `python -m harness.cli ARGS` would be.
+"""A forked child made into the process a fresh `python -m MODULE ARGS` would be (the harness's CLI,
+or torchrun's launcher: protocol.MODULES).
 
 `become(request)` runs first in the child, before any of the program: death with its relay if a
 relay asked for it (first: harness/process/parent_death.py `die_with_relay`), a session of its own when
@@ -15,7 +16,7 @@ used in the server, so it holds torch's fixed default seed as in a fresh interpr
 seeds every generator itself before training: harness/repro/rng.py). The str hash seed is the server's
 (one per server), as any single interpreter's is.
 
-Exit: `run()` runs harness.cli as `-m` does and ends the child as a fresh interpreter ends up to
+Exit: `run(module)` runs the module as `-m` does and ends the child as a fresh interpreter ends up to
 its finalization (non-daemon threads joined, atexit handlers run, stdio flushed, the exit code a
 `SystemExit` gives, printed as the interpreter prints it), then leaves with `os._exit`, as a
 process that joined a process group does (harness/process/process_end.py). Finalization would
@@ -23,8 +24,9 @@ free every object the server imported, and freeing writes to each one: the child
 170 MB of the server's pages for it, 0.26 of the 0.33 CPU-seconds of a forked `harness --help`
 (0.25 of 0.42 of a 12-step tiny training). What is skipped is only that freeing, which the
 operating system does anyway, and the `__del__` of objects still alive at exit, which Python
-does not promise either. An exception other than `SystemExit` (a bug: its traceback) ends the
-child through the interpreter's own shutdown.
+does not promise either. An exception other than `SystemExit` (a traceback: a bug, or torchrun
+reporting a failed worker group) ends the child through the interpreter's own shutdown, as it ends
+a fresh interpreter.
 """
 
 from __future__ import annotations
@@ -37,8 +39,6 @@ from typing import NoReturn
 
 from harness.forkserver.server import Request
 from harness.process import parent_death, process_end
-
-MODULE = "harness.cli"
 
 
 def become(request: Request) -> None:
@@ -55,16 +55,16 @@ def become(request: Request) -> None:
         sys.path[0] = os.getcwd()
     os.environ.clear()
     os.environ.update(request.env)
-    sys.argv = [MODULE, *request.args]  # runpy puts the module's file first, as `-m` does
-    sys.orig_argv = [sys.executable, "-m", MODULE, *request.args]
+    sys.argv = [request.module, *request.args]  # runpy puts the module's file first, as `-m` does
+    sys.orig_argv = [sys.executable, "-m", request.module, *request.args]
     _reopen_stdio()
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
 
 
-def run() -> NoReturn:
+def run(module: str) -> NoReturn:
     try:
-        runpy.run_module(MODULE, run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         process_end.leave(process_end.unhandled(e))
     process_end.leave(0)

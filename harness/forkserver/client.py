@@ -2,10 +2,11 @@
 `ForkedPopen` is a subprocess.Popen whose child the server forks.
 
 `ForkedPopen` is a Popen (pipes, text mode, communicate, wait and poll with timeouts, `with`,
-send_signal/terminate/kill, pid, returncode) for `[sys.executable, "-m", "harness.cli", ...]`
-with the options `ForkServer.popen` takes. Its child is a child of the server, not of the
-caller: its exit code comes from the server, which reaps it, and signals go through a pidfd, so
-they cannot reach another process that took its pid. A command line of another form, or a
+send_signal/terminate/kill, pid, returncode) for `[sys.executable, "-m", MODULE, ...]` (a module
+of protocol.MODULES: the harness's CLI, torchrun's launcher) with the options `ForkServer.popen`
+takes. Its child is a child of the server, not of the caller: its exit code comes from the
+server, which reaps it, and signals go through a pidfd, so they cannot reach another process
+that took its pid. A command line of another form, or a
 request the server refuses (an environment it cannot honour: harness/forkserver/inherited_env.py),
 starts a fresh interpreter through Popen's own code: the same object, the same behaviour. So does
 a server that found it cannot fork safely (protocol.UNSERVABLE); one gone otherwise raises
@@ -34,11 +35,12 @@ class ForkServerError(RuntimeError):
     pass
 
 
-def served(args) -> list[str] | None:
-    """The CLI arguments of a command line a server runs (`python -m harness.cli ...` with this
-    interpreter), or None."""
-    if isinstance(args, (list, tuple)) and list(args[:3]) == [sys.executable, "-m", "harness.cli"]:
-        return [str(a) for a in args[3:]]
+def served(args) -> tuple[str, list[str]] | None:
+    """(module, its arguments) of a command line a server runs (`python -m MODULE ...` with this
+    interpreter and a module of protocol.MODULES), or None."""
+    if (isinstance(args, (list, tuple)) and list(args[:2]) == [sys.executable, "-m"] and len(args) > 2
+            and args[2] in protocol.MODULES):
+        return str(args[2]), [str(a) for a in args[3:]]
     return None
 
 
@@ -97,8 +99,8 @@ class ForkedPopen(subprocess.Popen):
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
-        cli_args = served(args) if executable is None and not shell else None
-        reply = None if cli_args is None else self._request(cli_args, env, cwd, [
+        command = served(args) if executable is None and not shell else None
+        reply = None if command is None else self._request(*command, env, cwd, [
             p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2])
         if reply is None:
             return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
@@ -108,9 +110,9 @@ class ForkedPopen(subprocess.Popen):
         self.forked = self._child_created = True
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
-    def _request(self, args: list[str], env, cwd, fds: list[int]) -> tuple[int, int] | None:
+    def _request(self, module: str, args: list[str], env, cwd, fds: list[int]) -> tuple[int, int] | None:
         """(pid, pidfd) of the forked child, or None when the server refused the request."""
-        request = {"args": args, "env": dict(os.environ if env is None else env),
+        request = {"module": module, "args": args, "env": dict(os.environ if env is None else env),
                    "cwd": os.path.abspath(os.getcwd() if cwd is None else os.fspath(cwd)),
                    "new_session": self._new_session}
         try:

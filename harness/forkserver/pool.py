@@ -4,7 +4,8 @@ per environment signature, each started when a process first needs it.
 Contract: `ForkServers.popen(args, env=..., ...)` returns a Popen for the command line: a
 `ForkedPopen` from the server whose signature matches `env` (started then if it is not yet;
 at most `limit` servers, each holds some 400 MiB until its children share it), or a plain Popen
-(a fresh interpreter) when the command line is not `python -m harness.cli ...`, the server
+(a fresh interpreter) when the command line is not `python -m MODULE ...` of a module a server
+runs (protocol.MODULES: the harness's CLI, torchrun's launcher), the server
 found it cannot fork safely there (OMP_NUM_THREADS other than 1: server.py), or every server's
 place is taken by another signature, or elsewhere than on Linux. Where a server matches, the
 process's environment names it (relay.SERVER_ENV, unless `env` sets that itself), so the `harness`

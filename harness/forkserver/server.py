@@ -34,16 +34,18 @@ from harness.forkserver import inherited_env, protocol, relay
 from harness.repro import numerics
 
 # What `harness train` imports besides its command module (torch._dynamo comes with torch's
-# optimizers): about 6 CPU-seconds per process that every child is spared.
+# optimizers): about 6 CPU-seconds per process that every child is spared; and torchrun's
+# launcher (0.02 CPU-seconds more once those are in).
 PRELOAD = ("torch", "torch._dynamo", "harness.cli", "harness.run.session", "harness.run.trainer",
-           "harness.models.gpt", "optim")
+           "harness.models.gpt", "optim", "torch.distributed.run")
 
 REQUEST_TIMEOUT_S = 30  # a client sends its request right after it connects
 
 
 @dataclass
 class Request:
-    args: list[str]  # the arguments after `python -m harness.cli`
+    module: str  # one of protocol.MODULES
+    args: list[str]  # the arguments after `python -m MODULE`
     env: dict[str, str]
     cwd: str
     new_session: bool
@@ -144,8 +146,8 @@ def _receive(conn: socket.socket, preloaded: Preloaded, home: str) -> Request | 
             os.close(fd)
         conn.close()
         return None
-    request = Request(message["args"], message["env"], message["cwd"], message["new_session"], fds[:3],
-                      fds[3] if len(fds) == 4 else None)
+    request = Request(message["module"], message["args"], message["env"], message["cwd"], message["new_session"],
+                      fds[:3], fds[3] if len(fds) == 4 else None)
     reason = _refusal(request, preloaded, home)
     if reason is not None:
         _close(request)
@@ -157,6 +159,8 @@ def _receive(conn: socket.socket, preloaded: Preloaded, home: str) -> Request | 
 
 
 def _refusal(request: Request, preloaded: Preloaded, home: str) -> str | None:
+    if request.module not in protocol.MODULES:
+        return f"runs no module {request.module}"
     accepted = {name: {value} for name, value in inherited_env.signature(preloaded.env).items()}
     # What the imports set, as it was before them or as they set it: the processes a served child
     # starts (a supervisor's, torchrun's workers) inherit the latter.

@@ -124,3 +124,21 @@ def test_a_served_supervisors_children_relay_and_die_with_it(tmp_path, server):
     supervisor.kill()
     finish(supervisor)
     assert child.wait(60) is None and worker.wait(60) is None
+
+
+def test_a_forked_torchrun_starts_relays_whose_ranks_the_server_forks(tmp_path, server):
+    """torchrun's launcher is a module a server runs too; the workers it starts are fresh
+    interpreters, relays, and the ranks that train are the server's children."""
+    run = tmp_path / "run"
+    launcher = server.popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             "-m", "harness.cli", "train", str(TINY), "--run-dir", str(run), *LONG],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**ENV, SERVER_ENV: server.socket_path, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    assert launcher.forked
+    wait_for_step(launcher, run, 2)
+    workers = psutil.Process(launcher.pid).children()
+    ranks = [relayed(worker) for worker in workers]
+    assert len(workers) == 2 and {rank.ppid() for rank in ranks} == {server.process.pid}
+    launcher.send_signal(signal.SIGTERM)
+    code, _, err = finish(launcher)
+    assert code != 0 and [e["reason"] for e in events(run, "exit")] == ["preempted"], err[-3000:]
