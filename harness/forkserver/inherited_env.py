@@ -29,10 +29,11 @@ SENSITIVE = (
     "HF_", "TRANSFORMERS_", "TOKENIZERS_", "MALLOC_", "GLIBC_",
 )
 
-# Torchrun's: what it puts in its workers' environment (and TORCH_DISABLE_SHARE_RDZV_TCP_STORE, which
-# its own agent reads), all read when a worker sets up its process group or its error reporting,
-# never at import. A relayed torchrun worker (relay.py) differs from its server in these alone.
-LAUNCHER = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+# Set for torchrun and by it: what it puts in its workers' environment, what its agent reads
+# (TORCH_DISABLE_SHARE_RDZV_TCP_STORE) and the NCCL process group's settings (TORCH_NCCL_*, which
+# ops/torchrun/train.sh exports), all read when a process group, a rendezvous or torchrun's error
+# reporting is set up, never at import. A relayed worker (relay.py) may differ from its server there.
+LAUNCHER = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
 
 
 def sensitive(name: str) -> bool:

@@ -128,12 +128,14 @@ def test_a_served_supervisors_children_relay_and_die_with_it(tmp_path, server):
 
 def test_a_forked_torchrun_starts_relays_whose_ranks_the_server_forks(tmp_path, server):
     """torchrun's launcher is a module a server runs too; the workers it starts are fresh
-    interpreters, relays, and the ranks that train are the server's children."""
+    interpreters, relays, and the ranks that train are the server's children, although their
+    environment holds what torchrun adds and what ops/torchrun/train.sh exports (TORCH_*)."""
     run = tmp_path / "run"
+    env = {**ENV, SERVER_ENV: server.socket_path, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+           "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000"}
     launcher = server.popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                              "-m", "harness.cli", "train", str(TINY), "--run-dir", str(run), *LONG],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            env={**ENV, SERVER_ENV: server.socket_path, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     assert launcher.forked
     wait_for_step(launcher, run, 2)
     workers = psutil.Process(launcher.pid).children()
