@@ -20,6 +20,7 @@ PR_SET_PDEATHSIG names it). A caller that changes those between calls needs fres
 
 from __future__ import annotations
 
+import abc
 import os
 import signal
 import socket
@@ -44,7 +45,29 @@ def served(args) -> tuple[str, list[str]] | None:
     return None
 
 
-class ForkServer:
+class Server(abc.ABC):
+    """A fork server as its clients know it: the socket it listens on, what a client does when it
+    gets no answer there (`unanswered`) and what it can say of a server gone (`failure`)."""
+
+    socket_path: str
+
+    def popen(self, args, *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
+              stdin=None, stdout=None, stderr=None, text: bool | None = None,
+              start_new_session: bool = False) -> subprocess.Popen:
+        return ForkedPopen(self, args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
+                           start_new_session=start_new_session)
+
+    @abc.abstractmethod
+    def unanswered(self, error: OSError | None) -> None:
+        """The server did not answer a request: return to have the client start a fresh
+        interpreter, or raise ForkServerError."""
+
+    @abc.abstractmethod
+    def failure(self) -> str:
+        """Why the server is gone, as far as a client can tell."""
+
+
+class ForkServer(Server):
     """A server process started with `env` in `cwd` (its socket and log in `folder`)."""
 
     def __init__(self, env: Mapping[str, str], cwd: str | Path, folder: str | Path, name: str = "server"):
@@ -62,11 +85,14 @@ class ForkServer:
         finally:
             listener.close()  # the server holds it now: requests queue there while it imports
 
-    def popen(self, args, *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
-              stdin=None, stdout=None, stderr=None, text: bool | None = None,
-              start_new_session: bool = False) -> subprocess.Popen:
-        return ForkedPopen(self, args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
-                           start_new_session=start_new_session)
+    def unanswered(self, error: OSError | None) -> None:
+        """A fresh interpreter if the server found it cannot serve, else raise: it is gone by a bug."""
+        try:
+            self.process.wait(protocol.REPLY_TIMEOUT_S)  # it is exiting, or has
+        except subprocess.TimeoutExpired:
+            pass
+        if not self.unservable():
+            raise ForkServerError(f"{error or 'no reply'}; {self.failure()}") from error
 
     def unservable(self) -> bool:
         """Whether the server found it cannot fork safely in its environment (and exited)."""
@@ -88,8 +114,23 @@ class ForkServer:
             self.process.wait()
 
 
+class NamedServer(Server):
+    """A server another process started, known by its socket (the one relay.SERVER_ENV names, as
+    for the test session's). One that does not answer (gone, or never there) leaves a fresh
+    interpreter, as it leaves a relay running the command itself."""
+
+    def __init__(self, socket_path: str):
+        self.socket_path = socket_path
+
+    def unanswered(self, error: OSError | None) -> None:
+        return None
+
+    def failure(self) -> str:
+        return f"the fork server at {self.socket_path} is gone"
+
+
 class ForkedPopen(subprocess.Popen):
-    def __init__(self, server: ForkServer, args, *, start_new_session: bool = False, **kwargs):
+    def __init__(self, server: Server, args, *, start_new_session: bool = False, **kwargs):
         self._server = server
         self._new_session = start_new_session
         self.forked = False  # whether the server forked the child (else Popen started a fresh interpreter)
@@ -127,14 +168,8 @@ class ForkedPopen(subprocess.Popen):
         return pid, pidfd
 
     def _gone(self, error: OSError | None) -> None:
-        """The server did not answer: None (a fresh interpreter) if it found it cannot serve, else raise."""
-        try:
-            self._server.process.wait(protocol.REPLY_TIMEOUT_S)  # it is exiting, or has
-        except subprocess.TimeoutExpired:
-            pass
-        if self._server.unservable():
-            return None
-        raise ForkServerError(f"{error or 'no reply'}; {self._server.failure()}") from error
+        """The server did not answer: None (a fresh interpreter), or ForkServerError (`unanswered`)."""
+        self._server.unanswered(error)
 
     def _internal_poll(self, _deadstate=None, **kwargs):
         if not self.forked:

@@ -13,9 +13,9 @@ processes that it starts in turn as fresh interpreters (torchrun's workers, a su
 children) relay to the same server.
 `close()` ends the servers and removes their sockets; processes they started run on.
 
-`popen_for(env, cwd)`: a pool for the length of a block where `env` lets a server fork and names
-none, else `subprocess.Popen` (verify-resume starts its runs with it): where `env` names a
-server, each process relays to it.
+`popen_for(env, cwd)`: what verify-resume starts its runs with: the popen of the server `env`
+names (the test session's), else of a pool for the length of a block where `env` lets a server
+fork, else `subprocess.Popen`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness.forkserver.client import ForkServer, served
+from harness.forkserver.client import ForkServer, NamedServer, served
 from harness.forkserver.inherited_env import signature
 from harness.forkserver.relay import SERVER_ENV
 
@@ -49,14 +49,16 @@ class ForkServers:
 
     def popen(self, args, *, env: Mapping[str, str] | None = None, **kwargs) -> subprocess.Popen:
         env = dict(os.environ if env is None else env)
-        server = self._server_for(env) if SUPPORTED else None
+        server = self.server_for(env) if SUPPORTED else None
         if server is not None:
             env.setdefault(SERVER_ENV, server.socket_path)  # unless the caller chose (an empty value: none)
         if server is None or served(args) is None:
             return subprocess.Popen(args, env=env, **kwargs)
         return server.popen(args, env=env, **kwargs)
 
-    def _server_for(self, env: dict[str, str]) -> ForkServer | None:
+    def server_for(self, env: Mapping[str, str]) -> ForkServer | None:
+        """The server for `env`'s signature (started now if it is not yet), or None where there is
+        none (every place taken, or it found it cannot serve)."""
         key = json.dumps(signature(env))
         if key not in self._servers and len(self._servers) < self.limit:
             self._servers[key] = ForkServer(env, self.cwd, self.folder, name=str(len(self._servers)))
@@ -73,11 +75,15 @@ class ForkServers:
 @contextmanager
 def popen_for(env: Mapping[str, str], cwd: str | Path) -> Iterator[Callable[..., subprocess.Popen]]:
     """What a command that starts several `harness` processes in turn (verify-resume) starts
-    them with: a pool's `popen` (closed when the block ends) where `env` lets a server fork
-    (OMP_NUM_THREADS=1: otherwise torch's import starts an OpenMP pool and the server could
-    only refuse, after paying for its imports), else `subprocess.Popen`; that too where `env`
-    names a server already (the test session's), to which each process relays."""
-    if not SUPPORTED or env.get("OMP_NUM_THREADS") != "1" or env.get(SERVER_ENV):
+    them with: where `env` names a server (relay.SERVER_ENV: the test session's), its `popen`
+    (each process forked there, or fresh where it refuses); else a pool's `popen` (closed when
+    the block ends) where `env` lets a server fork (OMP_NUM_THREADS=1: otherwise torch's import
+    starts an OpenMP pool and the server could only refuse, after paying for its imports), else
+    `subprocess.Popen`."""
+    if SUPPORTED and env.get(SERVER_ENV):
+        yield NamedServer(env[SERVER_ENV]).popen
+        return
+    if not SUPPORTED or env.get("OMP_NUM_THREADS") != "1":
         yield subprocess.Popen
         return
     servers = ForkServers(cwd)

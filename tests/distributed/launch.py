@@ -1,14 +1,14 @@
 """`harness train` at world size > 1 for the distributed tests: start, find a rank's process, kill.
 
 Two ways to start a group. `torchrun(...)`: the launcher users run, for the tests of what torchrun
-does (restarts, a rank or agent killed, signals, node loss: test_torchrun.py, test_launchers.py);
-each worker it starts is a relay that has the session's fork server fork the real rank
-(harness/forkserver/relay.py), and `rank_process` finds the relay, the process torchrun knows.
-`Ranks` (what `train_args` and `fsdp_args` give): the ranks alone, each a `harness` process forked
-by the session's fork server (tests/procs.py) with the environment torchrun gives its workers, for
-the tests of what the ranks do (checkpoints, resume, tiers); torchrun's launcher and a fresh
-interpreter per rank cost about 6 CPU-seconds per group (docs/bench-runs.md). `start` and `run` take
-either; `kill_all` kills either at once, as a lost node goes.
+does (restarts, a rank or agent killed, signals, node loss: test_torchrun.py, test_launchers.py),
+forked by the session's fork server; each worker it starts is a relay that has the server fork the
+real rank (harness/forkserver/relay.py), and `rank_process` finds the relay, the process torchrun
+knows (procs.relayed: the rank behind it). `Ranks` (what `train_args` and `fsdp_args` give): the
+ranks alone, each a `harness` process forked by the session's fork server (tests/procs.py) with the
+environment torchrun gives its workers, for the tests of what the ranks do (checkpoints, resume,
+tiers), without a launcher and a relay per rank. `start` and `run` take either; `kill_all` kills
+either at once, as a lost node goes.
 """
 
 from __future__ import annotations

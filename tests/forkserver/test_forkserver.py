@@ -1,6 +1,7 @@
 """The fork server (harness/forkserver): its children are `harness` processes that neither the
 numerics nor the process tree can tell from fresh interpreters, and what it cannot honour starts
-fresh. Each test has a pool of its own (not the session's), so it knows which server it uses."""
+fresh. The module has a pool of its own (not the session's), so each test knows which server it
+uses."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import subprocess
 import sys
 import tempfile
 
+import psutil
 import pytest
 
 from harness.forkserver.client import ForkServer
 from harness.forkserver.pool import ForkServers, popen_for
+from harness.forkserver.relay import SERVER_ENV
 from procs import DEFAULT_THREADS_ENV, ENV, ROOT, TINY, assert_same_run, wait_for_step
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def servers():
     pool = ForkServers(ROOT)
     yield pool
@@ -153,11 +156,22 @@ def test_a_forked_child_ends_as_a_fresh_one_up_to_finalization(tmp_path, servers
     assert "freed at finalization" in fresh_err and "freed at finalization" not in err
 
 
-def test_popen_for_forks_only_where_a_server_can_serve():
+def test_popen_for_forks_only_where_a_server_can_serve(tmp_path, servers):
     """verify-resume's starter (harness/forkserver/pool.py): a server's children with one OpenMP
-    thread; with torch's default thread count plain Popen, no server started to refuse."""
+    thread; with torch's default thread count plain Popen, no server started to refuse; where the
+    environment names a server, that one's children, and a fresh interpreter where it is gone."""
     with popen_for(ENV, ROOT) as popen:
         proc = launch(popen, "--help")
         assert proc.forked and finish(proc)[0] == 0
     with popen_for(DEFAULT_THREADS_ENV, ROOT) as popen:
         assert popen is subprocess.Popen
+    named = servers.server_for(ENV)
+    with popen_for({**ENV, SERVER_ENV: named.socket_path}, ROOT) as popen:
+        proc = launch(popen, "train", str(TINY), "--run-dir", str(tmp_path / "run"), "--set", "train.steps=400")
+        wait_for_step(proc, tmp_path / "run", 1)
+        assert proc.forked and psutil.Process(proc.pid).ppid() == named.process.pid
+        proc.kill()
+        assert finish(proc)[0] == -signal.SIGKILL
+    with popen_for({**ENV, SERVER_ENV: os.path.join(servers.folder, "gone.sock")}, ROOT) as popen:
+        proc = launch(popen, "--help")
+        assert not proc.forked and finish(proc)[0] == 0
