@@ -22,6 +22,10 @@ attempt that stopped (exit 2 or 3) exits with that code at once (`exit_codes.ear
 `--log-level` is accepted before the command and after it (`harness train C --log-level debug`);
 on a rank other than 0 the error line starts with its rank (`rank 1: error: ...`, harness/log.py).
 
+This module imports harness.log (structlog: most of its import time) where it is used, after the
+relay: a relay, which every torchrun worker and supervisor child of a test session is, needs none
+of it and costs a bare interpreter's start and this module's other imports.
+
 Output piped into a reader that stops early (`harness report RUN | head -2`) ends the command
 quietly with exit code 141 (128 + SIGPIPE, what a shell reports for a program killed by it),
 for every command, instead of a BrokenPipeError traceback.
@@ -37,7 +41,6 @@ import sys
 from harness import exit_codes
 from harness.errors import Unavailable, UserError
 from harness.forkserver import relay
-from harness.log import configure, rank_prefix
 from harness.process import parent_death, process_end
 from harness.repro import numerics
 from harness.topology import topology_from_env
@@ -110,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     numerics.prepare_environment()  # before a command module imports torch
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    configure(args.log_level)
+    from harness import log  # here, not above: see the module docstring
+
+    log.configure(args.log_level)
     try:
         code = run_command(args)
     except BaseException as e:
@@ -133,15 +138,17 @@ def not_restarted(code: int) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    from harness import log  # here, not above: see the module docstring
+
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
         return code
     except (UserError, Unavailable) as e:
-        print(f"{rank_prefix()}error: {e}", file=sys.stderr)
+        print(f"{log.rank_prefix()}error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print(f"{rank_prefix()}error: interrupted", file=sys.stderr)
+        print(f"{log.rank_prefix()}error: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader is gone: point stdout at /dev/null so the interpreter's final flush of the

@@ -11,7 +11,8 @@ the server shares its starter's group), children of the server. Modules:
   relay.py        the process a launcher starts that has a server fork the real one and stands in for it
   server.py       the server process: preload, serve, fork, reap
   child.py        the forked child made into a fresh `python -m MODULE` process
-  client.py       ForkServer (one server process) and ForkedPopen (a Popen of one of its children)
+  client.py       ForkServer (one server process), NamedServer (one another process started) and
+                  ForkedPopen (a Popen of one of a server's children)
   pool.py         ForkServers: a server per environment signature, for a test session or a command;
                   popen_for: a pool's popen where the environment lets it serve (verify-resume)
 This face imports none of them: the CLI imports relay.py for every command, which must stay light.

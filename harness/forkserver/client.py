@@ -1,16 +1,17 @@
-"""The client side of one fork server: `ForkServer` starts and ends the server process,
-`ForkedPopen` is a subprocess.Popen whose child the server forks.
+"""The client side of a fork server: `ForkServer` starts and ends a server process, `NamedServer`
+is one another process started (known by its socket), `ForkedPopen` is a subprocess.Popen whose
+child a server forks.
 
 `ForkedPopen` is a Popen (pipes, text mode, communicate, wait and poll with timeouts, `with`,
 send_signal/terminate/kill, pid, returncode) for `[sys.executable, "-m", MODULE, ...]` (a module
-of protocol.MODULES: the harness's CLI, torchrun's launcher) with the options `ForkServer.popen`
+of protocol.MODULES: the harness's CLI, torchrun's launcher) with the options `Server.popen`
 takes. Its child is a child of the server, not of the caller: its exit code comes from the
 server, which reaps it, and signals go through a pidfd, so they cannot reach another process
-that took its pid. A command line of another form, or a
-request the server refuses (an environment it cannot honour: harness/forkserver/inherited_env.py),
-starts a fresh interpreter through Popen's own code: the same object, the same behaviour. So does
-a server that found it cannot fork safely (protocol.UNSERVABLE); one gone otherwise raises
-`ForkServerError` (a bug, not a reason to fall back quietly).
+that took its pid. A command line of another form, or a request the server refuses (an
+environment it cannot honour: harness/forkserver/inherited_env.py), starts a fresh interpreter
+through Popen's own code: the same object, the same behaviour. So does a server that found it
+cannot fork safely (protocol.UNSERVABLE), and a named server that does not answer; a server
+started here and gone otherwise raises `ForkServerError` (a bug, not a reason to fall back quietly).
 
 What a child inherits from its server, not from the caller at the time of the call: umask,
 resource limits, CPU affinity, user and groups (the caller's when the server started), and its
