@@ -5,9 +5,9 @@ Contract: `ForkServers.popen(args, env=..., ...)` returns a Popen for the comman
 `ForkedPopen` from the server whose signature matches `env` (started then if it is not yet;
 at most `limit` servers, each holds some 400 MiB until its children share it), or a plain Popen
 (a fresh interpreter) when the command line is not `python -m MODULE ...` of a module a server
-runs (protocol.MODULES: the harness's CLI, torchrun's launcher), the server
-found it cannot fork safely there (OMP_NUM_THREADS other than 1: server.py), or every server's
-place is taken by another signature, or elsewhere than on Linux. Where a server matches, the
+runs (protocol.MODULES: the harness's CLI, torchrun's launcher), no server could fork safely
+there (OMP_NUM_THREADS other than 1, or elsewhere than on Linux: `servable`; none is started),
+or every server's place is taken by another signature. Where a server matches, the
 process's environment names it (relay.SERVER_ENV, unless `env` sets that itself), so the `harness`
 processes that it starts in turn as fresh interpreters (torchrun's workers, a supervisor's
 children) relay to the same server.
@@ -39,6 +39,13 @@ from harness.forkserver.relay import SERVER_ENV
 SUPPORTED = sys.platform.startswith("linux") and hasattr(os, "pidfd_open")
 
 
+def servable(env: Mapping[str, str]) -> bool:
+    """Whether a server started with `env` could fork: on this platform and with one OpenMP thread
+    (otherwise torch's import starts an OpenMP pool, and the server could only exit UNSERVABLE,
+    after paying for its imports)."""
+    return SUPPORTED and env.get("OMP_NUM_THREADS") == "1"
+
+
 class ForkServers:
     def __init__(self, cwd: str | Path, limit: int = 2):
         self.cwd = Path(cwd)
@@ -49,7 +56,7 @@ class ForkServers:
 
     def popen(self, args, *, env: Mapping[str, str] | None = None, **kwargs) -> subprocess.Popen:
         env = dict(os.environ if env is None else env)
-        server = self.server_for(env) if SUPPORTED else None
+        server = self.server_for(env)
         if server is not None:
             env.setdefault(SERVER_ENV, server.socket_path)  # unless the caller chose (an empty value: none)
         if server is None or served(args) is None:
@@ -58,7 +65,9 @@ class ForkServers:
 
     def server_for(self, env: Mapping[str, str]) -> ForkServer | None:
         """The server for `env`'s signature (started now if it is not yet), or None where there is
-        none (every place taken, or it found it cannot serve)."""
+        none (not `servable`, every place taken, or it found it cannot serve)."""
+        if not servable(env):
+            return None
         key = json.dumps(signature(env))
         if key not in self._servers and len(self._servers) < self.limit:
             self._servers[key] = ForkServer(env, self.cwd, self.folder, name=str(len(self._servers)))
@@ -77,13 +86,11 @@ def popen_for(env: Mapping[str, str], cwd: str | Path) -> Iterator[Callable[...,
     """What a command that starts several `harness` processes in turn (verify-resume) starts
     them with: where `env` names a server (relay.SERVER_ENV: the test session's), its `popen`
     (each process forked there, or fresh where it refuses); else a pool's `popen` (closed when
-    the block ends) where `env` lets a server fork (OMP_NUM_THREADS=1: otherwise torch's import
-    starts an OpenMP pool and the server could only refuse, after paying for its imports), else
-    `subprocess.Popen`."""
+    the block ends) where `env` is `servable`, else `subprocess.Popen`."""
     if SUPPORTED and env.get(SERVER_ENV):
         yield NamedServer(env[SERVER_ENV]).popen
         return
-    if not SUPPORTED or env.get("OMP_NUM_THREADS") != "1":
+    if not servable(env):
         yield subprocess.Popen
         return
     servers = ForkServers(cwd)

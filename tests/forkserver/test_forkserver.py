@@ -79,10 +79,18 @@ def test_an_environment_a_server_cannot_honour_starts_fresh(tmp_path):
 
 def test_default_threads_start_fresh(tmp_path, servers):
     """With torch's default thread count its import starts an OpenMP pool: no server can fork
-    safely there (it exits UNSERVABLE), and runs start fresh, on that thread count."""
-    default_threads = launch(servers.popen, "train", str(TINY), "--run-dir", str(tmp_path / "threads"),
-                             "--set", "train.steps=1", env=DEFAULT_THREADS_ENV)
-    assert not default_threads.forked
+    safely there (one started so exits UNSERVABLE; a pool starts none), and runs start fresh, on
+    that thread count."""
+    folder = tempfile.mkdtemp(prefix="harness-fs-")
+    server = ForkServer(DEFAULT_THREADS_ENV, ROOT, folder)
+    try:
+        default_threads = launch(server.popen, "train", str(TINY), "--run-dir", str(tmp_path / "threads"),
+                                 "--set", "train.steps=1", env=DEFAULT_THREADS_ENV)
+        assert not default_threads.forked and server.unservable()
+    finally:
+        server.close()
+        shutil.rmtree(folder)
+    assert servers.server_for(DEFAULT_THREADS_ENV) is None
     assert finish(default_threads)[0] == 0
     torch_default = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
                                    capture_output=True, text=True, env=DEFAULT_THREADS_ENV, check=True).stdout
