@@ -1,8 +1,8 @@
 """A fork server: many short `harness` processes without each importing torch (some 6
 CPU-seconds a process): a server process imports torch and the harness once, runs no torch
 operation, and forks a child per command line that then runs `python -m harness.cli ARGS` (or
-torchrun's launcher, `python -m torch.distributed.run ARGS`) as a fresh interpreter would, with its
-own argv, environment, working folder, stdio and session.
+torchrun's launcher, `python -m torch.distributed.run ARGS`, or a script, `python SCRIPT ARGS`) as a
+fresh interpreter would, with its own argv, environment, working folder, stdio and session.
 
 The children are real processes (pids, signals, exit codes, process groups as any Popen child's:
 the server shares its starter's group), children of the server. Modules:

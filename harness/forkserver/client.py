@@ -3,14 +3,14 @@ is one another process started (known by its socket), `ForkedPopen` is a subproc
 child a server forks.
 
 `ForkedPopen` is a Popen (pipes, text mode, communicate, wait and poll with timeouts, `with`,
-send_signal/terminate/kill, pid, returncode) for `[sys.executable, "-m", MODULE, ...]` (a module
-of protocol.MODULES: the harness's CLI, torchrun's launcher) with the options `Server.popen`
-takes. Its child is a child of the server, not of the caller: its exit code comes from the
-server, which reaps it, and signals go through a pidfd, so they cannot reach another process
-that took its pid. A command line of another form, or a request the server refuses (an
-environment it cannot honour: harness/forkserver/inherited_env.py), starts a fresh interpreter
-through Popen's own code: the same object, the same behaviour. So does a server that found it
-cannot fork safely (protocol.UNSERVABLE), and a named server that does not answer; a server
+send_signal/terminate/kill, pid, returncode) for `[sys.executable, "-m", MODULE, ...]` (a module of
+protocol.MODULES: the harness's CLI, torchrun's launcher) or `[sys.executable, "SCRIPT.py", ...]`
+with the options `Server.popen` takes. Its child is a child of the server, not of the caller: its
+exit code comes from the server, which reaps it, and signals go through a pidfd, so they cannot
+reach another process that took its pid. A command line of another form, or a request the server
+refuses (an environment it cannot honour: harness/forkserver/inherited_env.py), starts a fresh
+interpreter through Popen's own code: the same object, the same behaviour. So does a server that
+found it cannot fork safely (protocol.UNSERVABLE), and a named server that does not answer; a server
 started here and gone otherwise raises `ForkServerError` (a bug, not a reason to fall back quietly).
 
 What a child inherits from its server, not from the caller at the time of the call: umask,
@@ -37,13 +37,16 @@ class ForkServerError(RuntimeError):
     pass
 
 
-def served(args) -> tuple[str, list[str]] | None:
-    """(module, its arguments) of a command line a server runs (`python -m MODULE ...` with this
-    interpreter and a module of protocol.MODULES), or None."""
-    if (isinstance(args, (list, tuple)) and list(args[:2]) == [sys.executable, "-m"] and len(args) > 2
-            and args[2] in protocol.MODULES):
-        return str(args[2]), [str(a) for a in args[3:]]
-    return None
+def served(args) -> tuple[list[str], list[str]] | None:
+    """(what the interpreter is told to run, the arguments after it) of a command line a server
+    runs with this interpreter: `python -m MODULE ...` (a module of protocol.MODULES) or `python
+    SCRIPT.py ...` (the script's path as given); else None."""
+    if not isinstance(args, (list, tuple)) or len(args) < 2 or args[0] != sys.executable:
+        return None
+    words = [str(a) for a in args[1:]]
+    if words[0] == "-m":
+        return (words[:2], words[2:]) if len(words) > 1 and words[1] in protocol.MODULES else None
+    return ([words[0]], words[1:]) if words[0].endswith(".py") else None
 
 
 class Server(abc.ABC):
@@ -152,10 +155,12 @@ class ForkedPopen(subprocess.Popen):
         self.forked = self._child_created = True
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
-    def _request(self, module: str, args: list[str], env, cwd, fds: list[int]) -> tuple[int, int] | None:
+    def _request(self, main: list[str], args: list[str], env, cwd, fds: list[int]) -> tuple[int, int] | None:
         """(pid, pidfd) of the forked child, or None when the server refused the request."""
-        request = {"module": module, "args": args, "env": dict(os.environ if env is None else env),
-                   "cwd": os.path.abspath(os.getcwd() if cwd is None else os.fspath(cwd)),
+        cwd = os.path.abspath(os.getcwd() if cwd is None else os.fspath(cwd))
+        if main[0] != "-m":
+            main = [os.path.join(cwd, main[0])]  # a script's path relative to the child's working folder
+        request = {"main": main, "args": args, "env": dict(os.environ if env is None else env), "cwd": cwd,
                    "new_session": self._new_session}
         try:
             reply = protocol.ask(self._server.socket_path, request, fds)

@@ -2,7 +2,8 @@
 file descriptors beside it (SCM_RIGHTS).
 
 One connection per child, in this order:
-  client -> server  {"module": one of MODULES, "args": [...], "env": {...}, "cwd": str, "new_session": bool}
+  client -> server  {"main": [...], "args": [...], "env": {...}, "cwd": str, "new_session": bool}
+                    main: what the interpreter is told to run, ["-m", one of MODULES] or [a script's absolute path]
                     fds: stdin, stdout, stderr, and from a relay (relay.py) a fourth, its lifeline: the
                     read end of a pipe whose write end the relay alone holds (the child dies when it closes)
   server -> client  {"pid": int}  fds: a pidfd of the child (signals reach it, and only it, even once it is gone)
@@ -24,8 +25,9 @@ MAX_MESSAGE = 64 << 10
 # A server answers once its imports are done: seconds, minutes on a loaded machine.
 REPLY_TIMEOUT_S = 300
 UNSERVABLE = 3  # the server's exit code when it cannot fork safely: its clients start fresh interpreters
-# What a server runs, as `python -m MODULE ARGS` would: the harness, and torchrun's launcher (whose
-# workers, `harness` processes, relay to the server named in their environment: relay.py).
+# The modules a server runs, as `python -m MODULE ARGS` would: the harness, and torchrun's launcher
+# (whose workers, `harness` processes, relay to the server named in their environment: relay.py).
+# It runs any script too, as `python SCRIPT ARGS` would (the tests' rank workers).
 MODULES = ("harness.cli", "torch.distributed.run")
 
 

@@ -62,8 +62,8 @@ def relayed(args: list[str]) -> int | None:
     # is handled as it would have been without a relay.
     signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
     try:
-        reply = protocol.ask(path, {"module": "harness.cli", "args": args, "env": dict(os.environ), "cwd": os.getcwd(),
-                                    "new_session": True}, [0, 1, 2, lifeline])
+        reply = protocol.ask(path, {"main": ["-m", "harness.cli"], "args": args, "env": dict(os.environ),
+                                    "cwd": os.getcwd(), "new_session": True}, [0, 1, 2, lifeline])
     except (OSError, protocol.TooLarge):
         reply = None
     finally:

@@ -9,11 +9,12 @@ until its lifeline (stdin, a pipe from the process that started it) closes. It n
 signal handler, nor prints once serving, so a child starts with the interpreter's own start-up
 signal dispositions and empty stdio buffers.
 
-Per request: a child whose environment (before the imports) differs from the server's in its
-`inherited_env.signature` or in a variable the imports set (other than by asking for the value
-they set), or one whose working folder holds a
-module of the name of one the server has imported (a fresh interpreter puts that folder first on
-sys.path and would import that one), is refused. Otherwise the server forks; in the child
+Per request: a child that runs neither a module of protocol.MODULES nor a script file, one whose
+environment (before the imports) differs from the server's in its `inherited_env.signature` or in
+a variable the imports set (other than by asking for the value they set), or one whose first
+folder on sys.path (the working folder for `-m`, the script's folder for a script) holds a module
+of the name of one the server has imported (a fresh interpreter would import that one), is
+refused. Otherwise the server forks; in the child
 `serve()` returns the request (every fd of the server's own closed), in the server the child's
 pidfd goes to the client and, when the child ends, the server reaps it and sends its exit code.
 A client that went away leaves its child running, as a Popen child outlives its parent (a
@@ -44,8 +45,8 @@ REQUEST_TIMEOUT_S = 30  # a client sends its request right after it connects
 
 @dataclass
 class Request:
-    module: str  # one of protocol.MODULES
-    args: list[str]  # the arguments after `python -m MODULE`
+    main: list[str]  # ["-m", one of protocol.MODULES] or [a script's absolute path]
+    args: list[str]  # the arguments after them
     env: dict[str, str]
     cwd: str
     new_session: bool
@@ -146,7 +147,7 @@ def _receive(conn: socket.socket, preloaded: Preloaded, home: str) -> Request | 
             os.close(fd)
         conn.close()
         return None
-    request = Request(message["module"], message["args"], message["env"], message["cwd"], message["new_session"],
+    request = Request(message["main"], message["args"], message["env"], message["cwd"], message["new_session"],
                       fds[:3], fds[3] if len(fds) == 4 else None)
     reason = _refusal(request, preloaded, home)
     if reason is not None:
@@ -159,8 +160,16 @@ def _receive(conn: socket.socket, preloaded: Preloaded, home: str) -> Request | 
 
 
 def _refusal(request: Request, preloaded: Preloaded, home: str) -> str | None:
-    if request.module not in protocol.MODULES:
-        return f"runs no module {request.module}"
+    return _program_refusal(request.main) or _environment_refusal(request, preloaded) or _path_refusal(request, home)
+
+
+def _program_refusal(main: list[str]) -> str | None:
+    if main[:1] == ["-m"]:
+        return None if main[1:] and main[1] in protocol.MODULES else f"runs no module {' '.join(main[1:])}"
+    return None if len(main) == 1 and os.path.isabs(main[0]) and os.path.isfile(main[0]) else f"no script {main}"
+
+
+def _environment_refusal(request: Request, preloaded: Preloaded) -> str | None:
     accepted = {name: {value} for name, value in inherited_env.signature(preloaded.env).items()}
     # What the imports set, as it was before them or as they set it: the processes a served child
     # starts (a supervisor's, torchrun's workers) inherit the latter.
@@ -168,17 +177,29 @@ def _refusal(request: Request, preloaded: Preloaded, home: str) -> str | None:
         accepted.setdefault(name, {preloaded.env.get(name)}).add(value)
     wanted = inherited_env.signature(request.env) | {name: request.env.get(name) for name in preloaded.effects}
     differ = {name for name in wanted.keys() | accepted.keys() if wanted.get(name) not in accepted.get(name, {None})}
-    if differ:
-        return f"environment differs in {', '.join(sorted(differ))}"
-    if os.path.realpath(request.cwd) != os.path.realpath(home) and not sys.flags.safe_path:
-        try:
-            entries = {entry.removesuffix(".py") for entry in os.listdir(request.cwd)}
-        except OSError as e:
-            return f"working folder: {e}"
-        shadowed = entries & {name.partition(".")[0] for name in sys.modules}
-        if shadowed:
-            return f"the working folder holds {', '.join(sorted(shadowed))}, which the server imported from elsewhere"
-    return None
+    return f"environment differs in {', '.join(sorted(differ))}" if differ else None
+
+
+def _path_refusal(request: Request, home: str) -> str | None:
+    """The folder a fresh interpreter would put first on sys.path (child.first_on_path) holding a
+    module of the name of one the server imported from elsewhere."""
+    folder = first_on_path(request)
+    if folder is None or os.path.realpath(folder) == os.path.realpath(home):
+        return None
+    try:
+        entries = {entry.removesuffix(".py") for entry in os.listdir(folder)}
+    except OSError as e:
+        return f"{folder}: {e}"
+    shadowed = sorted(entries & {name.partition(".")[0] for name in sys.modules})
+    return f"{folder} holds {', '.join(shadowed)}, which the server imported from elsewhere" if shadowed else None
+
+
+def first_on_path(request: Request) -> str | None:
+    """What a fresh interpreter puts first on sys.path: the working folder for `-m`, the script's
+    folder for a script; nothing under -P (sys.flags.safe_path: the server's, so the child's)."""
+    if sys.flags.safe_path:
+        return None
+    return request.cwd if request.main[0] == "-m" else os.path.dirname(os.path.realpath(request.main[0]))
 
 
 def _close(request: Request) -> None:

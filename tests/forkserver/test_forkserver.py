@@ -183,3 +183,22 @@ def test_popen_for_forks_only_where_a_server_can_serve(tmp_path, servers):
     with popen_for({**ENV, SERVER_ENV: os.path.join(servers.folder, "gone.sock")}, ROOT) as popen:
         proc = launch(popen, "--help")
         assert not proc.forked and finish(proc)[0] == 0
+
+
+SCRIPT_PROBE = '''
+import os, sys
+print(__name__, sys.argv[1:], sys.path[0] == os.path.dirname(os.path.realpath(__file__)), os.getcwd())
+'''
+
+
+def test_a_script_runs_as_the_interpreter_runs_it(tmp_path, servers):
+    """`python SCRIPT ARGS` (the tests' rank workers): forked, with the script's folder first on
+    sys.path and its arguments, as a fresh interpreter runs it, in the caller's working folder."""
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "probe.py"
+    script.write_text(SCRIPT_PROBE)
+    command = [sys.executable, "scripts/probe.py", "a", "b"]
+    forked = servers.popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+    assert forked.forked
+    fresh = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+    assert finish(forked) == finish(fresh) == (0, f"__main__ ['a', 'b'] True {tmp_path}\n", "")
