@@ -23,7 +23,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 import procs  # noqa: E402
-from harness.forkserver import ForkServers  # noqa: E402
+from harness.forkserver.pool import ForkServers  # noqa: E402
 from harness.log import configure  # noqa: E402
 
 

@@ -3,10 +3,13 @@
 They start through the session's fork server (`SERVERS`, set by tests/conftest.py: torch is
 imported once per server, not once per process; harness/forkserver), which starts a fresh
 interpreter for an environment it cannot honour; with HARNESS_TESTS_FRESH=1 every one is fresh.
+Commands that start `harness` processes themselves (torchrun, a supervisor, launcher scripts)
+start with `spawn`: their `harness` processes relay to the same server.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -15,9 +18,12 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from harness.checkpoint import CheckpointStore
 from harness.checkpoint.diff import diff_checkpoints
-from harness.forkserver import ForkServers
+from harness.forkserver.pool import ForkServers
+from harness.forkserver.relay import SERVER_ENV
 from harness.repro import numerics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,17 +55,23 @@ def harness(*args: str, timeout: float = 300, check: bool = False,
             env: dict | None = None) -> subprocess.CompletedProcess:
     """Run `harness ARGS` to completion; returns the completed process (text output). Past
     `timeout` seconds it is killed and TimeoutExpired raised, as subprocess.run does."""
-    with start(*args, env=env) as running:
+    proc = finished(start(*args, env=env), timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"harness {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def finished(running: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`running` (started with its output piped) waited for as subprocess.run waits: the completed
+    process; past `timeout` seconds it is killed and TimeoutExpired raised."""
+    with running:
         try:
             out, err = running.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             running.kill()
             running.wait()
             raise
-    proc = subprocess.CompletedProcess(running.args, running.returncode, out, err)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"harness {' '.join(args)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
-    return proc
+    return subprocess.CompletedProcess(running.args, running.returncode, out, err)
 
 
 def assert_one_line_error(proc, needle: str) -> None:
@@ -79,8 +91,42 @@ def start(*args: str, env: dict | None = None) -> subprocess.Popen:
 def popen(args: list[str], **kwargs) -> subprocess.Popen:
     """`harness ARGS` started in ROOT with Popen's `kwargs`, forked by the session's server if
     there is one."""
+    return spawn([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, **kwargs)
+
+
+def spawn(args: list[str], **kwargs) -> subprocess.Popen:
+    """Popen of a command line (`harness` ones forked by the session's server, if there is one),
+    with that server named in its environment: the `harness` processes it starts as fresh
+    interpreters (torchrun's workers, a supervisor's children) have it fork them
+    (harness/forkserver/relay.py)."""
     start_process = SERVERS.popen if SERVERS is not None else subprocess.Popen
-    return start_process([sys.executable, "-m", "harness.cli", *args], cwd=ROOT, **kwargs)
+    return start_process(args, **kwargs)
+
+
+def relayed(process: psutil.Process) -> psutil.Process:
+    """The process that does `process`'s work: where `process` is a relay (its environment names a
+    fork server: harness/forkserver/relay.py), the server's child it stands for, found as the
+    process that holds the other end of the relay's lifeline (its one pipe past stdio; the
+    child's own forked workers hold it too); else `process` itself. Call it once the work began."""
+    if SERVER_ENV not in process.environ():
+        return process
+    lifeline = set(_pipes(process.pid, above=2))
+    holders = {p.pid: p for p in psutil.process_iter() if p.pid != process.pid and lifeline & set(_pipes(p.pid))}
+    children = [p for p in holders.values() if p.ppid() not in holders]
+    assert len(children) == 1, f"pid {process.pid}: relaying to {children}?"
+    return children[0]
+
+
+def _pipes(pid: int, above: int = -1) -> list[str]:
+    """The pipes ("pipe:[inode]") open in process `pid` at fds above `above` (none if it is gone)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if int(fd) > above and target.startswith("pipe:"):
+                    found.append(target)
+    return found
 
 
 def last_step(log_dir: Path) -> int:

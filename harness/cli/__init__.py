@@ -15,10 +15,16 @@ outage past its retry deadline) one line and exit code 69; anything else is a bu
 traceback. The exit code is recorded for launchers that cannot see it (`exit_codes.record`). A
 process that joined a process group ends through `process_end.end`, without the interpreter's
 finalization (see there why). Under torchrun a process dies with the agent that started it
-(harness/process/parent_death.py), and one that torchrun restarted after an attempt that stopped (exit 2
-or 3) exits with that code at once (`exit_codes.earlier_stop`). `--log-level` is accepted
-before the command and after it (`harness train C --log-level debug`); on a rank other than 0
-the error line starts with its rank (`rank 1: error: ...`, harness/log.py).
+(harness/process/parent_death.py); where the environment names a fork server, a process started
+as a fresh interpreter (a torchrun worker, the supervisor's child) has that server fork the real
+one and stands in for it (harness/forkserver/relay.py); and one that torchrun restarted after an
+attempt that stopped (exit 2 or 3) exits with that code at once (`exit_codes.earlier_stop`).
+`--log-level` is accepted before the command and after it (`harness train C --log-level debug`);
+on a rank other than 0 the error line starts with its rank (`rank 1: error: ...`, harness/log.py).
+
+This module imports harness.log (structlog: most of its import time) where it is used, after the
+relay: a relay, which every torchrun worker and supervisor child of a test session is, needs none
+of it and costs a bare interpreter's start and this module's other imports.
 
 Output piped into a reader that stops early (`harness report RUN | head -2`) ends the command
 quietly with exit code 141 (128 + SIGPIPE, what a shell reports for a program killed by it),
@@ -34,7 +40,7 @@ import sys
 
 from harness import exit_codes
 from harness.errors import Unavailable, UserError
-from harness.log import configure, rank_prefix
+from harness.forkserver import relay
 from harness.process import parent_death, process_end
 from harness.repro import numerics
 from harness.topology import topology_from_env
@@ -97,13 +103,19 @@ def _accept_log_level_after_commands(commands: argparse._SubParsersAction) -> No
 
 def main(argv: list[str] | None = None) -> int:
     parent_death.die_with_launcher()  # first: a worker that outlives torchrun trains on alone
+    if argv is None:  # this process's own command line
+        code = relay.relayed(sys.argv[1:])
+        if code is not None:
+            return code
     stopped = exit_codes.earlier_stop()
     if stopped is not None:
         return not_restarted(stopped)
     numerics.prepare_environment()  # before a command module imports torch
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    configure(args.log_level)
+    from harness import log  # here, not above: see the module docstring
+
+    log.configure(args.log_level)
     try:
         code = run_command(args)
     except BaseException as e:
@@ -126,15 +138,17 @@ def not_restarted(code: int) -> int:
 
 
 def run_command(args: argparse.Namespace) -> int:
+    from harness import log  # here, not above: see the module docstring
+
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
         return code
     except (UserError, Unavailable) as e:
-        print(f"{rank_prefix()}error: {e}", file=sys.stderr)
+        print(f"{log.rank_prefix()}error: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
-        print(f"{rank_prefix()}error: interrupted", file=sys.stderr)
+        print(f"{log.rank_prefix()}error: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # The reader is gone: point stdout at /dev/null so the interpreter's final flush of the

@@ -137,12 +137,12 @@ def run(args: argparse.Namespace) -> int:
     output_folder(str(work), None, "--work-dir")
     sets = [*overrides, f"train.fingerprint_every={args.fingerprint_every}", 'train.on_divergence="warn"']
     sig = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}[args.signal]
-    if args.world_sizes:
-        default = EXACT_TOLERANCE if exact_at_every(cfg, args.world_sizes) else DEFAULT_TOLERANCE
-        tolerance = default if args.tolerance is None else args.tolerance
-        verdict = run_worlds(args.config, steps, work, sets, args.world_sizes, points, sig, tolerance)
-    else:
-        with popen_for(os.environ, os.getcwd()) as popen:  # a fork server where it can: no torch import per run
+    with popen_for(os.environ, os.getcwd()) as popen:  # a fork server where it can: no torch import per run
+        if args.world_sizes:
+            default = EXACT_TOLERANCE if exact_at_every(cfg, args.world_sizes) else DEFAULT_TOLERANCE
+            tolerance = default if args.tolerance is None else args.tolerance
+            verdict = run_worlds(args.config, steps, work, sets, args.world_sizes, points, sig, tolerance, popen)
+        else:
             verdict = run_pair(args.config, steps, work, sets, points, sig, popen)
     print(verdict, flush=True)
     if verdict and not args.work_dir:

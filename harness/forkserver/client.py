@@ -1,15 +1,17 @@
-"""The client side of one fork server: `ForkServer` starts and ends the server process,
-`ForkedPopen` is a subprocess.Popen whose child the server forks.
+"""The client side of a fork server: `ForkServer` starts and ends a server process, `NamedServer`
+is one another process started (known by its socket), `ForkedPopen` is a subprocess.Popen whose
+child a server forks.
 
 `ForkedPopen` is a Popen (pipes, text mode, communicate, wait and poll with timeouts, `with`,
-send_signal/terminate/kill, pid, returncode) for `[sys.executable, "-m", "harness.cli", ...]`
-with the options `ForkServer.popen` takes. Its child is a child of the server, not of the
-caller: its exit code comes from the server, which reaps it, and signals go through a pidfd, so
-they cannot reach another process that took its pid. A command line of another form, or a
-request the server refuses (an environment it cannot honour: harness/forkserver/inherited_env.py),
-starts a fresh interpreter through Popen's own code: the same object, the same behaviour. So does
-a server that found it cannot fork safely (server.UNSERVABLE); one gone otherwise raises
-`ForkServerError` (a bug, not a reason to fall back quietly).
+send_signal/terminate/kill, pid, returncode) for `[sys.executable, "-m", MODULE, ...]` (a module of
+protocol.MODULES: the harness's CLI, torchrun's launcher) or `[sys.executable, "SCRIPT.py", ...]`
+with the options `Server.popen` takes. Its child is a child of the server, not of the caller: its
+exit code comes from the server, which reaps it, and signals go through a pidfd, so they cannot
+reach another process that took its pid. A command line of another form, or a request the server
+refuses (an environment it cannot honour: harness/forkserver/inherited_env.py), starts a fresh
+interpreter through Popen's own code: the same object, the same behaviour. So does a server that
+found it cannot fork safely (protocol.UNSERVABLE), and a named server that does not answer; a server
+started here and gone otherwise raises `ForkServerError` (a bug, not a reason to fall back quietly).
 
 What a child inherits from its server, not from the caller at the time of the call: umask,
 resource limits, CPU affinity, user and groups (the caller's when the server started), and its
@@ -19,6 +21,7 @@ PR_SET_PDEATHSIG names it). A caller that changes those between calls needs fres
 
 from __future__ import annotations
 
+import abc
 import os
 import signal
 import socket
@@ -28,24 +31,47 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from harness.forkserver import protocol
-from harness.forkserver.server import UNSERVABLE
-
-REPLY_TIMEOUT_S = 300  # a server answers once its imports are done: seconds, minutes on a loaded machine
 
 
 class ForkServerError(RuntimeError):
     pass
 
 
-def served(args) -> list[str] | None:
-    """The CLI arguments of a command line a server runs (`python -m harness.cli ...` with this
-    interpreter), or None."""
-    if isinstance(args, (list, tuple)) and list(args[:3]) == [sys.executable, "-m", "harness.cli"]:
-        return [str(a) for a in args[3:]]
-    return None
+def served(args) -> tuple[list[str], list[str]] | None:
+    """(what the interpreter is told to run, the arguments after it) of a command line a server
+    runs with this interpreter: `python -m MODULE ...` (a module of protocol.MODULES) or `python
+    SCRIPT.py ...` (the script's path as given); else None."""
+    if not isinstance(args, (list, tuple)) or len(args) < 2 or args[0] != sys.executable:
+        return None
+    words = [str(a) for a in args[1:]]
+    if words[0] == "-m":
+        return (words[:2], words[2:]) if len(words) > 1 and words[1] in protocol.MODULES else None
+    return ([words[0]], words[1:]) if words[0].endswith(".py") else None
 
 
-class ForkServer:
+class Server(abc.ABC):
+    """A fork server as its clients know it: the socket it listens on, what a client does when it
+    gets no answer there (`unanswered`) and what it can say of a server gone (`failure`)."""
+
+    socket_path: str
+
+    def popen(self, args, *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
+              stdin=None, stdout=None, stderr=None, text: bool | None = None,
+              start_new_session: bool = False) -> subprocess.Popen:
+        return ForkedPopen(self, args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
+                           start_new_session=start_new_session)
+
+    @abc.abstractmethod
+    def unanswered(self, error: OSError | None) -> None:
+        """The server did not answer a request: return to have the client start a fresh
+        interpreter, or raise ForkServerError."""
+
+    @abc.abstractmethod
+    def failure(self) -> str:
+        """Why the server is gone, as far as a client can tell."""
+
+
+class ForkServer(Server):
     """A server process started with `env` in `cwd` (its socket and log in `folder`)."""
 
     def __init__(self, env: Mapping[str, str], cwd: str | Path, folder: str | Path, name: str = "server"):
@@ -63,15 +89,18 @@ class ForkServer:
         finally:
             listener.close()  # the server holds it now: requests queue there while it imports
 
-    def popen(self, args, *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
-              stdin=None, stdout=None, stderr=None, text: bool | None = None,
-              start_new_session: bool = False) -> subprocess.Popen:
-        return ForkedPopen(self, args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
-                           start_new_session=start_new_session)
+    def unanswered(self, error: OSError | None) -> None:
+        """A fresh interpreter if the server found it cannot serve, else raise: it is gone by a bug."""
+        try:
+            self.process.wait(protocol.REPLY_TIMEOUT_S)  # it is exiting, or has
+        except subprocess.TimeoutExpired:
+            pass
+        if not self.unservable():
+            raise ForkServerError(f"{error or 'no reply'}; {self.failure()}") from error
 
     def unservable(self) -> bool:
         """Whether the server found it cannot fork safely in its environment (and exited)."""
-        return self.process.poll() == UNSERVABLE
+        return self.process.poll() == protocol.UNSERVABLE
 
     def failure(self) -> str:
         """Why the server is gone (its exit code and the end of its log)."""
@@ -89,8 +118,23 @@ class ForkServer:
             self.process.wait()
 
 
+class NamedServer(Server):
+    """A server another process started, known by its socket (the one relay.SERVER_ENV names, as
+    for the test session's). One that does not answer (gone, or never there) leaves a fresh
+    interpreter, as it leaves a relay running the command itself."""
+
+    def __init__(self, socket_path: str):
+        self.socket_path = socket_path
+
+    def unanswered(self, error: OSError | None) -> None:
+        return None
+
+    def failure(self) -> str:
+        return f"the fork server at {self.socket_path} is gone"
+
+
 class ForkedPopen(subprocess.Popen):
-    def __init__(self, server: ForkServer, args, *, start_new_session: bool = False, **kwargs):
+    def __init__(self, server: Server, args, *, start_new_session: bool = False, **kwargs):
         self._server = server
         self._new_session = start_new_session
         self.forked = False  # whether the server forked the child (else Popen started a fresh interpreter)
@@ -100,8 +144,8 @@ class ForkedPopen(subprocess.Popen):
 
     def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
                        creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
-        cli_args = served(args) if executable is None and not shell else None
-        reply = None if cli_args is None else self._request(cli_args, env, cwd, [
+        command = served(args) if executable is None and not shell else None
+        reply = None if command is None else self._request(*command, env, cwd, [
             p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2])
         if reply is None:
             return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
@@ -111,44 +155,27 @@ class ForkedPopen(subprocess.Popen):
         self.forked = self._child_created = True
         self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
 
-    def _request(self, args: list[str], env, cwd, fds: list[int]) -> tuple[int, int] | None:
+    def _request(self, main: list[str], args: list[str], env, cwd, fds: list[int]) -> tuple[int, int] | None:
         """(pid, pidfd) of the forked child, or None when the server refused the request."""
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        cwd = os.path.abspath(os.getcwd() if cwd is None else os.fspath(cwd))
+        if main[0] != "-m":
+            main = [os.path.join(cwd, main[0])]  # a script's path relative to the child's working folder
+        request = {"main": main, "args": args, "env": dict(os.environ if env is None else env), "cwd": cwd,
+                   "new_session": self._new_session}
         try:
-            conn.connect(self._server.socket_path)
-            protocol.send(conn, {"args": args, "env": dict(os.environ if env is None else env),
-                                 "cwd": os.path.abspath(os.getcwd() if cwd is None else os.fspath(cwd)),
-                                 "new_session": self._new_session}, fds)
+            reply = protocol.ask(self._server.socket_path, request, fds)
         except protocol.TooLarge:
-            conn.close()
             return None
         except OSError as e:
-            conn.close()
             return self._gone(e)
-        try:
-            conn.settimeout(REPLY_TIMEOUT_S)
-            reply, pidfds = protocol.receive(conn, max_fds=1)
-        except OSError as e:
-            conn.close()
-            return self._gone(e)
-        if reply is None or ("pid" in reply and len(pidfds) != 1):
-            conn.close()
-            return self._gone(None)
-        if "refused" in reply:
-            conn.close()
+        if isinstance(reply, str):
             return None
-        self._conn = conn
-        return reply["pid"], pidfds[0]
+        self._conn, pid, pidfd = reply
+        return pid, pidfd
 
     def _gone(self, error: OSError | None) -> None:
-        """The server did not answer: None (a fresh interpreter) if it found it cannot serve, else raise."""
-        try:
-            self._server.process.wait(REPLY_TIMEOUT_S)  # it is exiting, or has
-        except subprocess.TimeoutExpired:
-            pass
-        if self._server.unservable():
-            return None
-        raise ForkServerError(f"{error or 'no reply'}; {self._server.failure()}") from error
+        """The server did not answer: None (a fresh interpreter), or ForkServerError (`unanswered`)."""
+        self._server.unanswered(error)
 
     def _internal_poll(self, _deadstate=None, **kwargs):
         if not self.forked:

@@ -29,9 +29,15 @@ SENSITIVE = (
     "HF_", "TRANSFORMERS_", "TOKENIZERS_", "MALLOC_", "GLIBC_",
 )
 
+# Set for torchrun and by it: what it puts in its workers' environment, what its agent reads
+# (TORCH_DISABLE_SHARE_RDZV_TCP_STORE) and the NCCL process group's settings (TORCH_NCCL_*, which
+# ops/torchrun/train.sh exports), all read when a process group, a rendezvous or torchrun's error
+# reporting is set up, never at import. A relayed worker (relay.py) may differ from its server there.
+LAUNCHER = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+
 
 def sensitive(name: str) -> bool:
-    return name.startswith(SENSITIVE)
+    return name.startswith(SENSITIVE) and not name.startswith(LAUNCHER)
 
 
 def signature(env: Mapping[str, str]) -> dict[str, str]:

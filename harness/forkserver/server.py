@@ -9,14 +9,16 @@ until its lifeline (stdin, a pipe from the process that started it) closes. It n
 signal handler, nor prints once serving, so a child starts with the interpreter's own start-up
 signal dispositions and empty stdio buffers.
 
-Per request: a child whose environment (before the imports) differs from the server's in its
-`environment.signature` or in a variable the imports set, or one whose working folder holds a
-module of the name of one the server has imported (a fresh interpreter puts that folder first on
-sys.path and would import that one), is refused. Otherwise the server forks; in the child
+Per request: a child that runs neither a module of protocol.MODULES nor a script file, one whose
+environment (before the imports) differs from the server's in its `inherited_env.signature` or in
+a variable the imports set (other than by asking for the value they set), or one whose first
+folder on sys.path (the working folder for `-m`, the script's folder for a script) holds a module
+of the name of one the server has imported (a fresh interpreter would import that one), is
+refused. Otherwise the server forks; in the child
 `serve()` returns the request (every fd of the server's own closed), in the server the child's
 pidfd goes to the client and, when the child ends, the server reaps it and sends its exit code.
-A client that went away leaves its child running, as a Popen child outlives its parent; the
-server still reaps it.
+A client that went away leaves its child running, as a Popen child outlives its parent (a
+relay's child dies with its relay: relay.py); the server still reaps it.
 """
 
 from __future__ import annotations
@@ -29,25 +31,27 @@ import socket
 import sys
 from dataclasses import dataclass
 
-from harness.forkserver import inherited_env, protocol
+from harness.forkserver import inherited_env, protocol, relay
 from harness.repro import numerics
 
 # What `harness train` imports besides its command module (torch._dynamo comes with torch's
-# optimizers): about 6 CPU-seconds per process that every child is spared.
+# optimizers): about 6 CPU-seconds per process that every child is spared; and torchrun's
+# launcher (0.02 CPU-seconds more once those are in).
 PRELOAD = ("torch", "torch._dynamo", "harness.cli", "harness.run.session", "harness.run.trainer",
-           "harness.models.gpt", "optim")
+           "harness.models.gpt", "optim", "torch.distributed.run")
 
-UNSERVABLE = 3  # the server's exit code when it cannot fork safely: its clients start fresh interpreters
 REQUEST_TIMEOUT_S = 30  # a client sends its request right after it connects
 
 
 @dataclass
 class Request:
-    args: list[str]  # the arguments after `python -m harness.cli`
+    main: list[str]  # ["-m", one of protocol.MODULES] or [a script's absolute path]
+    args: list[str]  # the arguments after them
     env: dict[str, str]
     cwd: str
     new_session: bool
     fds: list[int]  # stdin, stdout, stderr
+    lifeline: int | None  # from a relay: the child dies when its write end closes (parent_death.die_with_relay)
 
 
 @dataclass
@@ -61,6 +65,7 @@ def preload() -> Preloaded:
     import runs an OpenMP parallel region when OMP_NUM_THREADS is not 1, and a forked child of a
     process with a live OpenMP pool hangs in its first parallel region."""
     numerics.prepare_environment()
+    relay.disable()  # this process and its children run their commands themselves
     before = dict(os.environ)
     import harness.cli
 
@@ -69,10 +74,10 @@ def preload() -> Preloaded:
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:
         print(f"fork server: {threads} threads after the imports; forking would be unsafe", file=sys.stderr)
-        sys.exit(UNSERVABLE)
+        sys.exit(protocol.UNSERVABLE)
     if before.keys() - os.environ.keys():
         print(f"fork server: the imports removed {sorted(before.keys() - os.environ.keys())}", file=sys.stderr)
-        sys.exit(UNSERVABLE)
+        sys.exit(protocol.UNSERVABLE)
     # The imports' objects out of the collector's reach: a child's collections would otherwise
     # write to every one of them (their headers), copying the server's memory page by page; that
     # took 1 of the 1.4 CPU-seconds of a forked `harness ckpt --help`. They live as long as the
@@ -102,8 +107,7 @@ def serve(listener: socket.socket, preloaded: Preloaded) -> Request | None:
                 try:
                     pid = os.fork()
                 except OSError as e:  # out of processes or memory: the client tries a fresh interpreter
-                    for fd in request.fds:
-                        os.close(fd)
+                    _close(request)
                     _tell(conn, {"refused": f"fork: {e}"})
                     conn.close()
                     continue
@@ -115,8 +119,7 @@ def serve(listener: socket.socket, preloaded: Preloaded) -> Request | None:
                         other.close()
                     conn.close()
                     return request
-                for fd in request.fds:
-                    os.close(fd)
+                _close(request)
                 pidfd = os.pidfd_open(pid)
                 children[pidfd] = (pid, conn)
                 selector.register(pidfd, selectors.EVENT_READ, "child")
@@ -134,21 +137,21 @@ def _receive(conn: socket.socket, preloaded: Preloaded, home: str) -> Request | 
     """The connection's request, or None when it was refused (the client was told why) or broken."""
     conn.settimeout(REQUEST_TIMEOUT_S)
     try:
-        message, fds = protocol.receive(conn, max_fds=3)
+        message, fds = protocol.receive(conn, max_fds=4)
     except (OSError, ValueError):
         conn.close()
         return None
     conn.settimeout(None)
-    if message is None or len(fds) != 3:
+    if message is None or len(fds) not in (3, 4):
         for fd in fds:
             os.close(fd)
         conn.close()
         return None
-    request = Request(message["args"], message["env"], message["cwd"], message["new_session"], fds)
+    request = Request(message["main"], message["args"], message["env"], message["cwd"], message["new_session"],
+                      fds[:3], fds[3] if len(fds) == 4 else None)
     reason = _refusal(request, preloaded, home)
     if reason is not None:
-        for fd in fds:
-            os.close(fd)
+        _close(request)
         _tell(conn, {"refused": reason})
         conn.close()
         return None
@@ -157,20 +160,52 @@ def _receive(conn: socket.socket, preloaded: Preloaded, home: str) -> Request | 
 
 
 def _refusal(request: Request, preloaded: Preloaded, home: str) -> str | None:
-    wanted, signature = inherited_env.signature(request.env), inherited_env.signature(preloaded.env)
-    differ = {name for name in wanted.keys() | signature.keys() if wanted.get(name) != signature.get(name)}
-    differ |= {name for name in preloaded.effects if request.env.get(name) != preloaded.env.get(name)}
-    if differ:
-        return f"environment differs in {', '.join(sorted(differ))}"
-    if os.path.realpath(request.cwd) != os.path.realpath(home) and not sys.flags.safe_path:
-        try:
-            entries = {entry.removesuffix(".py") for entry in os.listdir(request.cwd)}
-        except OSError as e:
-            return f"working folder: {e}"
-        shadowed = entries & {name.partition(".")[0] for name in sys.modules}
-        if shadowed:
-            return f"the working folder holds {', '.join(sorted(shadowed))}, which the server imported from elsewhere"
-    return None
+    return _program_refusal(request.main) or _environment_refusal(request, preloaded) or _path_refusal(request, home)
+
+
+def _program_refusal(main: list[str]) -> str | None:
+    if main[:1] == ["-m"]:
+        return None if main[1:] and main[1] in protocol.MODULES else f"runs no module {' '.join(main[1:])}"
+    return None if len(main) == 1 and os.path.isabs(main[0]) and os.path.isfile(main[0]) else f"no script {main}"
+
+
+def _environment_refusal(request: Request, preloaded: Preloaded) -> str | None:
+    accepted = {name: {value} for name, value in inherited_env.signature(preloaded.env).items()}
+    # What the imports set, as it was before them or as they set it: the processes a served child
+    # starts (a supervisor's, torchrun's workers) inherit the latter.
+    for name, value in preloaded.effects.items():
+        accepted.setdefault(name, {preloaded.env.get(name)}).add(value)
+    wanted = inherited_env.signature(request.env) | {name: request.env.get(name) for name in preloaded.effects}
+    differ = {name for name in wanted.keys() | accepted.keys() if wanted.get(name) not in accepted.get(name, {None})}
+    return f"environment differs in {', '.join(sorted(differ))}" if differ else None
+
+
+def _path_refusal(request: Request, home: str) -> str | None:
+    """The folder a fresh interpreter would put first on sys.path (child.first_on_path) holding a
+    module of the name of one the server imported from elsewhere."""
+    folder = first_on_path(request)
+    if folder is None or os.path.realpath(folder) == os.path.realpath(home):
+        return None
+    try:
+        entries = {entry.removesuffix(".py") for entry in os.listdir(folder)}
+    except OSError as e:
+        return f"{folder}: {e}"
+    shadowed = sorted(entries & {name.partition(".")[0] for name in sys.modules})
+    return f"{folder} holds {', '.join(shadowed)}, which the server imported from elsewhere" if shadowed else None
+
+
+def first_on_path(request: Request) -> str | None:
+    """What a fresh interpreter puts first on sys.path: the working folder for `-m`, the script's
+    folder for a script; nothing under -P (sys.flags.safe_path: the server's, so the child's)."""
+    if sys.flags.safe_path:
+        return None
+    return request.cwd if request.main[0] == "-m" else os.path.dirname(os.path.realpath(request.main[0]))
+
+
+def _close(request: Request) -> None:
+    """Close the server's copies of a request's fds (a forked child has its own)."""
+    for fd in {*request.fds, request.lifeline} - {None}:
+        os.close(fd)
 
 
 def _tell(conn: socket.socket, message: dict, fds: list[int] = ()) -> None:

@@ -47,7 +47,15 @@ from harness.config import RunConfig
 from harness.errors import UserError
 from harness.log import get_logger
 from harness.run.exact_mode import exact_at_every
-from harness.verify.resume_equivalence import events_of, last_step, log_tail, start_train, step_records, wait_for_step
+from harness.verify.resume_equivalence import (
+    Popen,
+    events_of,
+    last_step,
+    log_tail,
+    start_train,
+    step_records,
+    wait_for_step,
+)
 
 DEFAULT_TOLERANCE = 1e-4
 EXACT_TOLERANCE = 0.0  # parallel.exact_elastic: bit for bit
@@ -151,15 +159,16 @@ def even_points(steps: int, sizes: list[int]) -> list[int]:
 
 
 def run_worlds(config: str, steps: int, work: Path, sets: list[str], sizes: list[int], points: list[int],
-               sig: signal.Signals, tolerance: float) -> WorldVerdict:
+               sig: signal.Signals, tolerance: float, popen: Popen = subprocess.Popen) -> WorldVerdict:
     """Train `config` in `work`: A continuously at `sizes[0]`, B at `sizes[i]` until it logged
-    `points[i]`, interrupted by `sig`, then at the next size; the verdict of `compare_worlds`."""
+    `points[i]`, interrupted by `sig`, then at the next size; the verdict of `compare_worlds`.
+    Every process (a launcher above world size 1) is started by `popen`."""
     runs = {"A": work / "continuous", "B": work / "interrupted"}
     print(f"A: continuous at world size {sizes[0]} in {runs['A']}; B: world size "
           f"{' -> '.join(map(str, sizes))} ({sig.name.removeprefix('SIG')}) in {runs['B']}", flush=True)
-    proc_a = start_train(config, runs["A"], sets, work / "continuous.log", world=sizes[0])
+    proc_a = start_train(config, runs["A"], sets, work / "continuous.log", world=sizes[0], popen=popen)
     try:
-        landed = _elastic(config, runs["B"], sets, work / "interrupted.log", sizes, points, sig)
+        landed = _elastic(config, runs["B"], sets, work / "interrupted.log", sizes, points, sig, popen)
     except BaseException:
         _kill_tree(proc_a)
         raise
@@ -170,12 +179,12 @@ def run_worlds(config: str, steps: int, work: Path, sets: list[str], sizes: list
 
 
 def _elastic(config: str, run_dir: Path, sets: list[str], log_path: Path, sizes: list[int], points: list[int],
-             sig: signal.Signals) -> list[int]:
+             sig: signal.Signals, popen: Popen) -> list[int]:
     """Run B segment by segment; returns the step each interruption landed at."""
     landed = []
     for world, point in zip(sizes, points, strict=False):
         starts = len(events_of(run_dir, "start"))
-        proc = start_train(config, run_dir, sets, log_path, world=world)
+        proc = start_train(config, run_dir, sets, log_path, world=world, popen=popen)
         wait_for_step(proc, run_dir, starts, point, log_path)
         if proc.poll() is None and sig is signal.SIGKILL:
             _kill_tree(proc)
@@ -183,7 +192,7 @@ def _elastic(config: str, run_dir: Path, sets: list[str], log_path: Path, sizes:
             proc.send_signal(sig)  # torchrun passes it on to every rank
         proc.wait()
         landed.append(last_step(run_dir))
-    proc = start_train(config, run_dir, sets, log_path, world=sizes[-1])
+    proc = start_train(config, run_dir, sets, log_path, world=sizes[-1], popen=popen)
     if proc.wait() != 0:
         raise UserError(f"the resumed run failed at world size {sizes[-1]} (exit {proc.returncode}); see {log_path}:\n"
                         + log_tail(log_path))

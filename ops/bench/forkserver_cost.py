@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from harness.forkserver import ForkServer
+from harness.forkserver.client import ForkServer
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}

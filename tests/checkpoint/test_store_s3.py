@@ -4,12 +4,15 @@ a prefix without a manifest is ignored, and the fake secret appears in no object
 
 from __future__ import annotations
 
+import subprocess
+
 import torch
 from torch import nn
 
 from harness.checkpoint import CheckpointStore, load
+from procs import ENV, finished, popen
 from s3proxy import FaultPlan
-from s3server import FAKE_KEY, FAKE_SECRET, options
+from s3server import FAKE_ENV, FAKE_KEY, FAKE_SECRET, options
 
 
 def parts(seed: int) -> dict:
@@ -149,9 +152,6 @@ def test_no_permission_to_list_uploads_does_not_stop_the_writer(proxy, s3_url):
 
 def test_ckpt_commands_take_storage_options(s3_server, s3_url):
     """`harness ckpt` reaches an S3-compatible endpoint given only by `-o endpoint_url=...`."""
-    import subprocess
-    import sys
-
     store = CheckpointStore(s3_url, storage_options={"endpoint_url": s3_server.endpoint})
     live = parts(seed=0)
     store.save(1, live)
@@ -159,8 +159,8 @@ def test_ckpt_commands_take_storage_options(s3_server, s3_url):
     opts = ["-o", f"endpoint_url={s3_server.endpoint}", "-o", "retry.attempts=2"]
 
     def ckpt(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "harness.cli", "ckpt", *args, *opts], capture_output=True,
-                              text=True, timeout=120)
+        return finished(popen(["ckpt", *args, *opts], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**ENV, **FAKE_ENV}), timeout=120)
 
     ls = ckpt("ls", s3_url)
     assert ls.returncode == 0 and "step" in ls.stdout, ls.stderr

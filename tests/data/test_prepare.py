@@ -8,7 +8,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import zstandard
 from harness.cli import main
 from harness.data.prepare import STATE_NAME, PrepareSpec, prepare
 from harness.data.shard_index import read_index
-from procs import ENV, ROOT
+from procs import ENV, popen
 
 DOCS = ["first document\nwith two lines", "zweites Dokument: äöü €", "third", "x" * 50]
 
@@ -64,8 +63,7 @@ def test_train_bpe_is_deterministic_and_independent_of_worker_count(tmp_path):
 
 
 def _run_prepare(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "harness.cli", "data", "prepare", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, cwd=ROOT)
+    return popen(["data", "prepare", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV)
 
 
 def _shards_recorded(out: Path) -> int:

@@ -16,7 +16,7 @@ from harness.data.factory import token_sample
 from harness.data.iterator_stream import IteratorStream
 from harness.errors import UserError
 from harness.run.trainer import Trainer
-from procs import ENV, ROOT, TINY, assert_one_line_error, assert_same_run, harness, kill_at_step
+from procs import ENV, ROOT, TINY, assert_one_line_error, assert_same_run, finished, harness, kill_at_step, spawn
 from shard_data import batch_hashes
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -103,8 +103,8 @@ def test_two_ranks_train_their_iterators_and_one_rank_may_not_resume_them(tmp_pa
     run = tmp_path / "run"
     common = ["--run-dir", str(run), *sets(*WALK, "data.batch_size=2")]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    two = subprocess.run([*launcher, "-m", "harness.cli", "train", str(TINY), *common, *sets("train.steps=4")],
-                         capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    two = finished(spawn([*launcher, "-m", "harness.cli", "train", str(TINY), *common, *sets("train.steps=4")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT))
     assert two.returncode == 0, two.stderr[-3000:]
     one = harness("train", str(TINY), *common, *sets("train.steps=8", "train.grad_accum=4"), "--allow-config-change")
     assert_one_line_error(one, "state was saved by rank 0 of 2, and this is rank 0 of 1")

@@ -1,12 +1,14 @@
 """`harness train` at world size > 1 for the distributed tests: start, find a rank's process, kill.
 
 Two ways to start a group. `torchrun(...)`: the launcher users run, for the tests of what torchrun
-does (restarts, a rank or agent killed, signals, node loss: test_torchrun.py, test_launchers.py).
-`Ranks` (what `train_args` and `fsdp_args` give): the ranks alone, each a `harness` process forked
-by the session's fork server (tests/procs.py) with the environment torchrun gives its workers, for
-the tests of what the ranks do (checkpoints, resume, tiers); torchrun's launcher and a fresh
-interpreter per rank cost about 6 CPU-seconds per group (docs/bench-runs.md). `start` and `run` take
-either; `kill_all` kills either at once, as a lost node goes.
+does (restarts, a rank or agent killed, signals, node loss: test_torchrun.py, test_launchers.py),
+forked by the session's fork server; each worker it starts is a relay that has the server fork the
+real rank (harness/forkserver/relay.py), and `rank_process` finds the relay, the process torchrun
+knows (procs.relayed: the rank behind it). `Ranks` (what `train_args` and `fsdp_args` give): the
+ranks alone, each a `harness` process (or a worker script) forked by the session's fork server
+(tests/procs.py) with the environment torchrun gives its workers, for the tests of what the ranks do
+(checkpoints, resume, tiers, the collectives), without a launcher and a relay per rank. `start` and
+`run` take either; `kill_all` kills either at once, as a lost node goes.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 import psutil
 
 from harness.checkpoint.manifest import MANIFEST_FILE
-from procs import ENV, ROOT, TINY, final_checkpoint, last_step, popen
+from procs import ENV, ROOT, TINY, final_checkpoint, last_step, spawn
 
 # torchrun shares its rendezvous store with the workers' process group by default, and a
 # restarted group then reads the previous group's gloo addresses (pytorch/pytorch#135712):
@@ -43,18 +45,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(*script: str, nproc: int = 2, max_restarts: int = 0, python: bool = False) -> list[str]:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-                "--max-restarts", str(max_restarts)]
-    return [*launcher, *script] if python else [*launcher, "--no-python", HARNESS, *script]
+def torchrun(*args: str, nproc: int = 2, max_restarts: int = 0) -> list[str]:
+    """torchrun's command line for `harness ARGS` on `nproc` ranks of this machine."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "--max-restarts", str(max_restarts), "--no-python", HARNESS, *args]
 
 
 @dataclass(frozen=True)
 class Ranks:
-    """`harness ARGS` as the `nproc` ranks of one group on this machine, without a launcher."""
+    """`harness ARGS` (with `script`: `python SCRIPT ARGS`, a worker of the tests) as the `nproc`
+    ranks of one group on this machine, without a launcher."""
 
     args: tuple[str, ...]
     nproc: int = 2
+    script: str | None = None
+
+    def command(self) -> list[str]:
+        return [sys.executable, *([self.script] if self.script else ["-m", "harness.cli"]), *self.args]
 
 
 def train_cli(run_dir: Path, *extra: str) -> list[str]:
@@ -87,7 +94,7 @@ class RankGroup:
     def __init__(self, ranks: Ranks, log: Path, env: dict[str, str] | None):
         port, world = str(free_port()), str(ranks.nproc)
         with log.open("ab") as out:
-            self.ranks = [popen(list(ranks.args), stdout=out, stderr=subprocess.STDOUT,
+            self.ranks = [spawn(ranks.command(), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
                                 env={**ENV, **(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank),
                                      "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world,
                                      "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
@@ -132,8 +139,8 @@ def start(args: list[str] | Ranks, log: Path, env: dict[str, str] | None = None,
     if isinstance(args, Ranks):
         return RankGroup(args, log, env)
     with log.open("ab") as out:
-        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env={**TORCHRUN_ENV, **(env or {})},
-                                cwd=ROOT, start_new_session=new_session)
+        return spawn(args, stdout=out, stderr=subprocess.STDOUT, env={**TORCHRUN_ENV, **(env or {})}, cwd=ROOT,
+                     start_new_session=new_session)
 
 
 def run(args: list[str] | Ranks, log: Path, timeout: float = 300, env: dict[str, str] | None = None) -> int:

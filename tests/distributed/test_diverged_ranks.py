@@ -3,10 +3,9 @@ in one gloo process group, started directly (torchrun would kill the second rank
 first exits, before it could say why)."""
 
 import subprocess
-import sys
 
 from launch import free_port
-from procs import ENV, ROOT, TINY
+from procs import ENV, TINY, popen
 
 
 def test_nan_state_on_one_rank_stops_both_before_the_save(tmp_path):
@@ -15,12 +14,12 @@ def test_nan_state_on_one_rank_stops_both_before_the_save(tmp_path):
     ranks agree, both stop with exit 2, rank 0 without a NaN of its own; step 4 stays the newest."""
     run_dir = tmp_path / "run"
     port = str(free_port())
-    args = [sys.executable, "-m", "harness.cli", "train", str(TINY), "--run-dir", str(run_dir), "--set",
+    args = ["train", str(TINY), "--run-dir", str(run_dir), "--set",
             'model.factory="tests.user_models:overflowing_stat_gpt"', "--set", "model.args.overflow_at_forward=16",
             "--set", "model.args.overflow_rank=1"]
-    ranks = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                              env={**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
-                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port})
+    ranks = [popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                   env={**ENV, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": port})
              for r in (0, 1)]
     out = [p.communicate(timeout=300)[1] for p in ranks]
     assert [p.returncode for p in ranks] == [2, 2], out

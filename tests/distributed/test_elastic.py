@@ -70,6 +70,11 @@ def test_world_size_2_killed_resumed_at_1_killed_resumed_at_2_keeps_every_global
         assert None not in devs and max(devs, default=0.0) <= DEFAULT_TOLERANCE, step8.lines[:20]
 
 
+# One process saves step 4 and crashes after step 6. It saves in the step loop: a background save
+# of step 4 could still be in flight at the crash on a loaded machine, and nothing be committed.
+CRASH_AFTER_CHECKPOINT_4 = ["--set", "debug.crash_at_step=6", "--set", "checkpoint.async_save=false"]
+
+
 def _files(run_dir: Path, step: int) -> set[str]:
     manifest = run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json"
     return {f["name"] for f in json.loads(manifest.read_text())["files"]}
@@ -82,10 +87,7 @@ def _snapshot(run_dir: Path) -> dict[str, bytes]:
 
 def test_a_world_size_the_global_batch_cannot_split_is_refused_and_nothing_written(tmp_path):
     run_dir = tmp_path / "run"
-    # A synchronous save: checkpoint 4 is committed before step 5 whatever the machine's load (a
-    # background one may still be persisting when the crash at step 6 takes the process).
-    crashed = harness("train", str(ELASTIC), "--run-dir", str(run_dir), "--set", "debug.crash_at_step=6",
-                      "--set", "checkpoint.async_save=false")
+    crashed = harness("train", str(ELASTIC), "--run-dir", str(run_dir), *CRASH_AFTER_CHECKPOINT_4)
     assert crashed.returncode != 0 and (run_dir / "checkpoints" / "step-00000004").is_dir(), crashed.stderr
     before = _snapshot(run_dir)
     log = tmp_path / "three.log"
@@ -149,10 +151,7 @@ def test_a_rollback_after_a_resume_at_another_world_size_repeats_the_resumed_ste
     random streams as the resume did, so the re-run steps 5 and 6 repeat the first pass bit for bit
     (on_divergence = "error" stops the run otherwise)."""
     run_dir = tmp_path / "run"
-    # A synchronous save: checkpoint 4 is committed before step 5 whatever the machine's load (a
-    # background one may still be persisting when the crash at step 6 takes the process).
-    crashed = harness("train", str(ELASTIC), "--run-dir", str(run_dir), "--set", "debug.crash_at_step=6",
-                      "--set", "checkpoint.async_save=false")
+    crashed = harness("train", str(ELASTIC), "--run-dir", str(run_dir), *CRASH_AFTER_CHECKPOINT_4)
     assert crashed.returncode != 0 and (run_dir / "checkpoints" / "step-00000004").is_dir(), crashed.stderr
     log = tmp_path / "two.log"
     code = run([str(ROOT / "ops/torchrun/train.sh"), str(ELASTIC), "--set", 'train.on_anomaly="rollback"',

@@ -1,4 +1,4 @@
-"""FSDP2 at world size 2 (gloo, real processes: launch.Ranks; torchrun for the gather workers):
+"""FSDP2 at world size 2 (gloo, real processes: launch.Ranks, the gather workers too):
 sharded checkpoints through DCP with our own storage layer, interrupted vs continuous bitwise,
 resharding to DDP and to one process, a damaged shard skipped for the previous checkpoint. The
 continuous run (`fsdp_run`, one per optimizer arm) is tests/distributed/conftest.py's.
@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from harness.checkpoint import CheckpointStore
 from helpers import flip_byte
-from launch import Ranks, fsdp_args, kill_all, run, start, tail, torchrun, wait_step
+from launch import Ranks, fsdp_args, kill_all, run, start, tail, wait_step
 from procs import TINY, assert_same_run, events, final_checkpoint, harness
 
 STEPS = 12
@@ -52,7 +52,7 @@ def test_group_sigkill_resumes_bitwise(fsdp_run, tmp_path):
 
 
 def gather(ckpt: Path, strategy: str, out: Path, nproc: int, *overrides: str) -> dict[str, torch.Tensor]:
-    args = torchrun(WORKER, str(ckpt), strategy, str(out), *overrides, nproc=nproc, python=True) if nproc > 1 else \
+    args = Ranks((str(ckpt), strategy, str(out), *overrides), nproc, WORKER) if nproc > 1 else \
         [sys.executable, WORKER, str(ckpt), strategy, str(out), *overrides]
     log = out.with_suffix(".log")
     assert run(args, log) == 0, tail(log)

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from procs import ENV, ROOT, TINY, events, harness
+from procs import ENV, ROOT, TINY, events, finished, harness, spawn
 from s3server import FAKE_ENV
 
 
@@ -20,7 +20,7 @@ def test_fsdp_shards_on_s3_resume_in_one_process(s3_server, s3_url, tmp_path):
     trainer = str(Path(sys.executable).with_name("harness"))
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
                 trainer, *args, "--set", "parallel.strategy=fsdp", "--set", "train.steps=8"]
-    done = subprocess.run(launcher, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = finished(spawn(launcher, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     prefix = s3_url.split("/", 3)[3] + "/checkpoints/step-00000008/"
     keys = {k.rsplit("/", 1)[1] for k in s3_server.keys(prefix)}

@@ -21,7 +21,7 @@ import pytest
 from harness import exit_codes
 from harness.checkpoint import CheckpointStore
 from launch import COMMON, TORCHRUN_ENV, kill_tree, rank_process, tail, wait_step
-from procs import ROOT, TINY, assert_same_run, events, final_checkpoint
+from procs import ROOT, TINY, assert_same_run, events, final_checkpoint, spawn
 
 TRAIN_SH = ROOT / "ops/torchrun/train.sh"
 SBATCH = ROOT / "ops/slurm/train.sbatch"
@@ -66,7 +66,7 @@ def stubs(tmp_path):
 
 def launch(cmd: list[str], log: Path, env: dict[str, str], cwd: Path = ROOT) -> subprocess.Popen:
     with log.open("ab") as out:
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**TORCHRUN_ENV, **env}, cwd=cwd)
+        return spawn(cmd, stdout=out, stderr=subprocess.STDOUT, env={**TORCHRUN_ENV, **env}, cwd=cwd)
 
 
 def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> int:

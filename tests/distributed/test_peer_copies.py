@@ -22,7 +22,7 @@ from harness.checkpoint.save.local_recovery import LocalRecovery
 from harness.checkpoint.save.peer_copies import peer_store
 from harness.config import LocalTierSection
 from harness.records.run_id import RUN_ID_KEY
-from launch import run, tail, torchrun, train_args
+from launch import Ranks, run, tail, train_args
 from nodes import CADENCE, node_0_lost, restart, steps_in
 from procs import assert_same_run, events, harness
 
@@ -85,8 +85,7 @@ def test_three_ranks_recover_a_lost_nodes_part_and_refuse_a_copy_damaged_on_the_
     a resume from step 2 keeps nothing newer; a copy whose bytes differ from its manifest is
     refused by the receiver, nothing committed."""
     log = tmp_path / "worker.log"
-    assert run(torchrun(str(Path(__file__).with_name("peer_worker.py")), str(tmp_path), nproc=3, python=True),
-               log) == 0, tail(log)
+    assert run(Ranks((str(tmp_path),), 3, str(Path(__file__).with_name("peer_worker.py"))), log) == 0, tail(log)
     results = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in range(3)]
     for rank, result in enumerate(results):  # every rank loads its own part: the models differ by rank
         assert (result["step"], result["tier"], result["problems"], result["same_model"]) == (4, "peer", [], True)
@@ -128,7 +127,7 @@ def test_a_partner_lost_during_the_exchange_stops_the_copies_not_training(tmp_pa
     exchange fails on the closed connection (a gloo error, not a damaged copy), its next local
     saves go on at once, the failure logged as a warning and no later exchange tried."""
     log = tmp_path / "worker.log"
-    assert run(torchrun(str(Path(__file__).with_name("peer_failure_worker.py")), str(tmp_path), python=True),
+    assert run(Ranks((str(tmp_path),), script=str(Path(__file__).with_name("peer_failure_worker.py"))),
                log) == 0, tail(log)
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["stopped"] and result["kept"] == [4, 6]

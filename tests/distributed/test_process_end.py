@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from harness.forkserver.relay import SERVER_ENV
 from launch import run, tail, torchrun
 from procs import ENV, ROOT, TINY
 
 PROBE = ["--set", 'model.factory="finalize_probe:build"']
-PATH_ENV = {"PYTHONPATH": str(Path(__file__).parent)}
+# Fresh ranks (no fork server named: a relay's forked child leaves without finalizing whatever it
+# ran, harness/forkserver/child.py), with the probe's folder on their path.
+PATH_ENV = {"PYTHONPATH": str(Path(__file__).parent), SERVER_ENV: ""}
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "ddp"])

@@ -17,7 +17,7 @@ from harness.checkpoint import CheckpointStore
 from harness.checkpoint.manifest import MANIFEST_FILE
 from harness.data import TokenDataset
 from launch import kill_tree, rank_process, run, start, tail, torchrun, train_cli, wait_step
-from procs import TINY, assert_same_run, events, final_checkpoint, harness
+from procs import TINY, assert_same_run, events, final_checkpoint, harness, relayed
 
 STEPS = 12
 
@@ -70,12 +70,14 @@ def test_sigkill_of_the_agent_alone_ends_its_ranks_and_the_same_command_resumes(
     """torchrun starts its workers in sessions of their own, so a SIGKILL of torchrun's process
     group reaches the agent alone: the ranks must die with it (harness/process/parent_death.py) instead of
     training on without it, and the same command started again at once takes the run dir's lease
-    over from them and finishes as the continuous run did."""
+    over from them and finishes as the continuous run did. Where the workers torchrun started are
+    relays (harness/forkserver/relay.py), the processes they stand for must die too."""
     run_dir, log = tmp_path / "run", tmp_path / "torchrun.log"
     args = torchrun(*train_cli(run_dir))
     agent = start(args, log, new_session=True)
     ranks = [rank_process(agent, rank) for rank in (0, 1)]
     wait_step(agent, run_dir, 6, log, committed=4)
+    ranks += [worker for worker in map(relayed, ranks) if worker not in ranks]
     os.killpg(agent.pid, signal.SIGKILL)
     agent.wait(60)
     relaunch = start(args, log)  # at once, as a person or a scheduler would

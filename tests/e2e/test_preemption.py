@@ -84,9 +84,10 @@ def test_sigkill_of_the_child_five_times_under_the_supervisor(tmp_path, referenc
     import psutil
 
     run = tmp_path / "run"
-    # 0.5 s steps: a child resumed from step 8 needs its startup (a fresh interpreter: over a
-    # second) plus 2 s to finish, so a kill drawn from 0.5-2 s after it appears always finds it
-    # alive (with 0.3 s steps and kills up to 4 s a quiet machine finished the run between two kills).
+    # 0.5 s steps: a child resumed from step 8 needs its startup (its relay's interpreter, then the
+    # forked child's resume: tenths of a second; a fresh interpreter: over a second) plus 2 s of steps
+    # to finish, so a kill drawn from 0.5-2 s after it appears always finds it alive (with 0.3 s
+    # steps and kills up to 4 s a quiet machine finished the run between two kills).
     # --backoff-initial 0.1: a streak of kills in startup would otherwise wait 1 + 2 + 4 + 8 s
     sup = start("train", str(TINY), "--run-dir", str(run), "--max-restarts", "10",
                 "--crash-loop-limit", "10", "--backoff-initial", "0.1", "--set", "debug.step_sleep_s=0.5")

@@ -1,6 +1,7 @@
 """The fork server (harness/forkserver): its children are `harness` processes that neither the
 numerics nor the process tree can tell from fresh interpreters, and what it cannot honour starts
-fresh. Each test has a pool of its own (not the session's), so it knows which server it uses."""
+fresh. The module has a pool of its own (not the session's), so each test knows which server it
+uses."""
 
 from __future__ import annotations
 
@@ -12,14 +13,16 @@ import subprocess
 import sys
 import tempfile
 
+import psutil
 import pytest
 
-from harness.forkserver import ForkServer, ForkServers
-from harness.forkserver.pool import popen_for
+from harness.forkserver.client import ForkServer
+from harness.forkserver.pool import ForkServers, popen_for
+from harness.forkserver.relay import SERVER_ENV
 from procs import DEFAULT_THREADS_ENV, ENV, ROOT, TINY, assert_same_run, wait_for_step
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def servers():
     pool = ForkServers(ROOT)
     yield pool
@@ -76,10 +79,18 @@ def test_an_environment_a_server_cannot_honour_starts_fresh(tmp_path):
 
 def test_default_threads_start_fresh(tmp_path, servers):
     """With torch's default thread count its import starts an OpenMP pool: no server can fork
-    safely there (it exits UNSERVABLE), and runs start fresh, on that thread count."""
-    default_threads = launch(servers.popen, "train", str(TINY), "--run-dir", str(tmp_path / "threads"),
-                             "--set", "train.steps=1", env=DEFAULT_THREADS_ENV)
-    assert not default_threads.forked
+    safely there (one started so exits UNSERVABLE; a pool starts none), and runs start fresh, on
+    that thread count."""
+    folder = tempfile.mkdtemp(prefix="harness-fs-")
+    server = ForkServer(DEFAULT_THREADS_ENV, ROOT, folder)
+    try:
+        default_threads = launch(server.popen, "train", str(TINY), "--run-dir", str(tmp_path / "threads"),
+                                 "--set", "train.steps=1", env=DEFAULT_THREADS_ENV)
+        assert not default_threads.forked and server.unservable()
+    finally:
+        server.close()
+        shutil.rmtree(folder)
+    assert servers.server_for(DEFAULT_THREADS_ENV) is None
     assert finish(default_threads)[0] == 0
     torch_default = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
                                    capture_output=True, text=True, env=DEFAULT_THREADS_ENV, check=True).stdout
@@ -153,11 +164,41 @@ def test_a_forked_child_ends_as_a_fresh_one_up_to_finalization(tmp_path, servers
     assert "freed at finalization" in fresh_err and "freed at finalization" not in err
 
 
-def test_popen_for_forks_only_where_a_server_can_serve():
+def test_popen_for_forks_only_where_a_server_can_serve(tmp_path, servers):
     """verify-resume's starter (harness/forkserver/pool.py): a server's children with one OpenMP
-    thread; with torch's default thread count plain Popen, no server started to refuse."""
+    thread; with torch's default thread count plain Popen, no server started to refuse; where the
+    environment names a server, that one's children, and a fresh interpreter where it is gone."""
     with popen_for(ENV, ROOT) as popen:
         proc = launch(popen, "--help")
         assert proc.forked and finish(proc)[0] == 0
     with popen_for(DEFAULT_THREADS_ENV, ROOT) as popen:
         assert popen is subprocess.Popen
+    named = servers.server_for(ENV)
+    with popen_for({**ENV, SERVER_ENV: named.socket_path}, ROOT) as popen:
+        proc = launch(popen, "train", str(TINY), "--run-dir", str(tmp_path / "run"), "--set", "train.steps=400")
+        wait_for_step(proc, tmp_path / "run", 1)
+        assert proc.forked and psutil.Process(proc.pid).ppid() == named.process.pid
+        proc.kill()
+        assert finish(proc)[0] == -signal.SIGKILL
+    with popen_for({**ENV, SERVER_ENV: os.path.join(servers.folder, "gone.sock")}, ROOT) as popen:
+        proc = launch(popen, "--help")
+        assert not proc.forked and finish(proc)[0] == 0
+
+
+SCRIPT_PROBE = '''
+import os, sys
+print(__name__, sys.argv[1:], sys.path[0] == os.path.dirname(os.path.realpath(__file__)), os.getcwd())
+'''
+
+
+def test_a_script_runs_as_the_interpreter_runs_it(tmp_path, servers):
+    """`python SCRIPT ARGS` (the tests' rank workers): forked, with the script's folder first on
+    sys.path and its arguments, as a fresh interpreter runs it, in the caller's working folder."""
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "probe.py"
+    script.write_text(SCRIPT_PROBE)
+    command = [sys.executable, "scripts/probe.py", "a", "b"]
+    forked = servers.popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+    assert forked.forked
+    fresh = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, cwd=tmp_path)
+    assert finish(forked) == finish(fresh) == (0, f"__main__ ['a', 'b'] True {tmp_path}\n", "")

@@ -1,7 +1,7 @@
 """Optimizers on parameters sharded by FSDP2 (DTensors; optim/sharded.py) equal the one-process
 math, with their state created eagerly in the parameter's placement.
 
-One torchrun group (world size 2, gloo, real processes) runs every arm of optim.build
+One group (world size 2, gloo, real processes: tests/distributed/launch.py `Ranks`) runs every arm of optim.build
 (fsdp_worker.py): a model sharded by `fully_shard` (uneven shards, an empty shard, row and column
 shards; and on a 2D HSDP mesh for muon and adafactor) against the same model unsharded in the same
 process, on the same batches, for 3 steps, then a fresh bundle loads the name-keyed state and takes a 4th.
@@ -14,8 +14,6 @@ Adafactor to float rounding: its column statistic, mean(r) and rms(u) are sums o
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +25,10 @@ from optim.dtensor import local
 from optim.sharded import chunk_sizes, layout_of
 
 HERE = Path(__file__).parent
-ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent / "distributed"))
+
+from launch import Ranks, run, tail  # noqa: E402
+
 MATRIX_ARMS = ("muon", "olion", "lion", "adafactor", "muon@hsdp", "adafactor@hsdp", "olion@rounds")
 BITWISE_ARMS = ("muon", "olion", "lion", "sgdm", "adamw", "muon@hsdp", "olion@rounds")
 ARMS_RUN = (*BITWISE_ARMS, "adafactor", "adafactor@hsdp")
@@ -36,11 +37,8 @@ ARMS_RUN = (*BITWISE_ARMS, "adafactor", "adafactor@hsdp")
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("sharded")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(HERE / "fsdp_worker.py"), str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = out / "workers.log"
+    assert run(Ranks((str(out),), script=str(HERE / "fsdp_worker.py")), log) == 0, tail(log)
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
 
 
