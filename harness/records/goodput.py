@@ -23,8 +23,10 @@ the trainer (rank 0 only) unless marked supervisor:
 |            |                                          | (cumulative, blocking saves excluded)                        |
 | checkpoint | step, blocking_s                         | after each commit; blocking_s = seconds the step loop was    |
 |            |                                          | blocked by this save                                         |
-| local_checkpoint | step, blocking_s, bytes            | after each commit to the local tier (blocking_s: with its    |
-|            |                                          | peer copies' exchange; counted as saving)                    |
+| local_checkpoint | step, blocking_s, bytes,           | after each save to the local tier (blocking_s: with the wait |
+|            | background                               | for the previous one and its peer exchange; counted as       |
+|            |                                          | saving); committed then unless `background`                  |
+| local_committed | step, persist_s, bytes              | a background local save committed (from its thread)          |
 | checkpoint_rejected | tier, step, url, problem        | a local checkpoint or peer copy (tier "peer", with owner)    |
 |            | (rank, owner)                            | passed over at a resume (damaged, another run's); before     |
 |            |                                          | that process's start                                         |

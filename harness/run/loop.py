@@ -77,6 +77,8 @@ class Loop:
         self.saver = open_saver(store, settings, per_rank=trainer.state.per_rank, sharded=trainer.state.sharded,
                                 hooks=SaveHooks(on_commit=self.committed, on_slow=self.slow_save),
                                 last_committed=last_committed)
+        if local_tier is not None:  # in the background when the run dir's saves are, through the same staging memory
+            local_tier.save_like(self.saver, on_commit=self.local_committed)
         self.staging_ready = False
         self.last_saved = trainer.step
         self.train_s = 0.0
@@ -275,16 +277,22 @@ class Loop:
         return distributed.rank0_flag(due) if self.local_clock.auto else due
 
     def save_local(self) -> None:
-        """Checkpoint the current step to the local tier, in this thread (node-local disk or tmpfs:
-        fast), with the same finite-state check as `save`; its peer copy is exchanged in the
-        background (checkpoint/save/local_tier.py)."""
+        """Checkpoint the current step to the local tier (node-local disk or tmpfs), as the run dir's
+        saves are taken (in the background or in this thread), with the same finite-state check as
+        `save`; its peer copy is exchanged in the background (checkpoint/save/local_tier.py)."""
         self.trainer.check_finite_state()
         step = self.trainer.step
         submitted = self.local_tier.save(step, self.trainer.state.parts(), self.checkpoint_meta())
         self.local_clock.saved(step, submitted.blocking_s)
-        self.local_clock.committed(submitted.blocking_s)  # synchronous: committed when it returns
         self.save_s += submitted.blocking_s
-        self.events.emit("local_checkpoint", step=step, blocking_s=submitted.blocking_s, bytes=submitted.nbytes)
+        self.events.emit("local_checkpoint", step=step, blocking_s=submitted.blocking_s, bytes=submitted.nbytes,
+                         background=self.local_tier.background)
+
+    def local_committed(self, done: Committed) -> None:
+        """A local checkpoint is committed (from the local persist thread when saving in the background)."""
+        self.local_clock.committed(done.persist_s)
+        if self.local_tier.background:
+            self.events.emit("local_committed", step=done.ref.step, persist_s=done.persist_s, bytes=done.nbytes)
 
     def checkpoint_meta(self) -> dict[str, Any]:
         """What every checkpoint records beside the state: the config, the data's identity, the environment."""
