@@ -87,10 +87,10 @@ def test_a_damaged_local_copy_is_skipped_and_reported(tmp_path, continuous, dama
 def test_another_runs_local_checkpoint_is_not_used(tmp_path, continuous):
     """Run `other` (another seed) and this run share the local folder. A copy of other's step 6
     placed among this run's local checkpoints is rejected (its meta names another run id); this
-    run resumes from its own local step 2."""
+    run resumes from its own local step 2 (saved in the step loop: committed before the crash)."""
     local = tmp_path / "local"
     other, run = tmp_path / "other", tmp_path / "run"
-    common = ["--set", "checkpoint.every_steps=10", *local_tier(local)]
+    common = ["--set", "checkpoint.every_steps=10", "--set", "checkpoint.async_save=false", *local_tier(local)]
     assert harness(*train(other, *common, "--set", "train.seed=2", "--set", "debug.crash_at_step=7")).returncode != 0
     (other_folder,) = local.iterdir()
     assert harness(*train(run, *common, "--set", "debug.crash_at_step=3")).returncode != 0
