@@ -112,6 +112,8 @@ class Loop:
                    desc="train", unit="step", dynamic_ncols=True)
         with PreemptionWatch(cfg.checkpoint.preempt_signals) as watch:
             try:
+                if trainer.step > 0:  # resumed: the state is whole, so the staging memory is made during the first step
+                    self.prepare_staging()
                 if self.replicate:
                     with self.watch("save"):
                         self.save_local()
@@ -232,11 +234,16 @@ class Loop:
                          train_s=self.train_s, save_s=self.save_s)
 
     def poll(self) -> None:
-        """Between steps: raise a background save's or upload's failure, keep the writer lease fresh.
-        After the first step (the optimizer's state exists then) the saver makes its staging memory
-        ready, in the background, so the first save does not wait for it."""
+        """Between steps: raise a background save's or upload's failure, keep the writer lease fresh,
+        and after the first step of a fresh run make the staging memory ready (`prepare_staging`)."""
         self.saver.poll()
         self.store.poll_lease()
+        self.prepare_staging()
+
+    def prepare_staging(self) -> None:
+        """Make the saver's staging memory ready (the local tier shares it) in the background, once
+        the state is whole: before the first step of a resumed run, after the first step of a fresh
+        one (an optimizer makes its state there), so no save waits for the memory."""
         if not self.staging_ready:
             self.saver.prepare(self.trainer.state.parts())
             self.staging_ready = True

@@ -28,6 +28,7 @@ from harness.checkpoint import (
     CheckpointStore,
     Coverage,
     LocalRecovery,
+    Prefetch,
     Verify,
     load,
     locate,
@@ -118,43 +119,33 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
         try:
             checkpoint = source.open(ref)
             saved = checkpoint.state
-            shard_copies = []
-            if chosen.owner is not None:
-                # Every rank tries the same local candidate (agreed by `choose`): all load it or none.
-                problem, shard_copies = _local_problem(local, chosen, checkpoint)
-                if not distributed.all_ok(problem is None):
-                    if problem:
-                        skipped(ref, [problem])
-                        local.rejected.append({"tier": chosen.tier, "step": ref.step, "url": ref.url,
-                                               "problem": problem[:300], "rank": distributed.rank()})
-                    restore_s += time.perf_counter() - t0
-                    continue
+            agreed, shard_copies = _agreed_local(local, chosen, checkpoint)
+            if not agreed:
+                restore_s += time.perf_counter() - t0
+                continue
             exact, exact_why = decide(cfg, world, device, iterator, saved=saved_mode(saved["meta"]))
             run_cfg = with_mode(cfg, exact)
             changes = check_compatible(saved["meta"], run_cfg, allow_config_change, data.identity,
                                        mode_decided=cfg.parallel.exact_elastic == AUTO)
             # Whether the run finished is the trainer part's (state.TrainerCounters), nowhere else.
             if saved["parts"]["trainer"]["finished"] and ref.step >= cfg.train.steps:
-                # Finished only if that checkpoint is whole: a damaged one is passed over like any
-                # other, and the steps after the one before are trained again.
-                problems = source.verify(ref) if verify is Verify.WHILE else []
-                if problems:
-                    skipped(ref, problems)
-                    restore_s += time.perf_counter() - t0
-                    continue
-                log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
-                print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
-                return None
+                if _finished(cfg, source, ref, verify):
+                    return None
+                restore_s += time.perf_counter() - t0
+                continue
             restore_s += time.perf_counter() - t0
             log.info("exact elastic mode", on=exact, why=exact_why)
-            trainer = Trainer(run_cfg, rank=distributed.rank(), world_size=world, data=data)
-            t0 = time.perf_counter()
-            if trainer.sharded or checkpoint.sharded:
-                trainer.materialize_optimizer_state()  # read into live tensors of the right sharding
-            # A local or peer checkpoint was verified above, and is one rank's own copy.
-            local_copy = chosen.owner is not None
-            load(source, checkpoint, trainer.state.parts(), verify=Verify.NO if local_copy else verify,
-                 kept_on_new_rank=trainer.state.kept_on_new_rank, one_rank=local_copy, shard_copies=shard_copies)
+            # The disk reads the checkpoint while the trainer it loads into is built (prefetch.py).
+            with Prefetch(source.loc, ref, checkpoint.tensor_files):
+                trainer = Trainer(run_cfg, rank=distributed.rank(), world_size=world, data=data)
+                t0 = time.perf_counter()
+                if trainer.sharded or checkpoint.sharded:
+                    trainer.materialize_optimizer_state()  # read into live tensors of the right sharding
+                # A local or peer checkpoint was verified above, and is one rank's own copy.
+                local_copy = chosen.owner is not None
+                load(source, checkpoint, trainer.state.parts(), verify=Verify.NO if local_copy else verify,
+                     kept_on_new_rank=trainer.state.kept_on_new_rank, one_rank=local_copy,
+                     shard_copies=shard_copies)
             resized = after_load(saved, run_cfg, ref.step, trainer.state.sharded)
             return Resumed(trainer, chosen, restore_s + time.perf_counter() - t0, changes, resized, exact_why)
         except BaseException as e:
@@ -162,10 +153,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
                 trainer.close()
             if not isinstance(e, CheckpointCorrupt) or (verify is not Verify.WHILE and chosen.owner is None):
                 raise  # an intact checkpoint that does not fit: the error is about the setup
-            skipped(ref, [str(e)])
-            if chosen.owner is not None:
-                local.rejected.append({"tier": chosen.tier, "step": ref.step, "url": ref.url,
-                                       "problem": str(e)[:300], "rank": distributed.rank()})
+            _reject(local, chosen, str(e))
             restore_s += time.perf_counter() - t0
     if candidates:
         raise all_damaged(cfg, candidates)
@@ -173,6 +161,42 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
     log.info("exact elastic mode", on=exact, why=exact_why)
     return Resumed(Trainer(with_mode(cfg, exact), rank=distributed.rank(), world_size=world, data=data, fresh=True),
                    None, restore_s, {}, None, exact_why)
+
+
+def _finished(cfg: RunConfig, source: CheckpointStore, ref: CheckpointRef, verify: Verify) -> bool:
+    """Whether the checkpoint `ref` of a run that reached its last step ends it (said on stderr):
+    only if it is whole (verified first with `Verify.WHILE`, since it is not loaded); a damaged
+    one is passed over like any other, and the steps after the one before are trained again."""
+    problems = source.verify(ref) if verify is Verify.WHILE else []
+    if problems:
+        skipped(ref, problems)
+        return False
+    log.info("run already finished", step=ref.step, run_dir=cfg.run_dir)
+    print(f"run already finished at step {ref.step}: {cfg.run_dir}", file=sys.stderr)
+    return True
+
+
+def _agreed_local(local: LocalRecovery | None, chosen: Candidate,
+                  checkpoint: Checkpoint) -> tuple[bool, list[tuple[CheckpointStore, Checkpoint]]]:
+    """(whether every rank may load `chosen`, the copies it reads its shards from): a persistent
+    checkpoint always; a local one (every rank tries the same, agreed by `choose`) only when
+    no rank finds a problem with its copy (`_local_problem`), so all load it or none."""
+    if chosen.owner is None:
+        return True, []
+    problem, shard_copies = _local_problem(local, chosen, checkpoint)
+    if distributed.all_ok(problem is None):
+        return True, shard_copies
+    if problem:
+        _reject(local, chosen, problem)
+    return False, shard_copies
+
+
+def _reject(local: LocalRecovery | None, chosen: Candidate, problem: str) -> None:
+    """Log a candidate passed over; a local tier's copy is also recorded in `local.rejected`."""
+    skipped(chosen.ref, [problem])
+    if chosen.owner is not None:
+        local.rejected.append({"tier": chosen.tier, "step": chosen.ref.step, "url": chosen.ref.url,
+                               "problem": problem[:300], "rank": distributed.rank()})
 
 
 def _local_problem(local: LocalRecovery, chosen: Candidate,
