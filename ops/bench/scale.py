@@ -29,7 +29,13 @@ on `--dir`'s file system. Per size:
 Every size also prints the load average and the share of the two cores that other processes
 used during its run, so a figure taken beside other work says so.
 
-    python ops/bench/scale.py --sizes 0.5,2,4 [--cap-mib 256] [--rounds 3] [--dir /tmp]
+With `--device cuda` (ops/gpu_check.sh runs it) the state lives on the GPU: the staging ring is
+pinned, the device-to-host copies run on a side stream, and "blocking" is the time until the copy
+is done on the device (`save` returns before it; the next step's kernels wait for it), against
+`torch` copies of the same tensors into preallocated pinned memory; the raw write and the raw read
+use host memory (the disk's limit), and the training step runs on the GPU.
+
+    python ops/bench/scale.py --sizes 0.5,2,4 [--cap-mib 256] [--rounds 3] [--dir /tmp] [--device cuda]
 """
 
 from __future__ import annotations
@@ -59,15 +65,20 @@ TENSOR = 4 << 20  # float32 elements: 16 MiB tensors
 GIB = 1 << 30
 
 
-def state_of(gib: float) -> dict[str, torch.nn.Module]:
-    """`gib` GiB of random float32 buffers, a quarter in "model", the rest in "optim"."""
+def state_of(gib: float, device: str = "cpu") -> dict[str, torch.nn.Module]:
+    """`gib` GiB of random float32 buffers on `device`, a quarter in "model", the rest in "optim"."""
     count = max(4, round(gib * GIB / (TENSOR * 4)))
     parts = {"model": torch.nn.Module(), "optim": torch.nn.Module()}
     g = torch.Generator().manual_seed(0)
     for i in range(count):
         part = parts["model"] if i < count // 4 else parts["optim"]
-        part.register_buffer(f"t{i:05d}", torch.rand(TENSOR, generator=g))
+        part.register_buffer(f"t{i:05d}", torch.rand(TENSOR, generator=g).to(device))
     return parts
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def tensors_of(parts: dict[str, torch.nn.Module]) -> list[torch.Tensor]:
@@ -120,23 +131,37 @@ class Machine:
 
 
 def torch_copy_s(tensors: list[torch.Tensor], into: torch.Tensor) -> float:
-    """A plain copy of every tensor into `into` (preallocated and touched): the limit of a blocking copy."""
+    """A plain copy of every tensor into `into` (preallocated and touched; pinned for GPU tensors,
+    copied asynchronously, then waited for): the limit of a blocking copy."""
     t0, at = time.perf_counter(), 0
     for t in tensors:
-        into[at:at + t.numel()].copy_(t)
+        into[at:at + t.numel()].copy_(t, non_blocking=t.is_cuda)
         at += t.numel()
+    synchronize(tensors[0].device.type)
     return time.perf_counter() - t0
 
 
-def raw_write_s(parts: dict[str, torch.nn.Module], folder: Path) -> float:
-    """The tensors' bytes written to one file per part, each fsynced (after a sync: no earlier
-    file's writeback in the timed one); the files are removed after."""
+def host_parts(parts: dict[str, torch.nn.Module], host: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    """Each part's tensors as host memory: themselves on a CPU, else their copies in `host` (in the
+    layout `torch_copy_s` fills it)."""
+    out, at = {}, 0
+    for name, part in parts.items():
+        out[name] = []
+        for t in part.buffers():
+            out[name].append(t if not t.is_cuda else host[at:at + t.numel()])
+            at += t.numel()
+    return out
+
+
+def raw_write_s(parts: dict[str, list[torch.Tensor]], folder: Path) -> float:
+    """The tensors' bytes (host memory) written to one file per part, each fsynced (after a sync:
+    no earlier file's writeback in the timed one); the files are removed after."""
     folder.mkdir(parents=True, exist_ok=True)
     os.sync()
     t0 = time.perf_counter()
-    for name, part in parts.items():
+    for name, tensors in parts.items():
         with open(folder / f"{name}.raw", "wb", buffering=0) as f:
-            for t in part.buffers():
+            for t in tensors:
                 f.write(memoryview(t.view(torch.uint8).numpy()))
             os.fsync(f.fileno())
     seconds = time.perf_counter() - t0
@@ -168,11 +193,12 @@ class TrainingStep:
     """One training step of the harness's GPT (4 layers, 256 wide: forward, backward, AdamW) on a
     fixed batch: Python-heavy, so a writer holding the GIL would slow it."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str) -> None:
         torch.manual_seed(0)
-        self.model = GPT(GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256))
+        self.device = device
+        self.model = GPT(GPTConfig(vocab_size=256, seq_len=128, n_layer=4, n_head=4, d_model=256)).to(device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.x, self.y = torch.randint(256, (16, 128)), torch.randint(256, (16, 128))
+        self.x, self.y = (torch.randint(256, (16, 128), device=device) for _ in range(2))
         self()
 
     def __call__(self) -> float:
@@ -181,6 +207,7 @@ class TrainingStep:
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        synchronize(self.device)
         return time.perf_counter() - t0
 
 
@@ -197,14 +224,18 @@ def background_save(parts, store: CheckpointStore, cap: int | None, step: int,
     ring = saver.ring.nbytes  # waits for the allocation: the step loop prepares long before a save
     os.sync()  # no earlier file's writeback during this one
     during = []
+    device = tensors_of(parts)[0].device.type
     with PeakRss() as peak:
-        submitted = saver.save(step, parts)
+        t0 = time.perf_counter()
+        saver.save(step, parts)
+        synchronize(device)  # a GPU's copies are done (the next step's kernels wait for them)
+        blocking = time.perf_counter() - t0
         cpu0, main0 = time.process_time(), time.thread_time()
         while while_busy is not None and saver.busy:
             during.append(while_busy())
         saver.finish()
         writer_cpu = (time.process_time() - cpu0) - (time.thread_time() - main0)
-    return {"blocking": submitted.blocking_s, "persist": committed[0].persist_s, "writer_cpu": writer_cpu,
+    return {"blocking": blocking, "persist": committed[0].persist_s, "writer_cpu": writer_cpu,
             "rss": peak.peak - before, "ring": ring, "during": during}
 
 
@@ -227,13 +258,14 @@ def saves(parts, args: argparse.Namespace, root: Path, limit: torch.Tensor, gib:
     """Blocking against a torch copy, persist against a raw write + fsync, the writer's CPU, RSS."""
     store = CheckpointStore(str(root / "run"), keep_last=2)
     tensors = tensors_of(parts)
+    host = host_parts(parts, limit)
     rows = []
     for r in range(args.rounds):
         copy = torch_copy_s(tensors, limit)
         raw_first = r % 2 == 0  # the disk drifts: alternate which goes first
-        raw = raw_write_s(parts, root / "raw") if raw_first else None
+        raw = raw_write_s(host, root / "raw") if raw_first else None
         saved = background_save(parts, store, None, r + 1)
-        raw = raw if raw_first else raw_write_s(parts, root / "raw")
+        raw = raw if raw_first else raw_write_s(host, root / "raw")
         rows.append((copy, raw, saved))
         print(f"  round {r + 1}: blocking {saved['blocking']:.3f} s, torch copy {copy:.3f} s; persist "
               f"{saved['persist']:.2f} s, raw write+fsync {raw:.2f} s; writer CPU {saved['writer_cpu']:.2f} s")
@@ -255,7 +287,7 @@ def steps_during_saves(parts, args: argparse.Namespace, root: Path) -> None:
     """A training step while a save persists against the same step with no save, round by round."""
     threads = torch.get_num_threads()
     torch.set_num_threads(args.step_threads)
-    step = TrainingStep()
+    step = TrainingStep(args.device)
     store = CheckpointStore(str(root / "steps"), keep_last=2)
     ratios, counts, alone_all, during_all = [], [], [], []
     for r in range(args.rounds):
@@ -295,11 +327,11 @@ def restores(parts, args: argparse.Namespace, root: Path, limit: torch.Tensor) -
 
 
 def run_size(gib: float, args: argparse.Namespace, root: Path) -> None:
-    parts = state_of(gib)
+    parts = state_of(gib, args.device)
     size = sum(t.numel() * 4 for t in tensors_of(parts)) / GIB
-    limit = torch.empty(round(size * GIB) // 4, dtype=torch.float32)
+    limit = torch.empty(round(size * GIB) // 4, dtype=torch.float32, pin_memory=args.device == "cuda")
     limit.zero_()  # touched: the copy and the read measure no page faults
-    print(f"{size:.2f} GiB of state, {len(tensors_of(parts))} tensors:")
+    print(f"{size:.2f} GiB of state on {args.device}, {len(tensors_of(parts))} tensors:")
     with Machine() as machine:
         saves(parts, args, root, limit, size)
         steps_during_saves(parts, args, root)
@@ -315,6 +347,7 @@ def main() -> None:
     p.add_argument("--dir", default=tempfile.gettempdir())
     p.add_argument("--step-threads", type=int, default=1)
     p.add_argument("--alone-steps", type=int, default=8, help="steps per round timed with no save")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the state and the step live")
     args = p.parse_args()
     configure("warning")
     print(f"{os.cpu_count()} CPUs, {psutil.virtual_memory().total / GIB:.0f} GiB; run dirs under {args.dir}; "

@@ -24,8 +24,12 @@ commit: the fsync is still to come), or its writer stopped.
 
 The memory is allocated once, ahead of the first save (`prepare`, in a thread of its own: the
 pages are touched there, not in the step loop's first save), reused by every save, and pinned when
-the state lives on a GPU, whose pieces are copied asynchronously on the current stream: the
-writer waits for each piece's event, and the next step's kernels queue behind the copies.
+the state lives on a GPU. A GPU tensor's pieces are copied to the host asynchronously on a side
+stream of its device, after the kernels queued before the save (so the copy reads the state at
+the step boundary) and recorded each with an event the writer waits for; `feed` then makes the
+training stream wait for the copies, so the next step's in-place updates queue behind them while
+the CPU goes on at once. (The next step's forward could overlap the copies, the optimizer waiting
+only for the tensors it overwrites; not built: a forward may update buffers in place too.)
 """
 
 from __future__ import annotations
@@ -83,12 +87,19 @@ class StagingRing:
         self._head = self._tail = 0  # bytes fed, bytes released in order (both since the save began)
         self._released: dict[int, int] = {}  # start -> end of pieces released ahead of the tail
         self._writer_alive: Callable[[], bool] = lambda: False  # the writer of the save begun last
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # the side stream of each GPU copied from
 
     @property
     def nbytes(self) -> int:
         """The memory the ring holds (0 before the first `prepare` or save)."""
         self._wait_allocated()
         return 0 if self._memory is None else self._memory.numel()
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the memory is pinned (it stages a GPU's tensors: asynchronous copies)."""
+        self._wait_allocated()
+        return self._memory is not None and self._memory.is_pinned()
 
     @property
     def address(self) -> int | None:
@@ -172,12 +183,16 @@ class StagingRing:
         except BaseException:
             self._pieces.put(None)
             raise
+        finally:
+            for device, side in self._streams.items():
+                torch.cuda.current_stream(device).wait_stream(side)  # the next step's updates after the copies
 
     def _feed_tensor(self, file: str, name: str, tensor: torch.Tensor) -> None:
         src = local(tensor).detach()
         if not src.numel():
             return  # the file has no bytes of it (tensorfile.py writes none)
         flat = src.contiguous().reshape(-1).view(torch.uint8)
+        side = self._side_stream(flat) if flat.is_cuda else None
         assert self._memory is not None
         size, total, done = self._memory.numel(), flat.numel(), 0
         while done < total:
@@ -187,15 +202,27 @@ class StagingRing:
             self._wait_room(start + n - size)
             piece = self._memory[at:at + n]
             ready = None
-            if flat.is_cuda:
-                piece.copy_(flat[done:done + n], non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record()
+            if side is not None:
+                with torch.cuda.stream(side):
+                    piece.copy_(flat[done:done + n], non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record(side)
             else:
                 piece.copy_(flat[done:done + n])
             done += n
             self._head = start + n
             self._pieces.put((file, name, self._generation, start, n, done == total, ready))
+
+    def _side_stream(self, flat: torch.Tensor) -> torch.cuda.Stream:
+        """The side stream the device-to-host copies of `flat` run on, after every kernel queued so
+        far on the training stream (`flat` itself may be the output of one: a contiguous copy);
+        the allocator keeps `flat`'s memory until the side stream is past it."""
+        side = self._streams.get(flat.device)
+        if side is None:
+            side = self._streams[flat.device] = torch.cuda.Stream(flat.device)
+        side.wait_stream(torch.cuda.current_stream(flat.device))
+        flat.record_stream(side)
+        return side
 
     def _wait_room(self, tail_needed: int) -> None:
         with self._room:
