@@ -10,13 +10,16 @@ the trainer (rank 0 only) unless marked supervisor:
 |            | "persistent" or null,                    | tier resumed from (checkpoint/save/local_tier.py; "peer": a  |
 |            |                                          | rank's part came from a peer copy, peer_copies.py);          |
 |            | previous_reached: int or null,           |                                                              |
-|            | startup_s, restore_s, total_steps        | previous_reached = the last step the interrupted process     |
+|            | startup_s, build_s, restore_s,           | previous_reached = the last step the interrupted process     |
+|            | rss_bytes, total_steps                   |                                                              |
 |            |                                          | logged to                                                    |
 |            |                                          | metrics.jsonl (every step is logged there), null when it     |
 |            |                                          | logged none past                                             |
 |            |                                          | resumed_from; startup_s = seconds since the process started  |
 |            |                                          | (imports, config, restore); restore_s = the part spent       |
-|            |                                          | finding, verifying, loading and checking the checkpoint      |
+|            |                                          | finding, verifying, loading and checking the checkpoint;     |
+|            |                                          | build_s = building the trainer (model, optimizer), not in    |
+|            |                                          | restore_s; rss_bytes = resident memory then                  |
 | progress   | step, train_s                            | every few steps (e.g. each console log line) and after each  |
 |            |                                          | checkpoint; step = steps completed so far; train_s = seconds |
 |            |                                          | this process has spent inside training steps so far          |

@@ -72,7 +72,8 @@ class Resumed:
     exact elastic mode decided), the checkpoint it was restored from (`chosen`, None for a fresh
     start), the seconds spent reading, loading and verifying checkpoints (`restore_s`), the config
     changes since that checkpoint as `config_changes` gives them, the world-size change since it
-    (`resized`, or None), and why exact elastic mode is on or off (`exact_why`)."""
+    (`resized`, or None), why exact elastic mode is on or off (`exact_why`), and the seconds spent
+    building the trainer (`build_s`: the model's initial weights, the optimizer; not in `restore_s`)."""
 
     trainer: Trainer
     chosen: Candidate | None
@@ -80,6 +81,7 @@ class Resumed:
     changes: dict
     resized: WorldChange | None
     exact_why: str
+    build_s: float
 
 
 def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[CheckpointRef], verify: Verify,
@@ -137,6 +139,7 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
             log.info("exact elastic mode", on=exact, why=exact_why)
             # The disk reads the checkpoint while the trainer it loads into is built (prefetch.py).
             with Prefetch(source.loc, ref, checkpoint.tensor_files):
+                t_build = time.perf_counter()
                 trainer = Trainer(run_cfg, rank=distributed.rank(), world_size=world, data=data)
                 t0 = time.perf_counter()
                 if trainer.sharded or checkpoint.sharded:
@@ -147,7 +150,8 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
                      kept_on_new_rank=trainer.state.kept_on_new_rank, one_rank=local_copy,
                      shard_copies=shard_copies)
             resized = after_load(saved, run_cfg, ref.step, trainer.state.sharded)
-            return Resumed(trainer, chosen, restore_s + time.perf_counter() - t0, changes, resized, exact_why)
+            return Resumed(trainer, chosen, restore_s + time.perf_counter() - t0, changes, resized, exact_why,
+                           build_s=t0 - t_build)
         except BaseException as e:
             if trainer is not None:
                 trainer.close()
@@ -159,8 +163,9 @@ def resume_newest(cfg: RunConfig, source: CheckpointStore, candidates: list[Chec
         raise all_damaged(cfg, candidates)
     exact, exact_why = decide(cfg, world, device, iterator)
     log.info("exact elastic mode", on=exact, why=exact_why)
-    return Resumed(Trainer(with_mode(cfg, exact), rank=distributed.rank(), world_size=world, data=data, fresh=True),
-                   None, restore_s, {}, None, exact_why)
+    t_build = time.perf_counter()
+    trainer = Trainer(with_mode(cfg, exact), rank=distributed.rank(), world_size=world, data=data, fresh=True)
+    return Resumed(trainer, None, restore_s, {}, None, exact_why, build_s=time.perf_counter() - t_build)
 
 
 def _finished(cfg: RunConfig, source: CheckpointStore, ref: CheckpointRef, verify: Verify) -> bool:
