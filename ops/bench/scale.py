@@ -90,21 +90,28 @@ def rss() -> int:
 
 
 class PeakRss:
-    """The peak RSS of this process while in the block, sampled every 5 ms."""
+    """The peak RSS of this process while in the block, sampled every 5 ms (not `sampled`: none,
+    so a timed step shares the GIL with no sampler)."""
+
+    def __init__(self, sampled: bool = True) -> None:
+        self.sampled = sampled
 
     def __enter__(self) -> PeakRss:
-        self.peak, self._stop = rss(), threading.Event()
+        self.peak, self.cpu, self._stop = rss(), 0.0, threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
+        if self.sampled:
+            self._thread.start()
         return self
 
     def _sample(self) -> None:
         while not self._stop.wait(0.005):
             self.peak = max(self.peak, rss())
+        self.cpu = time.thread_time()  # the sampler's own CPU seconds, for a caller that counts the process's
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
+        if self.sampled:
+            self._thread.join()
 
 
 class Machine:
@@ -215,8 +222,8 @@ def background_save(parts, store: CheckpointStore, cap: int | None, step: int,
                     while_busy: Callable[[], object] | None = None) -> dict:
     """One background save of `parts` into `store` by a fresh saver (its ring prepared first, as
     the step loop does ahead of a save): blocking and persist seconds, the writer's CPU seconds,
-    the peak RSS over the RSS before the saver existed, and what `while_busy()` returned each
-    time it ran while the save persisted (a step's seconds)."""
+    the peak RSS over the RSS before the saver existed (not sampled with `while_busy`), and what
+    `while_busy()` returned each time it ran while the save persisted (a step's seconds)."""
     before = rss()
     committed: list[Committed] = []
     saver = AsyncSaver(Committer(store), staging_bytes=cap, on_commit=committed.append)
@@ -225,7 +232,7 @@ def background_save(parts, store: CheckpointStore, cap: int | None, step: int,
     os.sync()  # no earlier file's writeback during this one
     during = []
     device = tensors_of(parts)[0].device.type
-    with PeakRss() as peak:
+    with PeakRss(sampled=while_busy is None) as peak:
         t0 = time.perf_counter()
         saver.save(step, parts)
         synchronize(device)  # a GPU's copies are done (the next step's kernels wait for them)
@@ -235,6 +242,7 @@ def background_save(parts, store: CheckpointStore, cap: int | None, step: int,
             during.append(while_busy())
         saver.finish()
         writer_cpu = (time.process_time() - cpu0) - (time.thread_time() - main0)
+    writer_cpu -= peak.cpu
     return {"blocking": blocking, "persist": committed[0].persist_s, "writer_cpu": writer_cpu,
             "rss": peak.peak - before, "ring": ring, "during": during}
 
