@@ -49,7 +49,7 @@ def train(run_dir: Path, args: argparse.Namespace, *extra: str) -> dict:
            "--set", f"model.args.d_model={args.d_model}", "--set", f"model.args.n_layer={args.layers}",
            "--set", "model.args.n_head=8", "--set", "data.batch_size=2", "--set", "train.eval_every=0",
            "--set", "debug.crash_at_step=2", "--set", "debug.crash_once=true", "--set", f"optim.type={args.optim}",
-           *extra]
+           *([] if args.optim == "muon" else ["--set", "optim.lr_muon=null"]), *extra]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     starts = [e for e in _lines(run_dir / "events.jsonl") if e.get("event") == "start" and e["time"] >= t0]

@@ -41,6 +41,7 @@ use host memory (the disk's limit), and the training step runs on the GPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -57,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from harness.checkpoint import CheckpointStore, load  # noqa: E402
 from harness.checkpoint.loading import Verify  # noqa: E402
 from harness.checkpoint.save.async_saver import AsyncSaver  # noqa: E402
-from harness.checkpoint.save.commit import Committed, Committer  # noqa: E402
+from harness.checkpoint.save.commit import Committer  # noqa: E402
 from harness.log import configure  # noqa: E402
 from harness.models.gpt import GPT, GPTConfig  # noqa: E402
 
@@ -218,33 +219,43 @@ class TrainingStep:
         return time.perf_counter() - t0
 
 
-def background_save(parts, store: CheckpointStore, cap: int | None, step: int,
-                    while_busy: Callable[[], object] | None = None) -> dict:
-    """One background save of `parts` into `store` by a fresh saver (its ring prepared first, as
-    the step loop does ahead of a save): blocking and persist seconds, the writer's CPU seconds,
-    the peak RSS over the RSS before the saver existed (not sampled with `while_busy`), and what
-    `while_busy()` returned each time it ran while the save persisted (a step's seconds)."""
-    before = rss()
-    committed: list[Committed] = []
-    saver = AsyncSaver(Committer(store), staging_bytes=cap, on_commit=committed.append)
-    saver.prepare(parts)
-    ring = saver.ring.nbytes  # waits for the allocation: the step loop prepares long before a save
-    os.sync()  # no earlier file's writeback during this one
-    during = []
-    device = tensors_of(parts)[0].device.type
-    with PeakRss(sampled=while_busy is None) as peak:
-        t0 = time.perf_counter()
-        saver.save(step, parts)
-        synchronize(device)  # a GPU's copies are done (the next step's kernels wait for them)
-        blocking = time.perf_counter() - t0
-        cpu0, main0 = time.process_time(), time.thread_time()
-        while while_busy is not None and saver.busy:
-            during.append(while_busy())
-        saver.finish()
-        writer_cpu = (time.process_time() - cpu0) - (time.thread_time() - main0)
-    writer_cpu -= peak.cpu
-    return {"blocking": blocking, "persist": committed[0].persist_s, "writer_cpu": writer_cpu,
-            "rss": peak.peak - before, "ring": ring, "during": during}
+class Saves:
+    """Background saves of `parts` into `store` through one saver, as a training process holds one:
+    its staging ring (`cap`: `checkpoint.staging_mib`; None: the state's size) prepared once,
+    before the first save, as the step loop does. `before`: the resident memory before the saver
+    existed (the state alone). `close` frees the ring (the saver's own references form cycles,
+    which only a collection frees: a second saver would otherwise add a second ring)."""
+
+    def __init__(self, parts, store: CheckpointStore, cap: int | None) -> None:
+        gc.collect()
+        self.parts, self.before, self.committed = parts, rss(), []
+        self.saver = AsyncSaver(Committer(store), staging_bytes=cap, on_commit=self.committed.append)
+        self.saver.prepare(parts)
+        self.ring = self.saver.ring.nbytes  # waits for the allocation
+        self.device = tensors_of(parts)[0].device.type
+
+    def save(self, step: int, while_busy: Callable[[], object] | None = None) -> dict:
+        """One save: blocking and persist seconds, the writer's CPU seconds, the peak RSS over
+        `before` (not sampled with `while_busy`), and what `while_busy()` returned each time it ran
+        while the save persisted (a step's seconds)."""
+        os.sync()  # no earlier file's writeback during this one
+        during = []
+        with PeakRss(sampled=while_busy is None) as peak:
+            t0 = time.perf_counter()
+            self.saver.save(step, self.parts)
+            synchronize(self.device)  # a GPU's copies are done (the next step's kernels wait for them)
+            blocking = time.perf_counter() - t0
+            cpu0, main0 = time.process_time(), time.thread_time()
+            while while_busy is not None and self.saver.busy:
+                during.append(while_busy())
+            self.saver.finish()
+            writer_cpu = (time.process_time() - cpu0) - (time.thread_time() - main0)
+        return {"blocking": blocking, "persist": self.committed[-1].persist_s, "writer_cpu": writer_cpu - peak.cpu,
+                "rss": peak.peak - self.before, "ring": self.ring, "during": during}
+
+    def close(self) -> None:
+        del self.saver
+        gc.collect()
 
 
 def restore_s(store: CheckpointStore, parts) -> tuple[float, int]:
@@ -264,15 +275,15 @@ def spread(ratios: list[float]) -> str:
 
 def saves(parts, args: argparse.Namespace, root: Path, limit: torch.Tensor, gib: float) -> None:
     """Blocking against a torch copy, persist against a raw write + fsync, the writer's CPU, RSS."""
-    store = CheckpointStore(str(root / "run"), keep_last=2)
     tensors = tensors_of(parts)
     host = host_parts(parts, limit)
+    whole = Saves(parts, CheckpointStore(str(root / "run"), keep_last=2), None)
     rows = []
     for r in range(args.rounds):
         copy = torch_copy_s(tensors, limit)
         raw_first = r % 2 == 0  # the disk drifts: alternate which goes first
         raw = raw_write_s(host, root / "raw") if raw_first else None
-        saved = background_save(parts, store, None, r + 1)
+        saved = whole.save(r + 1)
         raw = raw if raw_first else raw_write_s(host, root / "raw")
         rows.append((copy, raw, saved))
         print(f"  round {r + 1}: blocking {saved['blocking']:.3f} s, torch copy {copy:.3f} s; persist "
@@ -284,10 +295,13 @@ def saves(parts, args: argparse.Namespace, root: Path, limit: torch.Tensor, gib:
           f"(goal >= 0.9x); persist {statistics.median(s['persist'] for _, _, s in rows):.2f} s")
     print(f"  writer CPU {statistics.median(s['writer_cpu'] for _, _, s in rows) / gib:.2f} s/GiB "
           f"(serialize + hash + write + fsync, this process)")
-    whole = rows[-1][2]
-    capped = background_save(parts, CheckpointStore(str(root / "capped"), keep_last=2), args.cap_mib << 20, 1)
-    print(f"  RSS a save adds: default ring {whole['rss'] / 2**20:.0f} MiB (ring {whole['ring'] / 2**20:.0f} MiB, "
-          f"goal <= {whole['ring'] / 2**20 + 64:.0f}); cap {args.cap_mib} MiB: {capped['rss'] / 2**20:.0f} MiB "
+    whole.close()
+    added = max(s["rss"] for _, _, s in rows)
+    capped_saves = Saves(parts, CheckpointStore(str(root / "capped"), keep_last=2), args.cap_mib << 20)
+    capped = capped_saves.save(1)
+    capped_saves.close()
+    print(f"  RSS a save adds: default ring {added / 2**20:.0f} MiB (ring {rows[0][2]['ring'] / 2**20:.0f} MiB, "
+          f"goal <= {rows[0][2]['ring'] / 2**20 + 64:.0f}); cap {args.cap_mib} MiB: {capped['rss'] / 2**20:.0f} MiB "
           f"(goal <= {args.cap_mib + 64}), its blocking {capped['blocking']:.2f} s, persist {capped['persist']:.2f} s")
 
 
@@ -296,16 +310,17 @@ def steps_during_saves(parts, args: argparse.Namespace, root: Path) -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.step_threads)
     step = TrainingStep(args.device)
-    store = CheckpointStore(str(root / "steps"), keep_last=2)
+    saves = Saves(parts, CheckpointStore(str(root / "steps"), keep_last=2), None)
     ratios, counts, alone_all, during_all = [], [], [], []
     for r in range(args.rounds):
         alone = [step() for _ in range(args.alone_steps)]
-        saved = background_save(parts, store, None, r + 1, while_busy=step)
+        saved = saves.save(r + 1, while_busy=step)
         during = saved["during"] or [float("nan")]
         ratios.append(statistics.median(during) / statistics.median(alone))
         counts.append(len(saved["during"]))
         alone_all += alone
         during_all += saved["during"]
+    saves.close()
     torch.set_num_threads(threads)
     print(f"  step during a background save {statistics.median(during_all) * 1e3:.0f} ms vs "
           f"{statistics.median(alone_all) * 1e3:.0f} ms without = {spread(ratios)} (goal <= 1.05x; "
@@ -345,6 +360,8 @@ def run_size(gib: float, args: argparse.Namespace, root: Path) -> None:
         steps_during_saves(parts, args, root)
         restores(parts, args, root, limit)
     print(f"  ({machine})")
+    del parts, limit
+    gc.collect()
 
 
 def main() -> None:

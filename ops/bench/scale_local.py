@@ -22,6 +22,7 @@ Both ranks run on this machine's two cores at once, so each save's copy, write a
 from __future__ import annotations
 
 import argparse
+import gc
 import shutil
 import statistics
 import sys
@@ -52,6 +53,7 @@ def folder_bytes(folder: Path) -> int:
 
 def measure(parts, root: Path, cap: int | None, saves: int) -> dict:
     """`saves` local saves of `parts` with peer copies, each waited for before the next."""
+    gc.collect()  # the savers of an earlier measure (their references form cycles) hold no ring now
     before = rss()
     persistent = AsyncSaver(Committer(CheckpointStore(str(root / "run"))), staging_bytes=cap)
     tier = LocalTier(LocalTierSection(dir=str(root / "local"), every_steps=1, keep=2, peer_jump=1), RUN,
@@ -70,6 +72,8 @@ def measure(parts, root: Path, cap: int | None, saves: int) -> dict:
     distributed.barrier()
     held = folder_bytes(root / "local" / RUN)
     tier.close()
+    del tier, persistent
+    gc.collect()
     return {"blocking": statistics.median(blocking), "done": statistics.median(done), "rss": peak.peak - before,
             "ring": ring, "held": held}
 
