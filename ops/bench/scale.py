@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -107,7 +108,7 @@ class PeakRss:
     def _sample(self) -> None:
         while not self._stop.wait(0.005):
             self.peak = max(self.peak, rss())
-        self.cpu = time.thread_time()  # the sampler's own CPU seconds, for a caller that counts the process's
+        self.cpu = sum(cpu(resource.RUSAGE_THREAD))  # the sampler's own, for a caller that counts the process's
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
@@ -219,6 +220,19 @@ class TrainingStep:
         return time.perf_counter() - t0
 
 
+def cpu(who: int = resource.RUSAGE_SELF) -> tuple[float, float]:
+    """(user, system) CPU seconds of the process (threads that ended included), or of the calling
+    thread with `resource.RUSAGE_THREAD`."""
+    usage = resource.getrusage(who)
+    return usage.ru_utime, usage.ru_stime
+
+
+def other_threads_cpu() -> tuple[float, float]:
+    """(user, system) CPU seconds of every thread of this process but the calling one, so far."""
+    (user, system), (mine_user, mine_system) = cpu(), cpu(resource.RUSAGE_THREAD)
+    return user - mine_user, system - mine_system
+
+
 class Saves:
     """Background saves of `parts` into `store` through one saver, as a training process holds one:
     its staging ring (`cap`: `checkpoint.staging_mib`; None: the state's size) prepared once,
@@ -245,13 +259,17 @@ class Saves:
             self.saver.save(step, self.parts)
             synchronize(self.device)  # a GPU's copies are done (the next step's kernels wait for them)
             blocking = time.perf_counter() - t0
-            cpu0, main0 = time.process_time(), time.thread_time()
+            threads0 = other_threads_cpu()
             while while_busy is not None and self.saver.busy:
                 during.append(while_busy())
             self.saver.finish()
-            writer_cpu = (time.process_time() - cpu0) - (time.thread_time() - main0)
-        return {"blocking": blocking, "persist": self.committed[-1].persist_s, "writer_cpu": writer_cpu - peak.cpu,
-                "rss": peak.peak - self.before, "ring": self.ring, "during": during}
+            threads1 = other_threads_cpu()
+        # The writer's threads (the persist, its hash), not this one nor the RSS sampler (mostly
+        # user time: taken off the user side).
+        user, system = (b - a for a, b in zip(threads0, threads1, strict=True))
+        return {"blocking": blocking, "persist": self.committed[-1].persist_s, "writer_cpu": user + system - peak.cpu,
+                "writer_user": user - peak.cpu, "writer_system": system, "rss": peak.peak - self.before,
+                "ring": self.ring, "during": during}
 
     def close(self) -> None:
         del self.saver
@@ -293,8 +311,10 @@ def saves(parts, args: argparse.Namespace, root: Path, limit: torch.Tensor, gib:
           f"{spread([s['blocking'] / c for c, _, s in rows])} (goal <= 1.2x)")
     print(f"  save throughput (raw write+fsync / persist) {spread([w / s['persist'] for _, w, s in rows])} "
           f"(goal >= 0.9x); persist {statistics.median(s['persist'] for _, _, s in rows):.2f} s")
-    print(f"  writer CPU {statistics.median(s['writer_cpu'] for _, _, s in rows) / gib:.2f} s/GiB "
-          f"(serialize + hash + write + fsync, this process)")
+    user, system = (statistics.median(s[k] for _, _, s in rows) / gib for k in ("writer_user", "writer_system"))
+    print(f"  writer CPU {statistics.median(s['writer_cpu'] for _, _, s in rows) / gib:.2f} s/GiB (serialize + hash + "
+          f"write + fsync, this process): user {user:.2f} (the hash, Python), system {system:.2f} (the write and "
+          f"fsync calls, the page cache's pages)")
     whole.close()
     added = max(s["rss"] for _, _, s in rows)
     capped_saves = Saves(parts, CheckpointStore(str(root / "capped"), keep_last=2), args.cap_mib << 20)

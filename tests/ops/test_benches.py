@@ -1,5 +1,6 @@
 """ops/bench/optim_step.py, sharded_muon.py (under torchrun), harness_overhead.py, data_wait.py, s3_io.py,
-prepare_rss.py, recovery.py, goodput_model.py, scale.py and scale_local.py (under torchrun) still run (tiny sizes)
+prepare_rss.py, recovery.py, goodput_model.py, scale.py, scale_local.py (under torchrun) and save_blocking.py still
+run (tiny sizes)
 and print every figure docs/bench-optim.md, docs/bench-data.md, docs/bench-scale.md, docs/checkpoint-tiers.md and
 README quote. They time nothing here: no measured figure is
 asserted (the goodput model's are arithmetic on its defaults)."""
@@ -111,3 +112,9 @@ def test_scale_local_bench_reports_both_ranks_with_and_without_a_cap(tmp_path):
         for arm in ("default ring", "cap 64 MiB"):
             assert f"rank {rank}, {arm}: blocking" in out, (rank, arm)
     assert "saved + copied to the peer" in out and "RAM beyond the state" in out and "tmpfs held" in out
+
+
+def test_save_blocking_bench_times_every_part_of_a_loop_save():
+    out = bench("save_blocking.py", "--d-model", "32", "--layers", "1", "--rounds", "1")
+    for part in ("finite check", "fingerprints state dict", "torch copy", "AsyncSaver.save", "a Loop save blocks for"):
+        assert part in out, part
