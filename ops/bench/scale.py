@@ -36,6 +36,7 @@ is done on the device (`save` returns before it; the next step's kernels wait fo
 use host memory (the disk's limit), and the training step runs on the GPU.
 
     python ops/bench/scale.py --sizes 0.5,2,4 [--cap-mib 256] [--rounds 3] [--dir /tmp] [--device cuda]
+                              [--arms saves,steps,restores]
 """
 
 from __future__ import annotations
@@ -276,13 +277,13 @@ class Saves:
         gc.collect()
 
 
-def restore_s(store: CheckpointStore, parts) -> tuple[float, int]:
-    """A verified load of the newest checkpoint into `parts` (as a resume: `Verify.WHILE`): its
+def restore_s(store: CheckpointStore, parts, verify: Verify = Verify.WHILE) -> tuple[float, int]:
+    """A load of the newest checkpoint into `parts` (verified as a resume's: `Verify.WHILE`): its
     seconds and the peak RSS it added."""
     before = rss()
     with PeakRss() as peak:
         t0 = time.perf_counter()
-        load(store, store.list()[-1], parts, verify=Verify.WHILE)
+        load(store, store.list()[-1], parts, verify=verify)
         seconds = time.perf_counter() - t0
     return seconds, peak.peak - before
 
@@ -348,7 +349,8 @@ def steps_during_saves(parts, args: argparse.Namespace, root: Path) -> None:
 
 
 def restores(parts, args: argparse.Namespace, root: Path, limit: torch.Tensor) -> None:
-    """A verified load against a raw read of the same files, warm then cold, round by round."""
+    """A verified load against a raw read of the same files, warm then cold, round by round; and an
+    unverified load, to tell the hash's share."""
     store = CheckpointStore(str(root / "run"), keep_last=2)
     files = sorted(Path(store.list()[-1].path).glob("*"))
     for cold in (False, True):
@@ -357,16 +359,18 @@ def restores(parts, args: argparse.Namespace, root: Path, limit: torch.Tensor) -
         ratios, rows = [], []
         for r in range(args.rounds):
             timed = {}
-            for which in ("raw", "load") if r % 2 == 0 else ("load", "raw"):  # the disk drifts: alternate
+            order = ("raw", "load", "unverified") if r % 2 == 0 else ("unverified", "load", "raw")  # the disk drifts
+            for which in order:
                 if cold:
                     drop_cache(files)
-                timed[which] = raw_read_s(files, limit) if which == "raw" else restore_s(store, parts)
-            raw, (seconds, added) = timed["raw"], timed["load"]
+                timed[which] = (raw_read_s(files, limit) if which == "raw" else
+                                restore_s(store, parts, Verify.WHILE if which == "load" else Verify.NO))
+            raw, (seconds, added), (unverified, _) = timed["raw"], timed["load"], timed["unverified"]
             ratios.append(seconds / raw)
-            rows.append((seconds, raw, added))
-        print(f"  restore {'cold' if cold else 'warm'} {statistics.median(s for s, _, _ in rows):.2f} s vs raw read "
-              f"{statistics.median(w for _, w, _ in rows):.2f} s = {spread(ratios)} (goal <= 1.2x); "
-              f"RSS it adds {max(a for _, _, a in rows) / 2**20:.0f} MiB")
+            rows.append((seconds, raw, added, unverified))
+        print(f"  restore {'cold' if cold else 'warm'} {statistics.median(r[0] for r in rows):.2f} s vs raw read "
+              f"{statistics.median(r[1] for r in rows):.2f} s = {spread(ratios)} (goal <= 1.2x); unverified "
+              f"{statistics.median(r[3] for r in rows):.2f} s; RSS it adds {max(r[2] for r in rows) / 2**20:.0f} MiB")
 
 
 def run_size(gib: float, args: argparse.Namespace, root: Path) -> None:
@@ -376,9 +380,12 @@ def run_size(gib: float, args: argparse.Namespace, root: Path) -> None:
     limit.zero_()  # touched: the copy and the read measure no page faults
     print(f"{size:.2f} GiB of state on {args.device}, {len(tensors_of(parts))} tensors:")
     with Machine() as machine:
-        saves(parts, args, root, limit, size)
-        steps_during_saves(parts, args, root)
-        restores(parts, args, root, limit)
+        if "saves" in args.arms or "restores" in args.arms:  # the restores read the saves' checkpoint
+            saves(parts, args, root, limit, size)
+        if "steps" in args.arms:
+            steps_during_saves(parts, args, root)
+        if "restores" in args.arms:
+            restores(parts, args, root, limit)
     print(f"  ({machine})")
     del parts, limit
     gc.collect()
@@ -393,6 +400,7 @@ def main() -> None:
     p.add_argument("--step-threads", type=int, default=1)
     p.add_argument("--alone-steps", type=int, default=8, help="steps per round timed with no save")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the state and the step live")
+    p.add_argument("--arms", default="saves,steps,restores", help="which of saves, steps, restores to run")
     args = p.parse_args()
     configure("warning")
     print(f"{os.cpu_count()} CPUs, {psutil.virtual_memory().total / GIB:.0f} GiB; run dirs under {args.dir}; "
