@@ -35,7 +35,7 @@ from typing import Any
 
 from harness.checkpoint.discovery import CheckpointRef, read_manifest, size_problem
 from harness.checkpoint.errors import CheckpointCorrupt
-from harness.checkpoint.format import WORLD_SIZE_KEY, parse_state, rank_state_file
+from harness.checkpoint.format import WORLD_SIZE_KEY, parse_state, rank_state_file, tensor_refs
 from harness.checkpoint.into_live import restore_parts
 from harness.checkpoint.manifest import STATE_FILE, FileRecord, Manifest
 from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE
@@ -75,6 +75,13 @@ class Checkpoint:
     def sharded(self) -> bool:
         """Whether parts of it were written sharded (FSDP: every rank its shards, through DCP)."""
         return METADATA_FILE in self.records
+
+    @property
+    def tensor_files(self) -> list[str]:
+        """The tensor files state.json refers to, in the order of their first reference (the
+        order a load opens them in; not the sharded parts' files, which DCP plans)."""
+        files = [file for part in self.state["parts"].values() for file, _ in tensor_refs(part).values()]
+        return [file for file in dict.fromkeys(files) if file in self.records]
 
 
 def read_state_file(loc: Location, ref: CheckpointRef, manifest: Manifest, file: str = STATE_FILE) -> dict[str, Any]:

@@ -47,6 +47,10 @@ CODES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 # A header describes names and shapes; even a million tensors stay far below this.
 MAX_HEADER_BYTES = 100 << 20
+# The most bytes of a tensor written or read in one call: the hash that runs behind the writes
+# and reads (storage/location.py, `BackgroundHash`) then follows them piece by piece, however
+# large a tensor (a 1 GiB embedding hashed whole would have waited for its write, or its read).
+PIECE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,18 @@ def _file(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
     yield struct.pack("<Q", len(raw)) + raw
     for name in names:
         if math.prod(specs[name][1]):
-            yield from chunks(name)
+            for chunk in chunks(name):
+                yield from pieces(chunk)
+
+
+def pieces(chunk: memoryview | bytes) -> Iterator[memoryview | bytes]:
+    """`chunk` in views of `PIECE_BYTES` at most (no copy)."""
+    view = memoryview(chunk).cast("B")
+    if view.nbytes <= PIECE_BYTES:
+        yield chunk
+        return
+    for at in range(0, view.nbytes, PIECE_BYTES):
+        yield view[at:at + PIECE_BYTES]
 
 
 def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
@@ -207,7 +222,7 @@ def read_tensor(f, entry: TensorEntry, where: str, out: torch.Tensor | None = No
         view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
         pos = 0
         while pos < len(view):
-            got = f.readinto(view[pos:])
+            got = f.readinto(view[pos:pos + PIECE_BYTES])
             if not got:
                 raise CheckpointError(f"{where}: file ended inside tensor {entry.name!r}; it is truncated")
             pos += got

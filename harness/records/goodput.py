@@ -10,21 +10,26 @@ the trainer (rank 0 only) unless marked supervisor:
 |            | "persistent" or null,                    | tier resumed from (checkpoint/save/local_tier.py; "peer": a  |
 |            |                                          | rank's part came from a peer copy, peer_copies.py);          |
 |            | previous_reached: int or null,           |                                                              |
-|            | startup_s, restore_s, total_steps        | previous_reached = the last step the interrupted process     |
+|            | startup_s, build_s, restore_s,           | previous_reached = the last step the interrupted process     |
+|            | rss_bytes, total_steps                   |                                                              |
 |            |                                          | logged to                                                    |
 |            |                                          | metrics.jsonl (every step is logged there), null when it     |
 |            |                                          | logged none past                                             |
 |            |                                          | resumed_from; startup_s = seconds since the process started  |
 |            |                                          | (imports, config, restore); restore_s = the part spent       |
-|            |                                          | finding, verifying, loading and checking the checkpoint      |
+|            |                                          | finding, verifying, loading and checking the checkpoint;     |
+|            |                                          | build_s = building the trainer (model, optimizer), not in    |
+|            |                                          | restore_s; rss_bytes = resident memory then                  |
 | progress   | step, train_s                            | every few steps (e.g. each console log line) and after each  |
 |            |                                          | checkpoint; step = steps completed so far; train_s = seconds |
 |            |                                          | this process has spent inside training steps so far          |
 |            |                                          | (cumulative, blocking saves excluded)                        |
 | checkpoint | step, blocking_s                         | after each commit; blocking_s = seconds the step loop was    |
 |            |                                          | blocked by this save                                         |
-| local_checkpoint | step, blocking_s, bytes            | after each commit to the local tier (blocking_s: with its    |
-|            |                                          | peer copies' exchange; counted as saving)                    |
+| local_checkpoint | step, blocking_s, bytes,           | after each save to the local tier (blocking_s: with the wait |
+|            | background                               | for the previous one and its peer exchange; counted as       |
+|            |                                          | saving); committed then unless `background`                  |
+| local_committed | step, persist_s, bytes              | a background local save committed (from its thread)          |
 | checkpoint_rejected | tier, step, url, problem        | a local checkpoint or peer copy (tier "peer", with owner)    |
 |            | (rank, owner)                            | passed over at a resume (damaged, another run's); before     |
 |            |                                          | that process's start                                         |

@@ -77,6 +77,8 @@ class Loop:
         self.saver = open_saver(store, settings, per_rank=trainer.state.per_rank, sharded=trainer.state.sharded,
                                 hooks=SaveHooks(on_commit=self.committed, on_slow=self.slow_save),
                                 last_committed=last_committed)
+        if local_tier is not None:  # in the background when the run dir's saves are, through the same staging memory
+            local_tier.save_like(self.saver, on_commit=self.local_committed)
         self.staging_ready = False
         self.last_saved = trainer.step
         self.train_s = 0.0
@@ -110,6 +112,8 @@ class Loop:
                    desc="train", unit="step", dynamic_ncols=True)
         with PreemptionWatch(cfg.checkpoint.preempt_signals) as watch:
             try:
+                if trainer.step > 0:  # resumed: the state is whole, so the staging memory is made during the first step
+                    self.prepare_staging()
                 if self.replicate:
                     with self.watch("save"):
                         self.save_local()
@@ -231,11 +235,16 @@ class Loop:
                          train_s=self.train_s, save_s=self.save_s)
 
     def poll(self) -> None:
-        """Between steps: raise a background save's or upload's failure, keep the writer lease fresh.
-        After the first step (the optimizer's state exists then) the saver makes its staging memory
-        ready, in the background, so the first save does not wait for it."""
+        """Between steps: raise a background save's or upload's failure, keep the writer lease fresh,
+        and after the first step of a fresh run make the staging memory ready (`prepare_staging`)."""
         self.saver.poll()
         self.store.poll_lease()
+        self.prepare_staging()
+
+    def prepare_staging(self) -> None:
+        """Make the saver's staging memory ready (the local tier shares it) in the background, once
+        the state is whole: before the first step of a resumed run, after the first step of a fresh
+        one (an optimizer makes its state there), so no save waits for the memory."""
         if not self.staging_ready:
             self.saver.prepare(self.trainer.state.parts())
             self.staging_ready = True
@@ -276,16 +285,22 @@ class Loop:
         return distributed.rank0_flag(due) if self.local_clock.auto else due
 
     def save_local(self) -> None:
-        """Checkpoint the current step to the local tier, in this thread (node-local disk or tmpfs:
-        fast), with the same finite-state check as `save`; its peer copy is exchanged in the
-        background (checkpoint/save/local_tier.py)."""
+        """Checkpoint the current step to the local tier (node-local disk or tmpfs), as the run dir's
+        saves are taken (in the background or in this thread), with the same finite-state check as
+        `save`; its peer copy is exchanged in the background (checkpoint/save/local_tier.py)."""
         self.trainer.check_finite_state()
         step = self.trainer.step
         submitted = self.local_tier.save(step, self.trainer.state.parts(), self.checkpoint_meta())
         self.local_clock.saved(step, submitted.blocking_s)
-        self.local_clock.committed(submitted.blocking_s)  # synchronous: committed when it returns
         self.save_s += submitted.blocking_s
-        self.events.emit("local_checkpoint", step=step, blocking_s=submitted.blocking_s, bytes=submitted.nbytes)
+        self.events.emit("local_checkpoint", step=step, blocking_s=submitted.blocking_s, bytes=submitted.nbytes,
+                         background=self.local_tier.background)
+
+    def local_committed(self, done: Committed) -> None:
+        """A local checkpoint is committed (from the local persist thread when saving in the background)."""
+        self.local_clock.committed(done.persist_s)
+        if self.local_tier.background:
+            self.events.emit("local_committed", step=done.ref.step, persist_s=done.persist_s, bytes=done.nbytes)
 
     def checkpoint_meta(self) -> dict[str, Any]:
         """What every checkpoint records beside the state: the config, the data's identity, the environment."""

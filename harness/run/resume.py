@@ -29,6 +29,7 @@ from harness.checkpoint import (
     CheckpointStore,
     Coverage,
     LocalRecovery,
+    Prefetch,
     Verify,
     load,
     locate,
@@ -89,13 +90,15 @@ class Choice:
 @dataclass(frozen=True)
 class Started:
     """A trainer restored (`choice`: from where and how), the seconds spent reading, loading and
-    verifying checkpoints (`restore_s`), and the world-size change since the checkpoint (`resized`,
-    or None)."""
+    verifying checkpoints (`restore_s`), the world-size change since the checkpoint (`resized`,
+    or None), and the seconds spent building the trainer (`build_s`: the model's initial weights,
+    the optimizer; not in `restore_s`)."""
 
     trainer: Trainer
     choice: Choice
     restore_s: float
     resized: WorldChange | None
+    build_s: float
 
     @property
     def chosen(self) -> Candidate | None:
@@ -159,17 +162,27 @@ class Resume:
             choice = self.choose()
             if choice is None:
                 return None
-            trainer = Trainer(choice.cfg, rank=self.rank, world_size=self.world, task=self.task, data=self.data,
-                              fresh=choice.candidate is None)
-            try:
-                resized = self.restore(trainer, choice)
-            except PassedOver:
-                trainer.close()  # partly loaded: the next choice gets a trainer of its own
-                continue
-            except BaseException:
-                trainer.close()
-                raise
-            return Started(trainer, choice, self.restore_s, resized)
+            # The disk reads the checkpoint while the trainer it loads into is built (prefetch.py).
+            with self._prefetch(choice):
+                t_build = time.perf_counter()
+                trainer = Trainer(choice.cfg, rank=self.rank, world_size=self.world, task=self.task, data=self.data,
+                                  fresh=choice.candidate is None)
+                build_s = time.perf_counter() - t_build
+                try:
+                    resized = self.restore(trainer, choice)
+                except PassedOver:
+                    trainer.close()  # partly loaded: the next choice gets a trainer of its own
+                    continue
+                except BaseException:
+                    trainer.close()
+                    raise
+            return Started(trainer, choice, self.restore_s, resized, build_s)
+
+    @staticmethod
+    def _prefetch(choice: Choice) -> contextlib.AbstractContextManager[object]:
+        if choice.candidate is None or choice.checkpoint is None:
+            return contextlib.nullcontext()
+        return Prefetch(choice.candidate.store.loc, choice.candidate.ref, choice.checkpoint.tensor_files)
 
     def choose(self) -> Choice | None:
         """The next candidate to load (candidates already chosen are not offered again), a fresh
@@ -314,7 +327,7 @@ def choose_checkpoint(store: CheckpointStore, cfg: RunConfig,
                       resume: str) -> tuple[CheckpointStore, list[CheckpointRef], Verify]:
     """(the store to load from, the checkpoints to try newest first, how to verify them while
     loading) for `--resume auto|never|CKPT_URL`. `auto` verifies while loading (see
-    `resume_newest`); a checkpoint given by URL was verified here already."""
+    `Resume`); a checkpoint given by URL was verified here already."""
     if resume == "auto":
         return store, store.candidates(), Verify.WHILE
     if resume == "never":

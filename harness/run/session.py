@@ -114,7 +114,8 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             events.emit("start", step=trainer.step, total_steps=cfg.train.steps, resumed_from=ref.step if ref else None,
                         resumed_tier=chosen.tier if chosen else None, previous_reached=reached, run_dir=cfg.run_dir,
                         host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time(),
-                        restore_s=restore_s, world_size=distributed.world(),
+                        build_s=started.build_s, restore_s=restore_s, rss_bytes=psutil.Process().memory_info().rss,
+                        world_size=distributed.world(),
                         saved_world_size=resized.old_world if resized else None, exact_elastic=trainer.exact,
                         exact_elastic_why=started.choice.exact_why)
             if resized is not None:

@@ -30,8 +30,11 @@ from harness.errors import StorageError
 from harness.storage.digest import DEFAULT_ALGORITHM, new_hasher
 from harness.storage.filesystem import open_filesystem
 
-# Written-but-not-yet-hashed bytes allowed in flight; see write_stream.
-_HASH_BACKLOG_BYTES = 512 << 20
+# Bytes given to the hash and not hashed yet, at most (`BackgroundHash`): the memory they hold
+# beyond the caller's own (a message a peer copy received, a GPU tensor's host copy). Tensor
+# files are written and read in pieces of 16 MiB at most (checkpoint/tensorfile.py), so the hash
+# runs a few pieces behind the writes and reads, and waits for none while it keeps up.
+_HASH_BACKLOG_BYTES = 64 << 20
 _READ_CHUNK = 8 << 20
 
 

@@ -16,9 +16,12 @@ before the resume and before the raw read, as after a restart on another node). 
 a restore with the raw read taken right before or after it (the order alternates), and the
 figure is the median of those per-round ratios with their range: a shared disk's speed moves by
 2x from one minute to the next, so only reads close in time compare. Target: restore <= 1.2 x
-raw read.
+raw read. Each resume also reports where its start went: the trainer's build (`build_s`: the
+model's initial weights, the optimizer), the restore, the rest (imports, config, data), and its
+resident memory when ready to train (`rss_bytes`) against the checkpoint's size.
 
     python ops/bench/resume_latency.py --d-model 512 --layers 8
+    python ops/bench/resume_latency.py --d-model 1024 --layers 28 --optim adamw --repeat 2   # 4 GiB of state
 """
 
 from __future__ import annotations
@@ -38,20 +41,21 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "quickstart.toml"
 
 
-def train(run_dir: Path, args: argparse.Namespace, *extra: str) -> tuple[float, float]:
-    """(seconds from process start to ready-to-train, seconds of it spent restoring): the
-    `start` event's `startup_s` and `restore_s`."""
+def train(run_dir: Path, args: argparse.Namespace, *extra: str) -> dict:
+    """The `start` event of the process: `startup_s` (process start to ready-to-train), `build_s`,
+    `restore_s`, `rss_bytes`."""
     cmd = [sys.executable, "-m", "harness.cli", "--log-level", "warning", "train", str(CONFIG),
            "--run-dir", str(run_dir), "--set", "train.steps=3", "--set", "checkpoint.every_steps=1",
            "--set", f"model.args.d_model={args.d_model}", "--set", f"model.args.n_layer={args.layers}",
            "--set", "model.args.n_head=8", "--set", "data.batch_size=2", "--set", "train.eval_every=0",
-           "--set", "debug.crash_at_step=2", "--set", "debug.crash_once=true", *extra]
+           "--set", "debug.crash_at_step=2", "--set", "debug.crash_once=true", "--set", f"optim.type={args.optim}",
+           *([] if args.optim == "muon" else ["--set", "optim.lr_muon=null"]), *extra]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     starts = [e for e in _lines(run_dir / "events.jsonl") if e.get("event") == "start" and e["time"] >= t0]
     if not starts:
         raise SystemExit(f"the run did not start (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
-    return starts[0]["startup_s"], starts[0]["restore_s"]
+    return starts[0]
 
 
 def _lines(path: Path):
@@ -81,16 +85,19 @@ def main() -> None:
     p.add_argument("--d-model", type=int, default=512)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--optim", default="muon", help="optim.type (adamw: two moments per parameter)")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="resume-latency-"))
     try:
         crashed = work / "crashed"
-        train(crashed, args)  # steps 1-2, checkpoint at 1, crash after 2
+        # Steps 1-2, checkpoint at 1 (committed in the step loop: a background save could still be
+        # in flight at the crash), crash after 2.
+        train(crashed, args, "--set", "checkpoint.async_save=false")
         ckpt = crashed / "checkpoints" / "step-00000001"
         nbytes = sum(f.stat().st_size for f in ckpt.iterdir())
         fresh, rows = [], {"warm": [], "cold": []}  # (startup s, restore s, raw read s) per round
         for i in range(args.repeat):
-            fresh.append(train(work / f"fresh-{i}", args, "--set", "debug.crash_at_step=1")[0])
+            fresh.append(train(work / f"fresh-{i}", args, "--set", "debug.crash_at_step=1")["startup_s"])
             for cache, pairs in rows.items():
                 copy = work / f"resumed-{cache}-{i}"
                 shutil.copytree(crashed, copy)
@@ -109,15 +116,15 @@ def main() -> None:
                     prepare(raw_copy)
                     return raw_read(raw_copy)
 
-                def resume(prepare=prepare, folder=folder, copy=copy) -> tuple[float, float]:
+                def resume(prepare=prepare, folder=folder, copy=copy) -> dict:
                     prepare(folder)
                     return train(copy, args)
 
                 if i % 2:
-                    read_s, (startup, restore) = read(), resume()
+                    read_s, start = read(), resume()
                 else:
-                    (startup, restore), read_s = resume(), read()
-                pairs.append((startup, restore, read_s))
+                    start, read_s = resume(), read()
+                pairs.append((start["startup_s"], start["restore_s"], read_s, start["build_s"], start["rss_bytes"]))
                 shutil.rmtree(copy)
                 shutil.rmtree(raw_copy)
         f = statistics.median(fresh)
@@ -125,11 +132,15 @@ def main() -> None:
         print(f"fresh start -> ready   {f:8.3f} s")
         for cache, pairs in rows.items():
             r = statistics.median(p[0] for p in pairs)
-            ratios = [restore / read_s for _, restore, read_s in pairs]
+            ratios = [p[1] / p[2] for p in pairs]
+            build, restore = statistics.median(p[3] for p in pairs), statistics.median(p[1] for p in pairs)
             print(f"{cache}: resume -> ready {r:6.3f} s (start-to-ready overhead {r - f:6.3f} s); "
-                  f"restore {statistics.median(p[1] for p in pairs):6.3f} s, raw read "
+                  f"restore {restore:6.3f} s, raw read "
                   f"{statistics.median(p[2] for p in pairs):6.3f} s; restore / raw read per round: median "
                   f"{statistics.median(ratios):5.2f} x, range {min(ratios):.2f}-{max(ratios):.2f} (target <= 1.2)")
+            print(f"{cache}: start of the resume: build {build:6.3f} s, restore {restore:6.3f} s, the rest (imports, "
+                  f"config, data) {r - build - restore:6.3f} s; resident when ready "
+                  f"{max(p[4] for p in pairs) / 2**20:.0f} MiB against a checkpoint of {nbytes / 2**20:.0f} MiB")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

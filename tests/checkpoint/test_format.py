@@ -100,6 +100,35 @@ def test_read_tensor_reads_into_the_live_tensor_in_place():
     assert torch.equal(strided, torch.arange(6.0).reshape(2, 3))
 
 
+def test_a_large_tensor_is_written_and_read_in_pieces_the_hash_can_follow(monkeypatch):
+    """A tensor of 2.5 pieces goes to the writer, and comes from the reader, 16 MiB at most at a
+    time (the hash behind them then runs piece by piece, never a whole tensor after its write),
+    the file the same bytes as written whole."""
+    from harness.checkpoint import tensorfile
+
+    monkeypatch.setattr(tensorfile, "PIECE_BYTES", 1 << 10)
+    w = torch.arange(640.0)  # 2560 bytes
+    chunks = list(serialize({"w": w}, "test"))
+    assert [len(c) for c in chunks[1:]] == [1024, 1024, 512]
+    data = b"".join(bytes(c) for c in chunks)
+    monkeypatch.setattr(tensorfile, "PIECE_BYTES", 1 << 20)
+    assert data == _file_bytes({"w": w})
+
+    class Reads(io.BytesIO):
+        sizes: list[int] = []
+
+        def readinto(self, view):
+            self.sizes.append(len(view))
+            return super().readinto(view)
+
+    monkeypatch.setattr(tensorfile, "PIECE_BYTES", 1 << 10)
+    f = Reads(data)
+    entries = read_header(f, len(data), "f")
+    live = torch.zeros(640)
+    read_tensor(f, entries["w"], "f", out=live)
+    assert torch.equal(live, w) and max(Reads.sizes) == 1 << 10
+
+
 def _header(doc: dict, data: bytes = b"") -> bytes:
     raw = json.dumps(doc).encode()
     return struct.pack("<Q", len(raw)) + raw + data

@@ -8,7 +8,8 @@ node 1's folder is then deleted (the node is gone with its disk) and the ranks r
 receives its part from rank 2 while rank 0 moves nothing. A resume from step 2 then deletes the
 local checkpoints and peer copies past it. Then rank 0 sends rank 1 a checkpoint
 whose file was damaged on rank 0's disk after its commit: rank 1 must not commit it. Each rank
-writes what it saw to TMP/result-RANK.json.
+writes what it saw to TMP/result-RANK.json. Messages on the wire are cut to 64 bytes, so every file
+travels as many (`peer_copies.CHUNK_BYTES`), the ranks' counts differing.
 """
 
 import json
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from harness.checkpoint import CheckpointCorrupt, CheckpointStore, load
+from harness.checkpoint.save import peer_copies
 from harness.checkpoint.save.coverage import Coverage
 from harness.checkpoint.save.local_recovery import LocalRecovery
 from harness.checkpoint.save.local_tier import LocalTier
@@ -32,6 +34,7 @@ RUN = "run-a"
 
 def main() -> None:
     tmp = Path(sys.argv[1])
+    peer_copies.CHUNK_BYTES = 64
     with distributed.process_group():
         rank = distributed.rank()
         section = LocalTierSection(dir=str(tmp / f"node{rank}"), every_steps=2, keep=2, peer_jump=1)

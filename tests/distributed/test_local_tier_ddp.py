@@ -3,6 +3,7 @@ local folder; after a SIGKILL of the whole group the ranks agree on the newest s
 resume from it, bitwise equal to the continuous run (tests/distributed/conftest.py)."""
 
 
+from harness.checkpoint.discovery import STEP_DIR
 from helpers import flip_byte
 from launch import kill_all, run, start, tail, train_args, wait_step
 from procs import assert_same_run, events
@@ -25,7 +26,10 @@ def killed_group(tmp_path) -> tuple:
 
 
 def steps_of(rank_folder) -> list[int]:
-    return sorted(int(p.name.removeprefix("step-")) for p in (rank_folder / "checkpoints").glob("step-*"))
+    """The committed steps of a rank's local folder (not the temporary folder of a save the kill cut short:
+    local saves run in the background, so one may be in flight)."""
+    folders = (STEP_DIR.fullmatch(p.name) for p in (rank_folder / "checkpoints").iterdir())
+    return sorted(int(m[1]) for m in folders if m)
 
 
 def test_group_sigkill_resumes_from_the_local_tier_bitwise(tmp_path, continuous):

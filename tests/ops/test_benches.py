@@ -1,6 +1,8 @@
 """ops/bench/optim_step.py, sharded_muon.py (under torchrun), harness_overhead.py, data_wait.py, s3_io.py,
-prepare_rss.py, recovery.py and goodput_model.py still run (tiny sizes) and print every figure docs/bench-optim.md,
-docs/bench-data.md, docs/checkpoint-tiers.md and README quote. They time nothing here: no measured figure is
+prepare_rss.py, recovery.py, goodput_model.py, scale.py, scale_local.py (under torchrun) and save_blocking.py still
+run (tiny sizes)
+and print every figure docs/bench-optim.md, docs/bench-data.md, docs/bench-scale.md, docs/checkpoint-tiers.md and
+README quote. They time nothing here: no measured figure is
 asserted (the goodput model's are arithmetic on its defaults)."""
 
 from __future__ import annotations
@@ -91,3 +93,28 @@ def test_goodput_model_prints_the_figures_docs_quote():
     figures = dict(line.split() for line in out.splitlines())
     assert figures["goodput_persistent_alone"] == "0.8068" and figures["goodput_with_local"] == "0.8974"
     assert figures["local_interval_s"] == "1,003.9" and figures["persistent_with_local_interval_s"] == "13,266.9"
+
+
+def test_scale_bench_reports_every_figure_against_its_goal(tmp_path):
+    out = bench("scale.py", "--sizes", "0.07", "--rounds", "1", "--cap-mib", "64", "--alone-steps", "1",
+                "--dir", str(tmp_path))
+    for figure in ("blocking", "vs torch copy", "save throughput (raw write+fsync / persist)", "writer CPU",
+                   "RSS a save adds: default ring", "cap 64 MiB:", "step during a background save", "restore warm",
+                   "restore cold", "other processes"):
+        assert figure in out, figure
+
+
+def test_scale_local_bench_reports_both_ranks_with_and_without_a_cap(tmp_path):
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    out = bench("scale_local.py", "--sizes", "0.07", "--cap-mib", "64", "--saves", "1", "--dir", str(tmp_path),
+                launcher=torchrun)
+    for rank in (0, 1):
+        for arm in ("default ring", "cap 64 MiB"):
+            assert f"rank {rank}, {arm}: blocking" in out, (rank, arm)
+    assert "saved + copied to the peer" in out and "RAM beyond the state" in out and "tmpfs held" in out
+
+
+def test_save_blocking_bench_times_every_part_of_a_loop_save():
+    out = bench("save_blocking.py", "--d-model", "32", "--layers", "1", "--rounds", "1")
+    for part in ("finite check", "fingerprints state dict", "torch copy", "AsyncSaver.save", "a Loop save blocks for"):
+        assert part in out, part

@@ -149,6 +149,29 @@ class StagingBuffers:
         return done
 
 
+class Staging:
+    """The host memory a process's background saves copy their snapshots into: the staging ring
+    (the tensor files, staging_ring.py) and the sharded parts' buffers (`StagingBuffers`). The
+    persistent tier's saver makes one; the local tier's saver shares it (local_tier.py), so a rank
+    holds one staging memory for both tiers, used by one save at a time: the ring is free again
+    once the save before, by either saver, has released every piece (often before its commit), the
+    buffers once the persist that read them (`buffers_reader`) has ended."""
+
+    def __init__(self, capacity: int | None = None) -> None:
+        self.ring = StagingRing(capacity)
+        self.buffers = StagingBuffers()
+        self.buffers_reader: BackgroundJob | None = None
+
+    def take_buffers(self, job: BackgroundJob) -> StagingBuffers:
+        """The buffers for a save that `job` will persist, once another saver's persist that reads
+        them has ended (waited for within its own deadline; its failure is left to its owner)."""
+        reader = self.buffers_reader
+        if reader is not None and reader is not job:
+            reader.wait_bounded()
+        self.buffers_reader = job
+        return self.buffers
+
+
 def ring_order(tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> list[Entry]:
     """The tensors of the files `tensors` in the order the writer asks for them: files by name,
     tensors by name within a file (format.py's `snapshot_files`, tensorfile.py's `serialize`)."""
@@ -169,7 +192,8 @@ class AsyncSaver(Saver):
     `agree(busy) -> bool` makes the ranks of a group decide alike whether a persist is still in
     flight (any rank's: `distributed.all_reduce_flag`), so every rank skips a save or every rank
     takes it and their commits stay paired; every rank must then call `save` at the same steps.
-    `staging_bytes`: the staging ring's size (None: as large as the tensor files of a snapshot).
+    `staging_bytes`: the staging ring's size (None: as large as the tensor files of a snapshot);
+    `staging`: the staging memory of another saver to share instead (`Staging`: the local tier's).
     """
 
     background = True
@@ -180,15 +204,15 @@ class AsyncSaver(Saver):
                  slow_floor_s: float = SLOW_FLOOR_S, rank: int = 0, per_rank: Collection[str] = (),
                  sharded: Collection[str] = (),
                  agree: Callable[[bool], bool] = bool, last_committed: int | None = None,
-                 staging_bytes: int | None = None) -> None:
+                 staging_bytes: int | None = None, staging: Staging | None = None) -> None:
         if when_busy not in ("wait", "skip"):
             raise ValueError(f"when_busy must be 'wait' or 'skip', got {when_busy!r}")
         super().__init__(commit, rank=rank, per_rank=per_rank, sharded=sharded, on_commit=on_commit,
                          last_committed=last_committed)
         self.when_busy, self.agree, self.persist_delay_s = when_busy, agree, persist_delay_s
         self.save_deadline_s, self.on_slow, self.slow_floor_s = save_deadline_s, on_slow, slow_floor_s
-        self.buffers = StagingBuffers()
-        self.ring = StagingRing(staging_bytes)
+        self.staging = staging if staging is not None else Staging(staging_bytes)
+        self.ring = self.staging.ring
         self.job = BackgroundJob("ckpt-persist", "the background save", failed=self._failed, watch=self._watch)
         self._last_persist_s = 0.0
         self._next_warning = 0.0
@@ -221,8 +245,10 @@ class AsyncSaver(Saver):
         t0 = time.perf_counter()
         mine = self._mine(parts)
         streamed = {file: named for file, named in mine.tensors.items() if file != SHARDED}
-        staged, copied = self.buffers.stage({file: named for file, named in mine.tensors.items() if file == SHARDED})
-        snapshot = mine.with_tensors({**staged, **self.ring.begin(streamed)})
+        staged, copied = {}, []
+        if SHARDED in mine.tensors:
+            staged, copied = self.staging.take_buffers(self.job).stage({SHARDED: mine.tensors[SHARDED]})
+        snapshot = mine.with_tensors({**staged, **self.ring.begin(streamed, self._writer_alive)})
         self._next_warning = time.monotonic() + max(self.slow_floor_s, 2 * self._last_persist_s)
         # A ring that holds the whole snapshot is filled before the writer starts: the copy then has
         # the cores and the memory bandwidth to itself. A smaller one streams: the writer drains it
@@ -230,7 +256,7 @@ class AsyncSaver(Saver):
         streams = not self.ring.holds(streamed)
         if streams:
             self.job.start(step, self._persist, step, snapshot, dict(meta or {}), copied)
-        self.ring.feed(ring_order(streamed), writer_alive=self._writer_alive)
+        self.ring.feed(ring_order(streamed))
         if not streams:
             self.job.start(step, self._persist, step, snapshot, dict(meta or {}), copied)
         return Submitted(step, waited + time.perf_counter() - t0, waited, snapshot.nbytes)

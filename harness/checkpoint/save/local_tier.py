@@ -4,8 +4,11 @@ A crash loses the steps since the last checkpoint; checkpoints to the run dir (S
 system) are too slow to take every few steps. `[checkpoint.local]` adds a second tier with its own
 cadence, `every_steps`, in a local folder: `DIR/<run id>/rank-NNNNN/` is an ordinary
 `CheckpointStore` (the same files, the same atomic commit and BLAKE3 manifest, retention keeping
-`keep`), written by each training process itself, synchronously, at the steps where no persistent
-save is due. A tmpfs folder (`/dev/shm`) makes it a RAM tier: no other code.
+`keep`), written by each training process itself at the steps where no persistent save is due, as
+the persistent tier saves (`save_like`): with `checkpoint.async_save`, in the background through
+the persistent saver's own staging memory (one staging memory per rank for both tiers: a local
+save begins once the persistent save before it has written its bytes, and the other way round),
+else in the step loop. A tmpfs folder (`/dev/shm`) makes it a RAM tier: no other code.
 
 Several ranks (DDP, FSDP). Each rank keeps a whole checkpoint of its own in its own folder (the
 replicated parts, its per-rank parts, its rank and the world size in state.json; under FSDP its
@@ -35,19 +38,22 @@ made there.
 Peer copies. With several ranks each local save is also sent to a rank on another node, which
 keeps it in its own local folder (checkpoint/save/peer_copies.py), so a node that is gone with its
 disk loses nothing that a peer holds (recovery: checkpoint/save/local_recovery.py). The
-exchange runs in the background; this tier waits for the one in flight before its next save, a
-`drop_after` and at the end of the run (`finish`), so no local checkpoint or peer copy is deleted
-while it is being sent or received.
+exchange runs in the background, started once the local save is committed; this tier waits for
+the local save and the exchange in flight before its next save, a `drop_after` and at the end of
+the run (`finish`), so no local checkpoint or peer copy is deleted while it is being sent or
+received.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from harness.checkpoint.format import WORLD_SIZE_KEY
-from harness.checkpoint.save.commit import Committer
+from harness.checkpoint.save.async_saver import AsyncSaver
+from harness.checkpoint.save.commit import Committed, Committer
 from harness.checkpoint.save.peer_copies import PeerCopies, peer_jump
 from harness.checkpoint.save.saver import Saver, Submitted
 from harness.checkpoint.store import CheckpointStore
@@ -102,22 +108,54 @@ class LocalTier:
     are deleted now (module docstring), peer copies past it too. `per_rank`, `sharded`: as
     `Saver`'s. With peer copies (`peer_jump`) every rank makes it at the same point;
     `peer_delay_s`: `PeerCopies`' `delay_s`; `start`: which start of the run this process is (run.json's
-    `starts`), recorded in every checkpoint's meta (None: not recorded)."""
+    `starts`), recorded in every checkpoint's meta (None: not recorded). It saves in the caller's
+    thread until `save_like` says otherwise."""
 
     def __init__(self, section: LocalTierSection, run_id: str, resumed_step: int,
                  per_rank: Collection[str] = (), sharded: Collection[str] = (), peer_delay_s: float = 0.0,
                  start: int | None = None) -> None:
         self.run_id, self.start = run_id, start
+        self.per_rank, self.sharded = per_rank, sharded
         self.store = local_store(section, run_id, distributed.rank())
         jump = peer_jump(section, distributed.world())
         self.peers = PeerCopies(section, run_id, jump, peer_delay_s) if jump else None
+        self.on_commit: Callable[[Committed], None] | None = None
+        self.saver: Saver = self._saver(None)
         self.drop_after(resumed_step)
-        self.saver = Saver(Committer(self.store, own_shards=True), rank=distributed.rank(), per_rank=per_rank,
-                           sharded=sharded)
+
+    def _saver(self, persistent: Saver | None) -> Saver:
+        common = dict(rank=distributed.rank(), per_rank=self.per_rank, sharded=self.sharded, on_commit=self._committed)
+        commit = Committer(self.store, own_shards=True)
+        if isinstance(persistent, AsyncSaver):
+            return AsyncSaver(commit, staging=persistent.staging, save_deadline_s=persistent.save_deadline_s,
+                              slow_floor_s=persistent.slow_floor_s, **common)
+        return Saver(commit, **common)
+
+    def save_like(self, persistent: Saver, on_commit: Callable[[Committed], None] | None = None) -> None:
+        """Save as `persistent` (the run dir's saver) does: in the background through its staging
+        memory when it is an `AsyncSaver`, else in the caller's thread. `on_commit(Committed)`
+        after each local commit (from the background thread when saving in the background)."""
+        self.finish()
+        self.saver, self.on_commit = self._saver(persistent), on_commit
+
+    @property
+    def background(self) -> bool:
+        """Whether a save returns before it is committed (`save_like` an `AsyncSaver`)."""
+        return self.saver.background
+
+    def _committed(self, done: Committed) -> None:
+        if self.peers is not None:
+            self.peers.start(self.store, done.ref.step)
+        if self.on_commit is not None:
+            self.on_commit(done)
+
+    def prepare(self, parts: Mapping[str, Any]) -> None:
+        """Make the saver's staging memory ready (`Saver.prepare`): the persistent saver's, shared."""
+        self.saver.prepare(parts)
 
     def drop_after(self, step: int) -> None:
         """Delete the local checkpoints and peer copies past `step`: the live state went back to `step`
-        (once the exchange in flight is over: it may be reading or writing one of them)."""
+        (once the save and the exchange in flight are over: they may be writing or reading one of them)."""
         self.finish()
         for store in [self.store, *(self.peers.stores() if self.peers else [])]:
             for ref in store.list():
@@ -125,28 +163,32 @@ class LocalTier:
                     store.delete(ref)
 
     def save(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any]) -> Submitted:
-        """Commit `parts` as `step` in this rank's local folder, its meta stamped with the run id,
-        the world size and the start; returns when committed (retention applied). With peer copies the previous
-        exchange is waited for first (`blocking_s` counts that wait), and this step's is started in
-        the background (not counted)."""
+        """Save `parts` as `step` in this rank's local folder, its meta stamped with the run id, the
+        world size and the start; returns when committed (retention applied), or in the
+        background once the snapshot is taken. The local save and the exchange in flight are
+        waited for first (`blocking_s` counts that wait); this step's exchange starts once it
+        is committed, in the background (not counted)."""
         meta = {**meta, RUN_ID_KEY: self.run_id, WORLD_SIZE_KEY: distributed.world()}
         if self.start is not None:
             meta[START_KEY] = self.start
-        waited = self.peers.wait() if self.peers is not None else 0.0
-        submitted = self.saver.save(step, parts, meta=meta)
-        assert submitted is not None  # a synchronous saver never skips
-        if self.peers is None:
-            return submitted
-        self.peers.start(self.store, step)
-        return replace(submitted, blocking_s=submitted.blocking_s + waited, waited_s=waited)
+        t0 = time.perf_counter()
+        self.finish()
+        waited = time.perf_counter() - t0
+        submitted = self.saver.save(step, parts, meta=meta, must=True)
+        assert submitted is not None  # a save that must is never skipped
+        return replace(submitted, blocking_s=submitted.blocking_s + waited, waited_s=submitted.waited_s + waited)
 
     def finish(self) -> None:
-        """Wait for the peer exchange in flight: at the end of a run, its last peer copy is committed
-        when this returns (or the copies stopped, logged: `PeerCopies`)."""
+        """Wait for the local save in flight (raising its failure), then the peer exchange it started:
+        at the end of a run, its last peer copy is committed when this returns (or the copies
+        stopped, logged: `PeerCopies`)."""
+        self.saver.finish()
         if self.peers is not None:
             self.peers.wait()
 
     def close(self) -> None:
-        """On an error exit: wait for the peer exchange in flight, within a bound (`PeerCopies.close`)."""
+        """On an error exit: let a good local save in flight end, then wait for the peer exchange
+        in flight, within a bound (`PeerCopies.close`)."""
+        self.saver.close()
         if self.peers is not None:
             self.peers.close()

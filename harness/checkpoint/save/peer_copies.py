@@ -10,16 +10,21 @@ manifest of its own whose records must equal the sender's (a copy damaged on the
 committed). Retention keeps the newest `keep`, as in the owner's folder.
 
 Wire (`transfer`): over a gloo group of its own (`peer_group`, host memory whatever the training
-backend), point to point: the manifest's length, the manifest, then each file as a byte tensor,
-one at a time (memory: the largest file). Sending and receiving run at once (`isend`/`irecv`),
-so a ring of ranks that each send and receive cannot deadlock.
+backend), point to point: the manifest's length, the manifest, then the files in manifest order,
+each cut into messages of `CHUNK_BYTES` (the last one of a file shorter; both ends know every
+file's size from the manifest). A received message is written (and hashed) into the peer folder
+as it arrives, so the memory an exchange holds is a message each way plus what the hash thread
+has not hashed yet (`location.BackgroundHash`, bounded; in practice a message or two, as hashing
+is faster than the wire), never a whole file. Sending and receiving run at once (`isend`/`irecv`,
+the k-th message each way together), so a ring of ranks that each send and receive cannot
+deadlock.
 
 In the background (`PeerCopies`): the exchange of a local save runs in a `BackgroundJob`
 (background.py) while training goes on. Every rank makes its local saves at the same steps, so
 the exchange threads of all ranks run the same sequence of exchanges and partners meet. One
 exchange in flight at most: the local tier waits for it (`wait`) before its next local save, a
 `drop_after` (a rollback or a resume), and at the end of the run (local_tier.py), so retention
-never deletes a checkpoint while it is being sent, memory stays one file each way, and the last
+never deletes a checkpoint while it is being sent, memory stays a message each way, and the last
 peer copy exists when a run finishes. The exchange uses only the peer group, which is separate
 from the training group and from the persistent saver's side group, so its thread and the
 training collectives never interleave on one group; the group is made in the main thread, by
@@ -32,7 +37,7 @@ from __future__ import annotations
 import functools
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +66,8 @@ PEER_TIMEOUT_S = 300.0
 # On an error exit a partner may be held in a training collective by this very rank and never
 # take its side of the exchange in flight: the exit waits this long for it, not PEER_TIMEOUT_S.
 CLOSE_WAIT_S = 10.0
+# The size of a message on the wire: the memory an exchange holds each way, whatever a file's size.
+CHUNK_BYTES = 16 << 20
 
 
 def peer_jump(section: LocalTierSection, world: int) -> int:
@@ -112,7 +119,7 @@ def transfer(outgoing: Outgoing | None, incoming: Incoming | None) -> Checkpoint
     """Send `outgoing` and receive `incoming` at once (module docstring); the two partners of each
     direction call it with matching sides. Returns the checkpoint committed from what arrived
     (None without `incoming`), at the step its manifest names. `CheckpointCorrupt` when the bytes
-    that arrived do not match the sender's manifest (nothing is committed then); every file is
+    that arrived do not match the sender's manifest (nothing is committed then); every message is
     sent and received first either way, so no partner is left waiting."""
     group = peer_group()
     to = outgoing.to if outgoing else None
@@ -124,16 +131,18 @@ def transfer(outgoing: Outgoing | None, incoming: Incoming | None) -> Checkpoint
         raise CheckpointCorrupt(f"a peer copy from rank {sender}: a manifest of {int(length)} bytes")
     theirs = _swap(group, to, _tensor(header), sender,
                    None if sender is None else torch.empty(int(length), dtype=torch.uint8))
-    sending = mine.files if mine else ()
+    wire = _Wire(group, outgoing, mine.files if mine else ())
     if incoming is None:
-        _swap_files(group, outgoing, sending, None, (), lambda name, data: None)
+        wire.send_rest()
         return None
     received = parse_manifest(theirs.numpy().tobytes(), f"the peer copy from rank {sender}")
     store = incoming.store
 
     with store.committing(received.step, peer_of=sender) as commit:
-        _swap_files(group, outgoing, sending, sender, received.files,
-                    lambda name, data: commit.records.append(store.write_file(commit.work, commit.ref, name, [data])))
+        for record in received.files:
+            commit.records.append(store.write_file(commit.work, commit.ref, record.name,
+                                                   wire.receive(sender, record.size)))
+        wire.send_rest()
         expected = {r.name: r for r in received.files}
         differ = [r.name for r in commit.records if expected[r.name] != r]
         if differ:
@@ -142,26 +151,54 @@ def transfer(outgoing: Outgoing | None, incoming: Incoming | None) -> Checkpoint
     return commit.ref
 
 
-def _swap_files(group: Any, outgoing: Outgoing | None, sending: tuple[FileRecord, ...], sender: int | None,
-                receiving: tuple[FileRecord, ...], keep: Callable[[str, memoryview], None]) -> None:
-    """The files `sending` (of `outgoing`) sent and the files `receiving` received from `sender`,
-    in manifest order, one file each way at a time; `keep(name, data)` takes each received one."""
-    for i in range(max(len(sending), len(receiving))):
-        out = _read(outgoing, sending[i]) if i < len(sending) else None
-        into = torch.empty(receiving[i].size, dtype=torch.uint8) if i < len(receiving) else None
-        _swap(group, None if out is None else outgoing.to, out, sender if into is not None else None, into)
-        if into is not None:
-            keep(receiving[i].name, memoryview(into.numpy()))
+def messages(size: int) -> list[int]:
+    """The message sizes a file of `size` bytes travels as: `CHUNK_BYTES` each, the last shorter."""
+    return [min(CHUNK_BYTES, size - at) for at in range(0, size, CHUNK_BYTES)]
 
 
-def _read(outgoing: Outgoing, record: FileRecord) -> torch.Tensor:
-    """The file `record` of the checkpoint `outgoing.ref` as a byte tensor of the size its manifest
-    records: both partners frame the file by that size, so one damaged on this disk to another
-    length still travels as one file (cut or padded), and its digest tells the receiver."""
-    loc = outgoing.store.loc
-    with open_read(loc, f"{outgoing.ref.path}/{record.name}") as f:
-        data = f.read(record.size)
-    return _tensor(data.ljust(record.size, b"\0"))
+class _Wire:
+    """One exchange's messages, the k-th sent with the k-th received (`_swap`): the files of
+    `outgoing` listed in `sending`, read a message at a time into one reused buffer (`_outbox`),
+    go out as the received files are asked for (`receive`), the rest by `send_rest`."""
+
+    def __init__(self, group: Any, outgoing: Outgoing | None, sending: tuple[FileRecord, ...]) -> None:
+        self.group, self.outgoing = group, outgoing
+        self._out = self._outbox(sending) if outgoing is not None else iter(())
+        self._buffer = torch.empty(min(CHUNK_BYTES, max((r.size for r in sending), default=0)), dtype=torch.uint8)
+
+    def _outbox(self, sending: tuple[FileRecord, ...]) -> Iterator[torch.Tensor]:
+        """Each outgoing message in turn, in the reused buffer: framed by the size the manifest
+        records, so a file damaged on this disk to another length still travels as that many bytes
+        (cut, or padded with zeros), and its digest tells the receiver."""
+        loc, path = self.outgoing.store.loc, self.outgoing.ref.path
+        for record in sending:
+            with open_read(loc, f"{path}/{record.name}") as f:
+                for n in messages(record.size):
+                    out = self._buffer[:n]
+                    view, got = memoryview(out.numpy()), 0
+                    while got < n and (read := f.readinto(view[got:])):
+                        got += read
+                    out[got:].zero_()
+                    yield out
+
+    def _next_out(self) -> tuple[int | None, torch.Tensor | None]:
+        out = next(self._out, None)
+        return (None, None) if out is None else (self.outgoing.to, out)
+
+    def receive(self, sender: int, size: int) -> Iterator[memoryview]:
+        """The `size` bytes of the next file from `sender`, a message at a time (each in a buffer
+        of its own: the hash thread may still hold the previous one), one outgoing message sent
+        with each."""
+        for n in messages(size):
+            to, out = self._next_out()
+            into = torch.empty(n, dtype=torch.uint8)
+            _swap(self.group, to, out, sender, into)
+            yield memoryview(into.numpy())
+
+    def send_rest(self) -> None:
+        """Send the outgoing messages not sent yet, alone."""
+        while (sent := self._next_out())[1] is not None:
+            _swap(self.group, *sent, None, None)
 
 
 def _tensor(data: bytes) -> torch.Tensor:

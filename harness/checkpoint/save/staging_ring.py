@@ -17,10 +17,19 @@ the piece's array when the last reference goes; a finalizer on it gives the room
 is overwritten while any reader holds it. Pieces come back out of order (a write and its hash end
 at different times); the free space is the prefix released in order.
 
+One ring serves every background saver of a process (the persistent tier's and the local
+tier's: async_saver.py's `Staging`), one save at a time: a save begins once the save before it,
+by either saver, has released every piece (its bytes written and hashed, often well before its
+commit: the fsync is still to come), or its writer stopped.
+
 The memory is allocated once, ahead of the first save (`prepare`, in a thread of its own: the
 pages are touched there, not in the step loop's first save), reused by every save, and pinned when
-the state lives on a GPU, whose pieces are copied asynchronously on the current stream: the
-writer waits for each piece's event, and the next step's kernels queue behind the copies.
+the state lives on a GPU. A GPU tensor's pieces are copied to the host asynchronously on a side
+stream of its device, after the kernels queued before the save (so the copy reads the state at
+the step boundary) and recorded each with an event the writer waits for; `feed` then makes the
+training stream wait for the copies, so the next step's in-place updates queue behind them while
+the CPU goes on at once. (The next step's forward could overlap the copies, the optimizer waiting
+only for the tensors it overwrites; not built: a forward may update buffers in place too.)
 """
 
 from __future__ import annotations
@@ -58,10 +67,11 @@ class StagingAborted(RuntimeError):
 class StagingRing:
     """FIFO staging memory of `capacity` bytes (None: as large as the largest snapshot staged).
 
-    One save at a time: `begin(snapshot tensors)` gives the persist its `ChunkedTensors`, then
-    `feed(entries, writer_alive)` copies the live tensors in on the training thread while the
-    persist reads `chunks`; `feed` returns once every byte is copied (the live tensors may change
-    from then on)."""
+    One save at a time: `begin(snapshot tensors, writer_alive)` gives the persist its
+    `ChunkedTensors`, then `feed(entries)` copies the live tensors in on the training thread while
+    the persist reads `chunks`; `feed` returns once every byte is copied (the live tensors may
+    change from then on). `writer_alive()` says whether that save's writer still runs (it may
+    raise the writer's failure): `feed` and the next `begin` wait for room only while it does."""
 
     def __init__(self, capacity: int | None = None) -> None:
         if capacity is not None and capacity < MIN_CAPACITY:
@@ -76,12 +86,20 @@ class StagingRing:
         self._piece = PIECE_BYTES
         self._head = self._tail = 0  # bytes fed, bytes released in order (both since the save began)
         self._released: dict[int, int] = {}  # start -> end of pieces released ahead of the tail
+        self._writer_alive: Callable[[], bool] = lambda: False  # the writer of the save begun last
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}  # the side stream of each GPU copied from
 
     @property
     def nbytes(self) -> int:
         """The memory the ring holds (0 before the first `prepare` or save)."""
         self._wait_allocated()
         return 0 if self._memory is None else self._memory.numel()
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the memory is pinned (it stages a GPU's tensors: asynchronous copies)."""
+        self._wait_allocated()
+        return self._memory is not None and self._memory.is_pinned()
 
     @property
     def address(self) -> int | None:
@@ -107,6 +125,7 @@ class StagingRing:
         pin = any(local(t).is_cuda for named in tensors.values() for t in named.values())
         if self._memory is not None and self._memory.numel() >= size:
             return
+        self._wait_drained()  # a save in flight still reads the memory being replaced
         self._memory = None
         self._allocating = threading.Thread(target=self._allocate, args=(size, pin), name="ckpt-staging-alloc",
                                             daemon=True)
@@ -122,12 +141,23 @@ class StagingRing:
             self._allocating.join()
             self._allocating = None
 
-    def begin(self, tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[str, ChunkedTensors]:
+    def _wait_drained(self) -> None:
+        """Wait until the save begun last has released every piece it was fed, or its writer stopped."""
+        with self._room:
+            while self._tail < self._head and self._writer_alive():
+                self._room.wait(0.05)
+
+    def begin(self, tensors: Mapping[str, Mapping[str, torch.Tensor]],
+              writer_alive: Callable[[], bool]) -> dict[str, ChunkedTensors]:
         """Start a save of the files `tensors` (file -> name -> live tensor), before its persist
-        starts: the memory ready for them, and the files as the persist writes them (their tensors'
-        names, dtypes and shapes as meta tensors, their bytes from this ring, once `feed` copies them)."""
+        starts, once the save before it no longer holds the ring (`_wait_drained`): the memory ready
+        for them, and the files as the persist writes them (their tensors' names, dtypes and shapes
+        as meta tensors, their bytes from this ring, once `feed` copies them). `writer_alive`: this
+        save's writer (the class docstring)."""
+        self._wait_drained()
         self.prepare(tensors)
         self._wait_allocated()
+        self._writer_alive = writer_alive
         # Streaming, the writer gets small pieces (room comes back piece by piece); a snapshot the
         # ring holds whole is copied a tensor at a time (a copy per 16 MiB is slower than one per tensor).
         self._piece = PIECE_BYTES if staged_bytes(tensors) > self.nbytes else self.nbytes
@@ -142,46 +172,62 @@ class StagingRing:
                                      lambda name, file=file: self.chunks(file, name))
                 for file, named in tensors.items()}
 
-    def feed(self, entries: Sequence[Entry], writer_alive: Callable[[], bool]) -> None:
+    def feed(self, entries: Sequence[Entry]) -> None:
         """Copy the tensors of `entries` (those `begin` was given), in the writer's order, into the
         ring; waits for room while the writer drains it. Raises `StagingAborted` when the writer
         stopped (`writer_alive()` false) before making room. The writer is told to stop if this
         raises."""
         try:
             for file, name, tensor in entries:
-                self._feed_tensor(file, name, tensor, writer_alive)
+                self._feed_tensor(file, name, tensor)
         except BaseException:
             self._pieces.put(None)
             raise
+        finally:
+            for device, side in self._streams.items():
+                torch.cuda.current_stream(device).wait_stream(side)  # the next step's updates after the copies
 
-    def _feed_tensor(self, file: str, name: str, tensor: torch.Tensor, writer_alive: Callable[[], bool]) -> None:
+    def _feed_tensor(self, file: str, name: str, tensor: torch.Tensor) -> None:
         src = local(tensor).detach()
         if not src.numel():
             return  # the file has no bytes of it (tensorfile.py writes none)
         flat = src.contiguous().reshape(-1).view(torch.uint8)
+        side = self._side_stream(flat) if flat.is_cuda else None
         assert self._memory is not None
         size, total, done = self._memory.numel(), flat.numel(), 0
         while done < total:
             start = self._head
             at = start % size
             n = min(total - done, size - at, self._piece)
-            self._wait_room(start + n - size, writer_alive)
+            self._wait_room(start + n - size)
             piece = self._memory[at:at + n]
             ready = None
-            if flat.is_cuda:
-                piece.copy_(flat[done:done + n], non_blocking=True)
-                ready = torch.cuda.Event()
-                ready.record()
+            if side is not None:
+                with torch.cuda.stream(side):
+                    piece.copy_(flat[done:done + n], non_blocking=True)
+                    ready = torch.cuda.Event()
+                    ready.record(side)
             else:
                 piece.copy_(flat[done:done + n])
             done += n
             self._head = start + n
             self._pieces.put((file, name, self._generation, start, n, done == total, ready))
 
-    def _wait_room(self, tail_needed: int, writer_alive: Callable[[], bool]) -> None:
+    def _side_stream(self, flat: torch.Tensor) -> torch.cuda.Stream:
+        """The side stream the device-to-host copies of `flat` run on, after every kernel queued so
+        far on the training stream (`flat` itself may be the output of one: a contiguous copy);
+        the allocator keeps `flat`'s memory until the side stream is past it."""
+        side = self._streams.get(flat.device)
+        if side is None:
+            side = self._streams[flat.device] = torch.cuda.Stream(flat.device)
+        side.wait_stream(torch.cuda.current_stream(flat.device))
+        flat.record_stream(side)
+        return side
+
+    def _wait_room(self, tail_needed: int) -> None:
         with self._room:
             while self._tail < tail_needed:
-                if not writer_alive():
+                if not self._writer_alive():
                     raise StagingAborted("the background save stopped before it wrote the snapshot")
                 self._room.wait(0.05)
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
+from harness.checkpoint import CheckpointStore
 from harness.checkpoint.errors import CheckpointCorrupt
 from harness.checkpoint.save import local_tier, peer_copies
 from harness.checkpoint.save.local_tier import LocalTier
@@ -159,3 +160,29 @@ def test_an_error_exit_does_not_wait_for_a_stuck_exchange(tier, monkeypatch):
     assert time.monotonic() - t0 < 5
     assert [e["step"] for e in logs if e["event"] == "peer copy abandoned at an error exit"] == [2]
     w.gate.set()
+
+
+def test_a_file_travels_in_messages_of_the_chunk_size_and_arrives_whole(tmp_path, monkeypatch):
+    """`transfer` over a loopback wire (this rank to itself: the k-th message out is the k-th in):
+    a 1 MiB tensor file and state.json cut into messages of at most 64 KiB each way, the copy
+    committed with the sender's digests."""
+    monkeypatch.setattr(peer_copies, "CHUNK_BYTES", 64 << 10)
+    monkeypatch.setattr(peer_copies, "peer_group", lambda: None)
+    wire_queue: list[torch.Tensor] = []
+    sizes: list[int] = []
+
+    def loopback(group, to, out, sender, into):
+        if out is not None and out.numel():
+            sizes.append(out.numel())
+            wire_queue.append(out.clone())
+        if into is not None and into.numel():
+            into.copy_(wire_queue.pop(0))
+        return into
+
+    monkeypatch.setattr(peer_copies, "_swap", loopback)
+    source = CheckpointStore(str(tmp_path / "own"))
+    source.save(2, {"model": {"w": torch.randn(1 << 18)}})  # 1 MiB
+    inbox = CheckpointStore(str(tmp_path / "inbox"))
+    ref = peer_copies.transfer(peer_copies.Outgoing(0, source, source.ref(2)), peer_copies.Incoming(0, inbox))
+    assert inbox.manifest(ref).files == source.manifest(source.ref(2)).files and inbox.verify(ref) == []
+    assert max(sizes[2:]) == 64 << 10 and len(sizes) > 2 + (1 << 20) // (64 << 10)  # after the manifest's two

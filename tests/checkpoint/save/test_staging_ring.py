@@ -136,3 +136,22 @@ def test_harness_train_with_a_ring_under_the_state_ends_bitwise_as_without(tmp_p
     small = harness("train", str(TINY), "--run-dir", str(tmp_path / "small"), "--set", "checkpoint.staging_mib=8")
     assert_one_line_error(small, "checkpoint.staging_mib")
     assert not (tmp_path / "small").exists()
+
+
+def test_the_step_loop_prepares_the_ring_after_a_fresh_first_step_and_before_a_resumed_one(tmp_path, monkeypatch):
+    """In a real training process (in this one): the staging ring is allocated once the state is
+    whole, after step 1 of a fresh run (AdamW makes its moments there) and before the first step
+    of a resumed one, so neither's first save waits for it."""
+    from harness.config import load_config
+    from harness.run import session
+
+    prepared: list[int] = []
+    real = AsyncSaver.prepare
+    monkeypatch.setattr(AsyncSaver, "prepare",
+                        lambda self, parts: prepared.append(parts["trainer"].step) or real(self, parts))
+    run = f"run_dir={str(tmp_path / 'run')!r}"
+    assert session.train(load_config(TINY, [run, "train.steps=4", "debug.step_sleep_s=0"])) == 0
+    assert prepared == [1]
+    assert session.train(load_config(TINY, [run, "train.steps=6", "debug.step_sleep_s=0"]),
+                         allow_config_change=True) == 0
+    assert prepared == [1, 4]
