@@ -54,7 +54,7 @@ class Layers:
         """Remove `dotted` as if no layer had set it. When none did, the UserError names the
         request (`asked`) and the layers searched (`before`)."""
         *parents, leaf = dotted.split(".")
-        node = self.raw
+        node: Any = self.raw
         for p in parents:
             node = node.get(p) if isinstance(node, dict) else None
         if not isinstance(node, dict) or leaf not in node:
@@ -124,6 +124,7 @@ def _read_file(layers: Layers, path: Path, seen: tuple[Path, ...], extended_by: 
     if base is not None:
         _read_file(layers, path.parent / base, seen + (path.resolve(),), extended_by=f'{path}: extends = "{base}"')
     for key in unset or ():
+        assert base is not None  # _check_unset refused an unset without extends
         layers.unset(key, f"{path}: unset {key!r}", f"{path.parent / base} (with what it extends)")
     layers.merge(raw, str(path))
 

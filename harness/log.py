@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO, cast
 
 import structlog
+from structlog.typing import EventDict, WrappedLogger
 from tqdm import tqdm
 
 from harness.topology import topology_from_env
@@ -42,7 +44,8 @@ def configure(level: str = "info") -> None:
             structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(threshold),
-        logger_factory=structlog.WriteLoggerFactory(file=_CurrentStderr()),
+        # WriteLogger calls only write and flush, which _CurrentStderr has; structlog types the file a TextIO.
+        logger_factory=structlog.WriteLoggerFactory(file=cast(TextIO, _CurrentStderr())),
         cache_logger_on_first_use=False,
     )
 
@@ -53,7 +56,7 @@ class _PrefixRank:
     def __init__(self, prefix: str) -> None:
         self.prefix = prefix
 
-    def __call__(self, logger: object, method: str, event_dict: dict) -> dict:
+    def __call__(self, logger: WrappedLogger, method: str, event_dict: EventDict) -> EventDict:
         if "rank" not in event_dict:
             event_dict["event"] = f"{self.prefix}{event_dict.get('event', '')}"
         return event_dict

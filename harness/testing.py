@@ -142,9 +142,11 @@ class _Run:
 
     def parts(self) -> dict[str, Any]:
         # The trainer's own fingerprint history is not hashed: it is compared here directly.
+        assert self.task is not None, "between start() and stop()"
         return {k: v for k, v in self.task.parts().items() if not isinstance(v, FingerprintLog)}
 
     def advance(self) -> dict[str, Any]:
+        assert self.task is not None, "between start() and stop()"
         loss, batch = self.task.run_step()
         if self.probe is not None and self.probe.done:  # non-persistent buffers that carry state
             self.unsaved = self.probe.stateful
@@ -162,6 +164,7 @@ class _Run:
     def save(self) -> dict[str, dict[str, str]]:
         """Checkpoint the current step, committed before it returns; returns the digests of what it
         saved (no non-persistent buffers)."""
+        assert self.task is not None and self.saver is not None, "between start() and stop()"
         self.saver.save(self.step, self.task.parts())
         self.saver.finish()
         return state_digests(self.parts(), saved_only=True)
@@ -172,6 +175,7 @@ class _Run:
         saved = self.save()
         self.stop()
         self.start()
+        assert self.task is not None, "start() built it"
         load(self.store, self.store.ref(self.step), self.task.parts())
         loaded = state_digests(self.parts(), saved_only=True)
         return [p for p in saved if saved[p] != loaded.get(p)], saved, loaded
@@ -296,6 +300,7 @@ def trainer_task(cfg: Any) -> Task:
 
     def step() -> tuple[float, Any]:
         result = trainer.train_step()
+        assert result.fingerprint is not None  # train_step records every step's
         return result.loss, result.fingerprint["batch_hash"]
 
     return Task(model=trainer.model, optimizer=trainer.optim, data=trainer.stream, scheduler=trainer.sched,

@@ -9,6 +9,7 @@ harness/parallel/distributed.py.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -23,7 +24,7 @@ class Topology:
     local_world_size: int = 1
 
 
-def topology_from_env(env: dict[str, str] | None = None) -> Topology:
+def topology_from_env(env: Mapping[str, str] | None = None) -> Topology:
     """The topology torchrun (or SLURM through ops/slurm/train.sbatch) put in the environment."""
     env = os.environ if env is None else env
     world = int(env.get("WORLD_SIZE", 1))

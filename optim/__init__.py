@@ -10,6 +10,7 @@ not pay for it.
 """
 
 from importlib import import_module
+from typing import Any
 
 _EXPORTS = {"Adafactor2D": "adafactor", "Lion": "lion", "Muon": "muon", "MultiOpt": "bundle",
             "MultiSched": "bundle", "OLion": "olion", "OptimConfig": "config", "build_bundle": "build",
@@ -18,7 +19,7 @@ _EXPORTS = {"Adafactor2D": "adafactor", "Lion": "lion", "Muon": "muon", "MultiOp
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:  # one of the names above: a class or a function
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)

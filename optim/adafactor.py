@@ -26,13 +26,17 @@ one-process step to float rounding, not bitwise. The collectives are batched ove
 parameters: one all-reduce of every partial statistic, one of every sum of squares of u.
 """
 
+from collections.abc import Callable
+from typing import Any, overload
+
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import ParamsT
 
 from optim.base import MatrixOptimizer
 from optim.closure import run_closure
-from optim.dtensor import local
-from optim.sharded import factor_zeros, layout_of
+from optim.dtensor import local, local_grad
+from optim.sharded import factor_zeros, layout_of, sharded_layout
 
 
 class Adafactor2D(MatrixOptimizer):
@@ -45,7 +49,7 @@ class Adafactor2D(MatrixOptimizer):
     Raises ValueError for a non-2D parameter, naming it.
     """
 
-    def __init__(self, params, lr: float = 1e-3, beta2: float = 0.999, eps: float = 1e-30,
+    def __init__(self, params: ParamsT, lr: float = 1e-3, beta2: float = 0.999, eps: float = 1e-30,
                  clip: float = 1.0, wd: float = 0.0):
         super().__init__(params, dict(lr=lr, beta2=beta2, eps=eps, clip=clip, wd=wd))
 
@@ -58,7 +62,7 @@ class Adafactor2D(MatrixOptimizer):
     def initial_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"r": factor_zeros(p, 0), "c": factor_zeros(p, 1)}
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's loader casts floating state to the parameter dtype; the statistics are kept
         in float32 (a bfloat16 r/c would change the trajectory after a resume), so they are
         re-adopted from the given dict after torch has placed everything else."""
@@ -71,8 +75,12 @@ class Adafactor2D(MatrixOptimizer):
                 if key in entry:
                     self.state[p][key] = entry[key].to(device=p.device, dtype=torch.float32)
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = run_closure(closure)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -84,10 +92,10 @@ class Adafactor2D(MatrixOptimizer):
                 self._step_sharded(sharded, group)
         return loss
 
-    def _step_whole(self, p: torch.Tensor, group: dict) -> None:
+    def _step_whole(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         """The reference rule on a matrix this rank holds whole."""
         beta2, eps = group["beta2"], group["eps"]
-        g = local(p.grad)
+        g = local_grad(p)
         state = self.state_of(p)
         r, c = local(state["r"]), local(state["c"])
         g2 = g.float().pow(2) + eps
@@ -97,17 +105,17 @@ class Adafactor2D(MatrixOptimizer):
         rms = u.pow(2).mean().sqrt()
         _apply(local(p), u, rms, group)
 
-    def _step_sharded(self, params: list[torch.Tensor], group: dict) -> None:
+    def _step_sharded(self, params: list[torch.Tensor], group: dict[str, Any]) -> None:
         """The same rule on sharded matrices: local statistics, then the cross-rank sums, batched
         over `params` per shard group (every rank calls this with the same parameters)."""
-        by_group: dict = {}
+        by_group: dict[dist.ProcessGroup, list[torch.Tensor]] = {}
         for p in params:
-            by_group.setdefault(layout_of(p).group, []).append(p)
+            by_group.setdefault(sharded_layout(p).group, []).append(p)
         beta2, eps = group["beta2"], group["eps"]
         for process_group, members in by_group.items():
             partial = []
             for p in members:
-                g, dim = local(p.grad), layout_of(p).dim
+                g, dim = local_grad(p), sharded_layout(p).dim
                 state = self.state_of(p)
                 g2 = g.float().pow(2) + eps
                 # The statistic along the sharded dimension is complete on this rank.
@@ -116,9 +124,11 @@ class Adafactor2D(MatrixOptimizer):
                 partial += [g2.sum(dim), mine.sum().reshape(1) if dim == 0 else g2.new_zeros(1)]
             sums = torch.cat(partial)
             dist.all_reduce(sums, group=process_group)
-            updates, squares, offset = [], [], 0
+            updates: list[torch.Tensor] = []
+            squares: list[torch.Tensor] = []
+            offset = 0
             for p in members:
-                g, dim = local(p.grad), layout_of(p).dim
+                g, dim = local_grad(p), sharded_layout(p).dim
                 state = self.state_of(p)
                 r, c = local(state["r"]), local(state["c"])
                 n = p.shape[1 - dim]
@@ -129,9 +139,9 @@ class Adafactor2D(MatrixOptimizer):
                 u = g / _root_second_moment(r, c, r_mean, eps).to(g.dtype)
                 updates.append(u)
                 squares.append(u.float().pow(2).sum())
-            squares = torch.stack(squares)
-            dist.all_reduce(squares, group=process_group)
-            for p, u, square in zip(members, updates, squares, strict=True):
+            totals = torch.stack(squares)
+            dist.all_reduce(totals, group=process_group)
+            for p, u, square in zip(members, updates, totals, strict=True):
                 _apply(local(p), u, (square / p.numel()).sqrt().to(u.dtype), group)
 
 
@@ -140,7 +150,7 @@ def _root_second_moment(r: torch.Tensor, c: torch.Tensor, r_mean: torch.Tensor, 
     return (r[:, None] * c[None, :] / r_mean.clamp(min=eps)).sqrt()
 
 
-def _apply(w: torch.Tensor, u: torch.Tensor, rms: torch.Tensor, group: dict) -> None:
+def _apply(w: torch.Tensor, u: torch.Tensor, rms: torch.Tensor, group: dict[str, Any]) -> None:
     """Clip u to RMS `clip`, decay, step."""
     # clip / rms is computed as clip * (1 / rms): bitwise the reference's for the default clip
     # 1.0, within one float32 rounding for other clips.

@@ -15,6 +15,8 @@ replaces the parameters), as torch's FSDP2 documentation asks for every optimize
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from optim.newton_schulz import require_matrices
@@ -36,24 +38,24 @@ class Optimizer(torch.optim.Optimizer):
         """Fresh state of `p`: zeros like `p` (its dtype, device and, for a DTensor, placement)."""
         return {name: torch.zeros_like(p) for name in self.STATE}
 
-    def check_group(self, group: dict) -> None:
+    def check_group(self, group: dict[str, Any]) -> None:
         """Raise ValueError for a parameter group this optimizer cannot take (none here)."""
 
     def state_of(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
         """`p`'s state, created by `initial_state` if it has none."""
-        state = self.state[p]
+        state: dict[str, torch.Tensor] = self.state[p]  # torch types its state values Any
         if not state:
             state.update(self.initial_state(p))
         return state
 
-    def add_param_group(self, param_group: dict) -> None:
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         self.check_group(group)
         for p in group["params"]:
             self.state_of(p)
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
         for group in self.param_groups:
             for p in group["params"]:
@@ -64,7 +66,7 @@ class MatrixOptimizer(Optimizer):
     """Takes 2D parameters only, plain or sharded on one mesh dimension: every group added is
     checked (`require_matrices`, `optim.sharded.layout_of`)."""
 
-    def check_group(self, group: dict) -> None:
+    def check_group(self, group: dict[str, Any]) -> None:
         require_matrices(self, group)
         names = group.get("param_names") or [f"params[{i}]" for i in range(len(group["params"]))]
         for name, p in zip(names, group["params"], strict=True):

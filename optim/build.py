@@ -27,30 +27,52 @@ group is then split in two, decayed first, so groups are [rest, rest no-decay, h
 """
 
 from fnmatch import fnmatchcase
+from typing import Any, TypedDict
 
 import torch
 
 from optim.adafactor import Adafactor2D
 from optim.bundle import MultiOpt, MultiSched
-from optim.config import AdamWConfig, ArmConfig, MuonConfig, OLionConfig, OptimConfig, SGDMConfig
+from optim.config import (
+    AdafactorConfig,
+    AdamWConfig,
+    ArmConfig,
+    LionConfig,
+    MuonConfig,
+    OLionConfig,
+    OptimConfig,
+    SGDMConfig,
+)
 from optim.errors import OptimError
 from optim.lion import Lion
 from optim.muon import Muon
 from optim.olion import OLion
 from optim.schedule import Schedule, ScheduledLR
 
+# (name, parameter) pairs, as `model.named_parameters()` yields them.
+Named = list[tuple[str, torch.nn.Parameter]]
 
-def _groups(named: list, lr: float, cfg: ArmConfig) -> list[dict]:
+
+class _AdamWArgs(TypedDict):
+    """The keyword arguments every AdamW of a bundle takes from the config."""
+
+    lr: float
+    betas: tuple[float, float]
+    weight_decay: float
+
+
+def _groups(named: Named, lr: float, cfg: ArmConfig) -> list[dict[str, Any]]:
     """One group at `lr`, or [rest, head] with the head at lr * head_lr_mult (reference order)."""
     if cfg.head_lr_mult == 1.0:
         return [{"params": named, "lr": lr}]
+    assert cfg.head_pattern is not None, "ArmConfig requires head_pattern when head_lr_mult != 1"
     head = [(n, p) for n, p in named if fnmatchcase(n, cfg.head_pattern)]
     rest = [(n, p) for n, p in named if not fnmatchcase(n, cfg.head_pattern)]
     groups = [{"params": rest, "lr": lr}, {"params": head, "lr": lr * cfg.head_lr_mult}]
     return [g for g in groups if g["params"]]
 
 
-def _decay_split(groups: list[dict], cfg: ArmConfig, model: torch.nn.Module) -> list[dict]:
+def _decay_split(groups: list[dict[str, Any]], cfg: ArmConfig, model: torch.nn.Module) -> list[dict[str, Any]]:
     """Each AdamW group split into [decayed, not decayed] (module docstring), empty ones dropped."""
     embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding)
                   for p in m.parameters(recurse=False)}
@@ -66,7 +88,8 @@ def _decay_split(groups: list[dict], cfg: ArmConfig, model: torch.nn.Module) -> 
     return [g for g in out if g["params"]]
 
 
-def _matrix_optimizer(cfg: ArmConfig, matrices: list) -> torch.optim.Optimizer:
+def _matrix_optimizer(cfg: MuonConfig | LionConfig | OLionConfig | AdafactorConfig,
+                      matrices: Named) -> torch.optim.Optimizer:
     if isinstance(cfg, MuonConfig):
         return Muon(_groups(matrices, cfg.lr_muon, cfg), lr=cfg.lr_muon, momentum=cfg.momentum,
                     ns_steps=cfg.ns_steps, nesterov=cfg.nesterov,
@@ -76,7 +99,8 @@ def _matrix_optimizer(cfg: ArmConfig, matrices: list) -> torch.optim.Optimizer:
     groups = _groups(matrices, lr, cfg)
     if isinstance(cfg, OLionConfig):
         return OLion(groups, lr=lr, gamma=cfg.gamma, wd=cfg.wd)
-    return {"lion": Lion, "adafactor": Adafactor2D}[cfg.type](groups, lr=lr, wd=cfg.wd)
+    optimizer: type[Lion] | type[Adafactor2D] = {"lion": Lion, "adafactor": Adafactor2D}[cfg.type]
+    return optimizer(groups, lr=lr, wd=cfg.wd)
 
 
 def matrix_patterns(cfg: ArmConfig, model: torch.nn.Module) -> list[str]:
@@ -96,10 +120,14 @@ def build_bundle(
     Raises OptimError when the split or the head pattern matches no parameter.
     """
     named = list(model.named_parameters())
-    if cfg.head_lr_mult != 1.0 and not any(fnmatchcase(n, cfg.head_pattern) for n, _ in named):
-        raise OptimError(f"head_pattern {cfg.head_pattern!r} matches no parameter of the model; "
-                        f"names look like {[n for n, _ in named[:5]]}")
-    adamw = dict(lr=cfg.lr, betas=tuple(cfg.adam_betas), weight_decay=cfg.weight_decay)
+    if cfg.head_lr_mult != 1.0:
+        assert cfg.head_pattern is not None, "ArmConfig requires head_pattern when head_lr_mult != 1"
+        if not any(fnmatchcase(n, cfg.head_pattern) for n, _ in named):
+            raise OptimError(f"head_pattern {cfg.head_pattern!r} matches no parameter of the model; "
+                            f"names look like {[n for n, _ in named[:5]]}")
+    beta1, beta2 = cfg.adam_betas
+    adamw = _AdamWArgs(lr=cfg.lr, betas=(beta1, beta2), weight_decay=cfg.weight_decay)
+    optimizers: dict[str, torch.optim.Optimizer]
     if isinstance(cfg, AdamWConfig):
         optimizers = {"adamw": torch.optim.AdamW(_decay_split(_groups(named, cfg.lr, cfg), cfg, model),
                                                  **adamw)}

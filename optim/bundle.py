@@ -27,7 +27,8 @@ tensor whose shape differs. Loaded tensors become the optimizer's state as they 
 when dtype and device already match), so a resume never holds two copies of the optimizer state.
 """
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any, TypeAlias, overload
 
 import torch
 
@@ -39,7 +40,15 @@ _REFERENCE_FORMAT = ("it looks like the team reference's positional MultiOpt sta
                      "(optim.bundle), so resume from a checkpoint written by the harness")
 
 
-def _plain(value, where: str):
+# A checkpoint-safe tree (module docstring): what `_plain` makes of a state.
+Tree: TypeAlias = "torch.Tensor | bool | int | float | str | None | list[Tree] | dict[str, Tree]"
+
+
+@overload
+def _plain(value: Mapping[str, object], where: str) -> dict[str, Tree]: ...
+@overload
+def _plain(value: object, where: str) -> Tree: ...
+def _plain(value: object, where: str) -> Tree:
     """`value` as a checkpoint-safe tree (tuples become lists); anything else is a bug."""
     if isinstance(value, (list, tuple)):
         return [_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
@@ -50,7 +59,7 @@ def _plain(value, where: str):
     raise TypeError(f"{where} is a {type(value).__name__}, which a checkpoint cannot hold")
 
 
-def _refuse_mismatch(kind: str, where: str, saved, current) -> None:
+def _refuse_mismatch(kind: str, where: str, saved: Iterable[str], current: Iterable[str]) -> None:
     missing, extra = sorted(set(current) - set(saved)), sorted(set(saved) - set(current))
     if missing:
         raise OptimError(f"checkpoint {where} lacks {kind} {missing[0]!r} (missing: {missing}); "
@@ -66,7 +75,8 @@ def _require(ok: bool, where: str, what: str) -> None:
                         "harness's optimizer bundle")
 
 
-def _torch_state_keys(opt: torch.optim.Optimizer, group: dict) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+def _torch_state_keys(opt: torch.optim.Optimizer,
+                      group: dict[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
     """(the state keys shaped like the parameter, the scalar ones) of torch's own optimizers, or
     None for another class. AdamW subclasses Adam; the conditional keys follow the group's flags."""
     if isinstance(opt, torch.optim.Adam):
@@ -84,7 +94,7 @@ def _torch_state_keys(opt: torch.optim.Optimizer, group: dict) -> tuple[tuple[st
     return next((keys for cls, keys in table.items() if isinstance(opt, cls)), None)
 
 
-def state_shapes(opt: torch.optim.Optimizer, p: torch.Tensor, group: dict) -> dict[str, tuple]:
+def state_shapes(opt: torch.optim.Optimizer, p: torch.Tensor, group: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The state keys `opt` keeps for `p` (in `group`) once it has stepped, with their shapes.
 
     Our optimizers declare theirs (`state_shapes(p)`); torch's own (Adam, AdamW, SGD, RMSprop,
@@ -100,7 +110,7 @@ def state_shapes(opt: torch.optim.Optimizer, p: torch.Tensor, group: dict) -> di
     return {**{k: () for k in scalars}, **{k: tuple(p.shape) for k in shaped}}
 
 
-def _check_group_keys(where: str, opt: torch.optim.Optimizer, saved_groups: list) -> None:
+def _check_group_keys(where: str, opt: torch.optim.Optimizer, saved_groups: list[dict[str, Any]]) -> None:
     """Every saved group must carry exactly the hyperparameter keys of this optimizer's groups."""
     live = set(opt.param_groups[0]) - {"params", "param_names"}
     for i, group in enumerate(saved_groups):
@@ -113,7 +123,7 @@ def _check_group_keys(where: str, opt: torch.optim.Optimizer, saved_groups: list
                             "it was written by another version of the optimizer: resume with that version")
 
 
-def _check_shape(where: str, opt: torch.optim.Optimizer, saved: dict) -> None:
+def _check_shape(where: str, opt: torch.optim.Optimizer, saved: Any) -> None:  # any value a checkpoint holds
     _require(isinstance(saved, dict) and isinstance(saved.get("state"), dict)
              and isinstance(saved.get("param_groups"), list), where,
              'expected {"state": {...}, "param_groups": [...]}')
@@ -125,10 +135,11 @@ def _check_shape(where: str, opt: torch.optim.Optimizer, saved: dict) -> None:
         _require(isinstance(entry, dict), f"{where}/{name}", "a parameter's state must be a dict")
 
 
-def _changed_hyperparameters(saved_groups: list, owners: dict) -> set[str]:
+def _changed_hyperparameters(saved_groups: list[dict[str, Any]],
+                             owners: dict[str, tuple[torch.Tensor, dict[str, Any]]]) -> set[str]:
     """Hyperparameter keys whose live value for some parameter differs from the checkpoint's
     (`lr` is the schedule's, compared through `initial_lr`)."""
-    changed = set()
+    changed: set[str] = set()
     for group in saved_groups:
         for name in group["params"]:
             live = owners[name][1]
@@ -137,7 +148,7 @@ def _changed_hyperparameters(saved_groups: list, owners: dict) -> set[str]:
     return changed
 
 
-def _positional(where: str, opt: torch.optim.Optimizer, saved: dict) -> tuple[dict, set[str]]:
+def _positional(where: str, opt: torch.optim.Optimizer, saved: Any) -> tuple[dict[str, Any], set[str]]:
     """Translate one optimizer's name-keyed state into torch's positional form over the live
     groups (their hyperparameters and grouping), after checking names, keys and shapes; with
     the hyperparameter keys whose values the live groups change."""
@@ -147,14 +158,16 @@ def _positional(where: str, opt: torch.optim.Optimizer, saved: dict) -> tuple[di
                      [n for g in saved_groups for n in g["params"]],
                      [n for g in opt.param_groups for n in g["param_names"]])
     _check_group_keys(where, opt, saved_groups)
-    positions, owners, torch_groups = {}, {}, []
+    positions: dict[str, int] = {}
+    owners: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {}
+    torch_groups: list[dict[str, Any]] = []
     for group in opt.param_groups:
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         ids = list(range(len(positions), len(positions) + len(group["params"])))
         for pos, name, p in zip(ids, group["param_names"], group["params"], strict=True):
             positions[name], owners[name] = pos, (p, group)
         torch_groups.append({**hyper, "params": ids, "param_names": list(group["param_names"])})
-    state = {}
+    state: dict[int, dict[str, Any]] = {}
     for name, entry in saved["state"].items():
         if name not in owners:
             raise OptimError(f"checkpoint {where} has state for {name!r}, which is in none of its "
@@ -189,7 +202,7 @@ class MultiOpt:
     state differs from the saved one on purpose (empty when none did).
     """
 
-    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
+    def __init__(self, optimizers: Mapping[str, torch.optim.Optimizer]):
         self.optimizers = dict(optimizers)
         self.restored_with_changes: list[str] = []
         owner: dict[str, str] = {}
@@ -209,7 +222,7 @@ class MultiOpt:
                         raise ValueError(f"optimizer {opt_name!r}: {e}") from None
 
     @property
-    def param_groups(self) -> list[dict]:
+    def param_groups(self) -> list[dict[str, Any]]:
         return [g for opt in self.optimizers.values() for g in opt.param_groups]
 
     def step(self) -> None:
@@ -220,10 +233,11 @@ class MultiOpt:
         for opt in self.optimizers.values():
             opt.zero_grad(set_to_none=set_to_none)
 
-    def state_dict(self) -> dict:
-        out = {}
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for opt_name, opt in self.optimizers.items():
-            state, groups = {}, []
+            state: dict[str, Tree] = {}
+            groups: list[dict[str, Tree]] = []
             for group in opt.param_groups:
                 hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
                 groups.append({**_plain(hyper, f"{opt_name}.param_groups"),
@@ -234,7 +248,7 @@ class MultiOpt:
             out[opt_name] = {"state": state, "param_groups": groups}
         return out
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict):
             raise OptimError(f"checkpoint optim is a {type(state_dict).__name__}, not a dict keyed by "
                             f"optimizer name: {_REFERENCE_FORMAT}")
@@ -255,11 +269,11 @@ class MultiSched:
     `restored_with_changes` what differs from the saved state on purpose (as in MultiOpt:
     `scheduler/what`)."""
 
-    def __init__(self, schedulers: dict[str, ScheduledLR]):
+    def __init__(self, schedulers: Mapping[str, ScheduledLR]):
         self.schedulers = dict(schedulers)
 
     @property
-    def replanned(self):
+    def replanned(self) -> dict[str, Any] | None:
         return next((s.replanned for s in self.schedulers.values() if getattr(s, "replanned", None)), None)
 
     @property
@@ -273,13 +287,13 @@ class MultiSched:
             if names is None or name in names:
                 sched.step()
 
-    def get_last_lr(self) -> dict[str, list[float]]:
+    def get_last_lr(self) -> dict[str, list[float | torch.Tensor]]:  # torch's type: an lr may be a tensor
         return {name: list(s.get_last_lr()) for name, s in self.schedulers.items()}
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {name: _plain(s.state_dict(), f"sched.{name}") for name, s in self.schedulers.items()}
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not isinstance(state_dict, dict):
             raise OptimError(f"checkpoint sched is a {type(state_dict).__name__}, not a dict keyed by "
                             f"optimizer name: {_REFERENCE_FORMAT}")

@@ -5,7 +5,7 @@ loaded, and the processes that only read a config (the supervisor) never load it
 builds from it: optim/build.py.
 """
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, model_validator
 
@@ -52,7 +52,7 @@ class ArmConfig(BaseModel):
                                        "blocks.*.")
 
     @model_validator(mode="after")
-    def _head_needs_pattern(self):
+    def _head_needs_pattern(self) -> Self:
         if self.head_lr_mult != 1.0 and self.head_pattern is None:
             raise ValueError("head_lr_mult != 1 needs head_pattern (the head's parameter names)")
         return self
@@ -129,7 +129,7 @@ def arms_taking(key: str) -> list[str]:
     return [name for name, cls in ARMS.items() if key in cls.model_fields]
 
 
-def _arm(value: Any) -> str:
+def _arm(value: Any) -> object:  # the tag it names (pydantic refuses one that is no arm)
     # A config without `type` is the canonical AdamW arm.
     if isinstance(value, dict):
         return value.get("type", "adamw")
@@ -149,6 +149,6 @@ OptimConfig = Annotated[
 _ADAPTER = TypeAdapter(OptimConfig)
 
 
-def parse_optim_config(data: dict) -> OptimConfig:
+def parse_optim_config(data: dict[str, Any]) -> OptimConfig:
     """Validate a dict (e.g. the `[optim]` TOML table) into the arm its `type` names."""
     return _ADAPTER.validate_python(data)

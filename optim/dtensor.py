@@ -14,11 +14,15 @@ imports FSDP.
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 
+if TYPE_CHECKING:  # for the checker only: importing it is what this module avoids
+    from torch.distributed.tensor import DTensor
 
-def is_dtensor(t: object) -> bool:
+
+def is_dtensor(t: object) -> TypeGuard[DTensor]:
     """Whether `t` is a DTensor (FSDP2's sharded parameters and state)."""
     package = sys.modules.get("torch.distributed.tensor")
     return package is not None and isinstance(t, package.DTensor)
@@ -28,3 +32,10 @@ def local(t: torch.Tensor) -> torch.Tensor:
     """The part of `t` this rank holds (a view: in-place ops on it update `t`): a DTensor's local
     shard, a plain tensor itself."""
     return t.to_local() if is_dtensor(t) else t
+
+
+def local_grad(p: torch.Tensor) -> torch.Tensor:
+    """`local(p.grad)` of a parameter that an optimizer's step kept for having a gradient."""
+    if p.grad is None:
+        raise ValueError("a parameter without a gradient reached an optimizer's update")
+    return local(p.grad)

@@ -12,7 +12,11 @@ Elementwise, so a sharded parameter (DTensor) steps on its local shard with its 
 bitwise the one-process step, no communication (optim/sharded.py).
 """
 
+from collections.abc import Callable, Iterable
+from typing import overload
+
 import torch
+from torch.optim.optimizer import ParamsT
 
 from optim.base import Optimizer
 from optim.closure import run_closure
@@ -27,11 +31,15 @@ class Lion(Optimizer):
 
     STATE = ("m",)
 
-    def __init__(self, params, lr: float = 3e-4, betas=(0.9, 0.99), wd: float = 0.0):
+    def __init__(self, params: ParamsT, lr: float = 3e-4, betas: Iterable[float] = (0.9, 0.99), wd: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), wd=wd))
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = run_closure(closure)
         for group in self.param_groups:
             b1, b2 = group["betas"]

@@ -35,11 +35,15 @@ update matrix is orthogonalised once, on one rank, and its shards sent back (opt
 the result is the one-process step's, bitwise on a CPU in float32 (tests/optim/test_sharded.py).
 """
 
+from collections.abc import Callable
+from typing import overload
+
 import torch
+from torch.optim.optimizer import ParamsT
 
 from optim.base import MatrixOptimizer
 from optim.closure import run_closure
-from optim.dtensor import local
+from optim.dtensor import local, local_grad
 from optim.newton_schulz import NS_DTYPE_CHOICES, ns_dtype
 from optim.sharded import matrix_rounds, orthogonalize_matrices
 
@@ -59,7 +63,7 @@ class Muon(MatrixOptimizer):
 
     def __init__(
         self,
-        params,
+        params: ParamsT,
         lr: float = 0.02,
         momentum: float = 0.95,
         ns_steps: int = 5,
@@ -88,11 +92,15 @@ class Muon(MatrixOptimizer):
         """The factor on the orthogonalised update for a (rows, cols) parameter."""
         rows, cols = shape
         if consistent_rms is None:
-            return max(1.0, rows / cols) ** 0.5
-        return consistent_rms * max(rows, cols) ** 0.5
+            return float(max(1.0, rows / cols) ** 0.5)  # float ** float is typed Any (complex for a base < 0)
+        return float(consistent_rms * max(rows, cols) ** 0.5)
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = run_closure(closure)
         for group in self.param_groups:
             momentum, lr, wd = group["momentum"], group["lr"], group["weight_decay"]
@@ -101,7 +109,7 @@ class Muon(MatrixOptimizer):
                 continue
             dtype = ns_dtype(group["ns_dtype"], params[0].device)
             for batch in matrix_rounds(params, group["ns_batched"], dtype):
-                grads = [local(p.grad) for p in batch]
+                grads = [local_grad(p) for p in batch]
                 bufs = [local(self.state_of(p)["mom"]) for p in batch]
                 torch._foreach_mul_(bufs, momentum)
                 torch._foreach_add_(bufs, grads)

@@ -31,6 +31,8 @@ Contracts:
 
 import functools
 from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -61,8 +63,8 @@ def ns_dtype(name: str, device: torch.device) -> torch.dtype:
 def _normalized(G: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     G = G.to(dtype)
     # A 2D norm() and a norm over the last two dims reduce the same elements in the same order;
-    # the 2D form keeps the single-matrix path literally the reference's.
-    norm = G.norm() if G.ndim == 2 else G.norm(dim=(-2, -1), keepdim=True)
+    # the 2D form keeps the single-matrix path literally the reference's. (Tensor.norm is unannotated.)
+    norm: torch.Tensor = G.norm() if G.ndim == 2 else G.norm(dim=(-2, -1), keepdim=True)
     return G / (norm + NS_EPS)
 
 
@@ -153,10 +155,10 @@ def ns_batches(params: list[torch.Tensor], batched: bool | None = None,
     updates just before orthogonalising it, so the transient memory is one batch, not every
     matrix at once.
     """
-    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    groups: dict[tuple[tuple[int, int], torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for p in params:
         groups[(_wide(p.shape), p.device, p.dtype)].append(p)
-    out = []
+    out: list[list[torch.Tensor]] = []
     for (wide, device, _), group in groups.items():
         if not (batched if batched is not None else _batch_is_faster(wide, device, dtype)):
             out.extend([p] for p in group)
@@ -167,7 +169,7 @@ def ns_batches(params: list[torch.Tensor], batched: bool | None = None,
 
 
 def orthogonalize(
-    matrices: list[torch.Tensor], steps: int = 5, dtype: torch.dtype = torch.float32
+    matrices: Sequence[torch.Tensor], steps: int = 5, dtype: torch.dtype = torch.float32
 ) -> list[torch.Tensor]:
     """`newton_schulz` of each matrix (all of one wide shape, see `ns_batches`), in order and in
     its own dtype and orientation: one bmm chain on the stack when there are several."""
@@ -184,7 +186,7 @@ def orthogonalize(
     return [(q.mT if t else q).to(m.dtype) for m, t, q in zip(matrices, tall, out, strict=True)]
 
 
-def require_matrices(optimizer: torch.optim.Optimizer, group: dict) -> None:
+def require_matrices(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
     """Raise `ValueError` naming the first non-2D parameter of `group` (a 2D-only optimizer's
     `add_param_group` calls this). Names come from torch's named-parameter groups
     (`param_names`); unnamed groups name the parameter by its position."""

@@ -17,11 +17,15 @@ mixed matrix is orthogonalised once, on one rank, and its shards sent back (opti
 for Muon): bitwise the one-process step on a CPU.
 """
 
+from collections.abc import Callable, Iterable
+from typing import overload
+
 import torch
+from torch.optim.optimizer import ParamsT
 
 from optim.base import MatrixOptimizer
 from optim.closure import run_closure
-from optim.dtensor import local
+from optim.dtensor import local, local_grad
 from optim.sharded import matrix_rounds, orthogonalize_matrices
 
 
@@ -40,9 +44,9 @@ class OLion(MatrixOptimizer):
 
     def __init__(
         self,
-        params,
+        params: ParamsT,
         lr: float = 1e-3,
-        betas=(0.9, 0.99),
+        betas: Iterable[float] = (0.9, 0.99),
         gamma: float = 0.2,
         ns_steps: int = 5,
         wd: float = 0.0,
@@ -53,8 +57,12 @@ class OLion(MatrixOptimizer):
         )
         super().__init__(params, defaults)
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = run_closure(closure)
         for group in self.param_groups:
             (b1, b2), lr, wd = group["betas"], group["lr"], group["wd"]
@@ -62,7 +70,7 @@ class OLion(MatrixOptimizer):
             for batch in matrix_rounds(params, group["ns_batched"], torch.float32):
                 mixed = []
                 for p in batch:
-                    g, m = local(p.grad), local(self.state_of(p)["m"])
+                    g, m = local_grad(p), local(self.state_of(p)["m"])
                     m.mul_(b2).add_(g, alpha=1 - b2)
                     mixed.append((1 - b1) * g + b1 * m)
                 for p, q in zip(batch, orthogonalize_matrices(batch, mixed, group["ns_steps"], torch.float32,

@@ -46,7 +46,7 @@ class Schedule:
     lr_min_ratio: float = 0.1
     decay_fraction: float = 0.2
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.kind not in ("cosine", "linear", "wsd"):
             raise ValueError(f"unknown schedule kind {self.kind!r}")
 
@@ -131,7 +131,7 @@ class ScheduledLR(torch.optim.lr_scheduler.LRScheduler):
         self.restored_with_changes: list[str] = []
         super().__init__(optimizer)
 
-    def get_lr(self) -> list[float]:
+    def get_lr(self) -> list[float | torch.Tensor]:  # torch's type: a base lr may be a tensor
         m = self.schedule.multiplier(self.last_epoch, self.anchor)
         return [base * m for base in self.base_lrs]
 

@@ -30,6 +30,7 @@ a gradient for the same parameters), since each round is a collective.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -81,12 +82,12 @@ def layout_of(p: torch.Tensor, name: str = "a parameter") -> ShardLayout | None:
     sharded = [(mesh_dim, pl) for mesh_dim, pl in enumerate(p.placements) if not isinstance(pl, Replicate)]
     if not sharded:
         return None
-    if len(sharded) > 1 or type(sharded[0][1]) is not Shard:
+    mesh_dim, placement = sharded[0]
+    if len(sharded) > 1 or type(placement) is not Shard:
         raise ValueError(f"{name} of shape {tuple(p.shape)} has placements {p.placements}; the matrix "
                          "optimizers in optim take parameters sharded on one mesh dimension (Shard(d), "
                          "as FSDP2's fully_shard makes them) and replicated on the others; route it to "
                          "AdamW or Lion (see optim.build matrix_patterns)")
-    mesh_dim, placement = sharded[0]
     mesh = p.device_mesh
     layout = ShardLayout(mesh.get_group(mesh_dim), mesh.get_local_rank(mesh_dim), placement.dim,
                          chunk_sizes(p.shape[placement.dim], mesh.size(mesh_dim)))
@@ -94,6 +95,14 @@ def layout_of(p: torch.Tensor, name: str = "a parameter") -> ShardLayout | None:
         raise ValueError(f"{name} of shape {tuple(p.shape)} has a local shard of shape "
                          f"{tuple(p.to_local().shape)}, not torch.chunk's cut {layout.sizes}: an "
                          "unsupported sharding")
+    return layout
+
+
+def sharded_layout(p: torch.Tensor) -> ShardLayout:
+    """`layout_of(p)` of a parameter its caller has found sharded."""
+    layout = layout_of(p)
+    if layout is None:
+        raise ValueError("a plain or replicated parameter reached the sharded path")
     return layout
 
 
@@ -119,7 +128,7 @@ def matrix_rounds(params: list[torch.Tensor], batched: bool | None,
     the first rank otherwise."""
     plain = [p for p in params if layout_of(p) is None]
     rounds = ns_batches(plain, batched, dtype)
-    groups: dict[tuple, list[torch.Tensor]] = defaultdict(list)
+    groups: dict[tuple[dist.ProcessGroup, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for p in params:
         layout = layout_of(p)
         if layout is not None:
@@ -127,7 +136,8 @@ def matrix_rounds(params: list[torch.Tensor], batched: bool | None,
     for (group, _), members in groups.items():
         world = dist.get_world_size(group)
         budget = world * MAX_STACK_BYTES
-        current, used = [], 0
+        current: list[torch.Tensor] = []
+        used = 0
         for p in members:
             size = p.numel() * max(p.element_size(), dtype.itemsize)
             if current and len(current) % world == 0 and used + size > budget:
@@ -139,7 +149,7 @@ def matrix_rounds(params: list[torch.Tensor], batched: bool | None,
     return rounds
 
 
-def orthogonalize_matrices(params: list[torch.Tensor], updates: list[torch.Tensor], steps: int,
+def orthogonalize_matrices(params: list[torch.Tensor], updates: Sequence[torch.Tensor], steps: int,
                            dtype: torch.dtype, batched: bool | None = None) -> list[torch.Tensor]:
     """Newton-Schulz of each whole matrix whose local part is `updates[i]` (one list from
     `matrix_rounds`), returned as this rank's part of each result, in the updates' dtype.
@@ -147,9 +157,12 @@ def orthogonalize_matrices(params: list[torch.Tensor], updates: list[torch.Tenso
     Plain matrices: `orthogonalize` (one batch). Sharded ones: gathered on their owner,
     orthogonalised there, and scattered back (module docstring); two all-to-alls on the round's
     shard group, which every rank of it must call with the same round."""
-    layouts = [layout_of(p) for p in params]
-    if layouts[0] is None:
+    found = [layout_of(p) for p in params]
+    if found[0] is None:
         return orthogonalize(updates, steps, dtype)
+    layouts = [layout for layout in found if layout is not None]
+    if len(layouts) != len(params):
+        raise ValueError("a round mixes plain and sharded matrices: matrix_rounds keeps them apart")
     shapes = [tuple(p.shape) for p in params]
     group, world, me = layouts[0].group, layouts[0].world, layouts[0].rank
     owner = [i % world for i in range(len(params))]
@@ -162,7 +175,8 @@ def orthogonalize_matrices(params: list[torch.Tensor], updates: list[torch.Tenso
     recv = send.new_empty(sum(recv_split))
     dist.all_to_all_single(recv, send, recv_split, send_split, group=group)
     del send
-    pieces, offset = defaultdict(list), 0
+    pieces: defaultdict[int, list[torch.Tensor]] = defaultdict(list)
+    offset = 0
     for k in range(world):  # from rank k: its pieces of my matrices, in round order
         for i in mine:
             n = layouts[i].piece_numel(shapes[i], k)
@@ -173,7 +187,7 @@ def orthogonalize_matrices(params: list[torch.Tensor], updates: list[torch.Tenso
 
     # 2. The owner orthogonalises its matrices, batched as one process would batch them.
     matrices = [whole[i] for i in mine]
-    result = {}
+    result: dict[int, torch.Tensor] = {}
     for batch in ns_batches(matrices, batched, dtype):
         for m, q in zip(batch, orthogonalize(batch, steps, dtype), strict=True):
             result[id(m)] = q
@@ -187,11 +201,12 @@ def orthogonalize_matrices(params: list[torch.Tensor], updates: list[torch.Tenso
     recv_split = [sum(updates[i].numel() for i in range(len(params)) if owner[i] == k) for k in range(world)]
     recv = updates[0].new_empty(sum(recv_split))
     dist.all_to_all_single(recv, send, recv_split, send_split, group=group)
-    out, offset = [None] * len(params), 0
+    out: dict[int, torch.Tensor] = {}
+    offset = 0
     for k in range(world):  # from owner k: my pieces of its matrices, in round order
         for i in range(len(params)):
             if owner[i] == k:
                 n = updates[i].numel()
                 out[i] = recv[offset:offset + n].view(updates[i].shape)
                 offset += n
-    return out
+    return [out[i] for i in range(len(params))]  # every matrix has an owner in range(world)

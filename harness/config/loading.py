@@ -4,6 +4,7 @@ file, the base file for an inherited key, or "command line")."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -14,7 +15,7 @@ from harness.errors import UserError
 from optim.config import ARMS, arms_taking
 
 
-def load_config(path: str | Path, overrides: list[str] = ()) -> RunConfig:
+def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
     """Read a TOML file (following `extends` and `unset`), apply `--set` overrides, validate
     (harness/config_layers.py)."""
     layers = read_layers(Path(path), overrides)

@@ -50,7 +50,7 @@ def config_changes(saved: dict[str, Any], current: RunConfig) -> dict[str, tuple
     saved = copy.deepcopy(saved)
     for dotted, value in ADDED_MATH_KEYS.items():
         *parents, leaf = dotted.split(".")
-        node = saved
+        node: Any = saved
         for p in parents:
             node = node.get(p) if isinstance(node, dict) else None
         if isinstance(node, dict):

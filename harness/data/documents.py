@@ -26,7 +26,7 @@ import gzip
 import io
 import json
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 from harness.data import columnar
 from harness.data.corpus import default_corpus
@@ -121,7 +121,7 @@ def _input_errors(url: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _open_binary(url: str, storage_options: dict | None) -> Iterator[io.BufferedIOBase]:
+def _open_binary(url: str, storage_options: dict | None) -> Iterator[BinaryIO]:
     """The input's bytes, decompressed when its name ends in .gz or .zst."""
     with _input_errors(url):
         fs, path = open_filesystem(url, storage_options)

@@ -39,6 +39,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
@@ -146,7 +147,8 @@ def _resume_or_start(spec: PrepareSpec, loc: Location,
                      storage_options: dict | None) -> tuple[_Progress, TokenizerInfo, dict]:
     """(progress, tokenizer, the state file's header: arguments and input identities)."""
     state_path, tokenizer_path = loc.join(STATE_NAME), loc.join(TOKENIZER_NAME)
-    header = {"spec": _spec_doc(spec), "inputs": [input_identity(url, storage_options) for url in spec.inputs]}
+    header: dict[str, Any] = {"spec": _spec_doc(spec),
+                              "inputs": [input_identity(url, storage_options) for url in spec.inputs]}
     if loc.fs.exists(state_path):
         state = json.loads(loc.fs.cat_file(state_path))
         if state["spec"] != header["spec"]:

@@ -81,18 +81,19 @@ class ShardReader:
         # (row, shard, start, stop) within shards; a window crossing a shard boundary is several.
         pieces = []
         for row, (start, shard) in enumerate(zip(starts, first, strict=True)):
-            at, stop = start, start + length
-            while at < stop:
+            pos, stop = start, start + length
+            while pos < stop:
                 end = min(stop, self.offsets[shard + 1])
-                pieces.append((row, shard, at - self.offsets[shard], end - self.offsets[shard]))
-                at, shard = end, shard + 1
+                pieces.append((row, shard, pos - self.offsets[shard], end - self.offsets[shard]))
+                pos, shard = end, shard + 1
         for shard in sorted({shard for _, shard, _, _ in pieces}):
             self._ensure_open(shard)
         at = [0] * len(starts)
         if self._location().is_local:
             staged = np.empty((len(starts), length), dtype=self.dtype)
             for row, shard, a, b in pieces:
-                view = memoryview(staged[row, at[row]:at[row] + b - a]).cast("B")
+                # `.data`: memoryview(array), as numpy's stubs type it (its buffer protocol: Python 3.12+ only).
+                view = staged[row, at[row]:at[row] + b - a].data.cast("B")
                 if os.preadv(self._descriptor(shard), [view], a * self.dtype.itemsize) != len(view):
                     raise UserError(f"shard {self.index.shards[shard].name} of {self.url} ended early; it changed "
                                     f"while training")

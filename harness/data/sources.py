@@ -138,6 +138,7 @@ def identity_changes(saved: dict[str, Any] | None, current: dict[str, Any] | Non
     if "sources" not in (saved or {}) or "sources" not in (current or {}):
         same_kind = saved is not None and current is not None and "url" in saved and "url" in current
         return {"data content" if same_kind else "data": (_identity_kind(saved), _identity_kind(current))}
+    assert saved is not None and current is not None  # both have sources (above)
     before, after = saved["sources"], current["sources"]
     if len(before) != len(after):
         return {"data.sources": (f"{len(before)} sources", f"{len(after)} sources")}

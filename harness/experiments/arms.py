@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from harness.config import RunConfig, load_config
@@ -74,7 +75,7 @@ class ArmResult:
         return NAMES.get(self.exit_code, describe_exit(self.exit_code))
 
 
-def plan(configs: list[str], overrides: list[str], axes: list[Axis] = ()) -> list[PlannedRun]:
+def plan(configs: list[str], overrides: list[str], axes: Sequence[Axis] = ()) -> list[PlannedRun]:
     """Every run of the sweep, each config validated; UserError for a bad config, an unknown
     grid key or a run dir used twice. Without axes, one run per config in its own run_dir; with
     them, one run per grid point under `RUN_DIR/POINT_NAME` of each config (and its log_dir, if

@@ -75,9 +75,10 @@ class SeedGroup:
     def spread(self, metric: Callable[[ArmSummary], float | None]) -> Spread | None:
         """The metric over the group's runs; None unless every run counts and has it."""
         values = [metric(r) for r in self.runs]
-        if not self.counted or any(v is None for v in values):
+        present = [v for v in values if v is not None]
+        if not self.counted or len(present) != len(values):
             return None
-        return Spread.of(values)
+        return Spread.of(present)
 
     @property
     def seeds(self) -> list[int]:
@@ -94,7 +95,7 @@ class Arm:
     @property
     def best(self) -> SeedGroup | None:
         """The counted group with the lowest mean final eval loss."""
-        scored = [(g.spread(final_eval).mean, i) for i, g in enumerate(self.groups) if g.spread(final_eval)]
+        scored = [(s.mean, i) for i, g in enumerate(self.groups) if (s := g.spread(final_eval))]
         return self.groups[min(scored)[1]] if scored else None
 
     @property
@@ -180,7 +181,8 @@ def _arm(groups: list[list[ArmSummary]], shared: set[str]) -> Arm:
     flats = [flatten(g[0].config) for g in groups]
     varying = [k for k in LR_KEYS if len({repr(f.get(k)) for f in flats}) > 1]
     lr_key = varying[0] if varying else next((k for k in LR_KEYS if flats[0].get(k) is not None), None)
-    seed_groups = sorted((SeedGroup(g, flat.get(lr_key)) for g, flat in zip(groups, flats, strict=True)),
+    seed_groups = sorted((SeedGroup(g, None if lr_key is None else flat.get(lr_key))
+                          for g, flat in zip(groups, flats, strict=True)),
                          key=lambda g: (g.lr is None, g.lr or 0.0))
     every = [r for g in groups for r in g]
     folders = {_folder(r) for r in every}

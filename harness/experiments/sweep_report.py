@@ -85,6 +85,7 @@ def format_best(arms: list[Arm], target: float | None = None) -> str:
             rows.append([a.name, a.optimizer, "-", "-", "every lr unfinished or NaN"] + ["-"] * (len(rows[0]) - 5))
             continue
         final, best, sps, opt = (g.spread(m) for m in (final_eval, _best_eval, _steps_per_s, _optim_pct))
+        assert final is not None  # the best group is one with a final eval spread (Arm.best)
         rows.append([a.name, a.optimizer, _lr(g), _seeds(g), _mean(final, ".4f"), f"{final.std:.4f}",
                      _range(final, ".4f"), _mean(best, ".4f"), "-" if best is None else f"{best.std:.4f}",
                      _range(best, ".4f"), f"{_mean(sps, '.2f')} ({_range(sps, '.2f')})",
@@ -117,14 +118,16 @@ def write_sweep_plot(arms: list[Arm], path: str) -> None:
                 curves.fill_between(steps, [b[2] for b in band], [b[3] for b in band], color=color, alpha=0.2, lw=0)
                 curves.plot(steps, [b[1] for b in band], color=color, lw=1.5,
                             label=f"{a.name} (lr {_lr(best)}, {len(best.runs)} seeds)")
-            points = [(g.lr, g.spread(final_eval)) for g in a.groups if g.lr is not None and g.spread(final_eval)]
+            points = [(g.lr, s) for g in a.groups if g.lr is not None and (s := g.spread(final_eval))]
             if points:
                 xs, spreads = [p[0] for p in points], [p[1] for p in points]
                 by_lr.errorbar(xs, [s.mean for s in spreads], yerr=[[s.mean - s.min for s in spreads],
                                                                     [s.max - s.mean for s in spreads]],
                                color=color, marker="o", ms=4, capsize=3, lw=1.2, label=a.name)
             if best is not None and best.lr is not None:
-                by_lr.plot([best.lr], [best.spread(final_eval).mean], marker="o", ms=11, mfc="none", color=color)
+                best_final = best.spread(final_eval)
+                assert best_final is not None  # the best group is one with a final eval spread (Arm.best)
+                by_lr.plot([best.lr], [best_final.mean], marker="o", ms=11, mfc="none", color=color)
         curves.set(xlabel="step", ylabel="eval loss (mean; band: min-max over seeds)",
                    title="each arm at its best lr")
         by_lr.set(xlabel="lr of the arm's optimizer (log)", ylabel="final eval loss (mean; bars: min-max)",

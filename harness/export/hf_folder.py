@@ -35,10 +35,11 @@ from typing import Any
 import torch
 
 from harness.checkpoint.consolidate import MODEL_PART, Whole, open_verified, whole_tensors
+from harness.checkpoint.discovery import CheckpointRef
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import tensor_refs
 from harness.checkpoint.loading import Checkpoint
-from harness.checkpoint.store import CheckpointRef, CheckpointStore
+from harness.checkpoint.store import CheckpointStore
 from harness.checkpoint.tensorfile import stream
 from harness.data.shard_index import TOKENIZER_NAME, read_index
 from harness.errors import UserError

@@ -164,7 +164,8 @@ def dump_nccl_trace(path: Path) -> Path | None:
     if int(os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "0") or 0) <= 0:
         return None
     try:
-        from torch._C._distributed_c10d import _dump_nccl_trace
+        # CUDA builds only (a CPU build's stubs lack it: the except below covers its absence).
+        from torch._C._distributed_c10d import _dump_nccl_trace  # type: ignore[attr-defined, unused-ignore]
 
         path.write_bytes(_dump_nccl_trace())
     except Exception as e:  # a private API: its absence must not prevent the exit

@@ -184,7 +184,7 @@ def causal_lm_class(transformers: Any, config: Any) -> type:
 
 
 @functools.cache
-def harness_class(base: type) -> type:
+def harness_class(base: type) -> type[Any]:  # a transformers class (loaded lazily: Any)
     """`base` (a transformers `...ForCausalLM`) with the harness's forward, under `base`'s own
     name, so `save_pretrained` of it writes `architectures = [base name]`."""
     return type(base.__name__, (HarnessForward, base),
@@ -195,6 +195,7 @@ class HarnessForward(nn.Module):
     """The harness's forward contract over a transformers causal LM (mixed in before it)."""
 
     matrix_patterns: list[str]
+    config: Any  # the transformers PretrainedConfig the model mixed into sets
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, mean cross entropy of the logits against `y`): `y` already holds each

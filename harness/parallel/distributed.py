@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -111,9 +111,13 @@ def barrier(group: Any = None) -> None:
         dist.barrier(group=group)
 
 
-def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T:
+@overload
+def broadcast_object(obj: None, src: int = 0, group: Any = None) -> Any: ...
+@overload
+def broadcast_object(obj: T, src: int = 0, group: Any = None) -> T: ...
+def broadcast_object(obj: object, src: int = 0, group: Any = None) -> object:
     """`obj` of rank `src` on every rank of `group` (default: the main group; pickled: small
-    objects only)."""
+    objects only). A receiving rank passes None: what it gets is whatever `src` sent (typed Any)."""
     if not is_distributed():
         return obj
     box = [obj]
@@ -130,7 +134,7 @@ def all_gather_object(obj: T, group: Any = None) -> list[T]:
     return out
 
 
-def _reduce_int(value: int, op: dist.ReduceOp) -> int:
+def _reduce_int(value: int, op: dist.ReduceOp.RedOpType) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=_device())
     dist.all_reduce(t, op=op)
     return int(t.item())
@@ -184,7 +188,8 @@ def raised_elsewhere(failure: tuple[str | None, str]) -> Exception:
     """The exception a rank raises for rank 0's `failure_of(error)`: a UserError or Unavailable
     with the same message, so every rank exits with the same code, else a RuntimeError."""
     kind, message = failure
-    return {"Unavailable": Unavailable, "UserError": UserError}.get(kind, RuntimeError)(message)
+    kinds: dict[str | None, type[Exception]] = {"Unavailable": Unavailable, "UserError": UserError}
+    return kinds.get(kind, RuntimeError)(message)
 
 
 class Silent:

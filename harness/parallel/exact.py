@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from optim.dtensor import is_dtensor, local
+from optim.dtensor import is_dtensor, local_grad
 
 
 class SumTree:
@@ -115,7 +115,7 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, world_size
     beside it); the rows of every rank (FSDP: each its own shards' rows, all-gathered) are
     added exactly rounded (math.fsum), so the norm depends on the gradient values alone.
     Collective where the gradients are sharded."""
-    rows = [_row_squares(local(p.grad)) for p in params]
+    rows = [_row_squares(local_grad(p)) for p in params]
     values = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.float64)
     if world_size > 1 and any(is_dtensor(p.grad) for p in params):
         bound = sum(p.shape[0] if p.dim() else 1 for p in params)  # no rank holds more rows than all
@@ -127,7 +127,7 @@ def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, world_size
     coef = max_norm / (norm + 1e-6)
     if coef < 1.0:
         for p in params:
-            local(p.grad).mul_(coef)
+            local_grad(p).mul_(coef)
     return norm
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from harness.parallel.exact import SumTree
+from optim.dtensor import is_dtensor
 
 
 class FSDPGradients:
@@ -80,6 +81,7 @@ class ShardLayout:
             offset += chunk * size
             local_rows = max(0, min(rows, (self.rank + 1) * chunk) - self.rank * chunk)
             local = part[:local_rows].reshape(local_rows, *p.shape[1:]).to(p.dtype)
+            assert is_dtensor(p)  # fully_shard made every parameter a DTensor
             p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
 

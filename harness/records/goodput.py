@@ -214,7 +214,8 @@ class _Run:
         accounting). Called once: it adds the per-process figures to the running ones."""
         g, procs = self.g, self.procs
         g.processes = len(procs)
-        g.wall_s = (self.last_time - self.first_time) if self.first_time is not None else 0.0
+        # `add` sets last_time with first_time (any event): both or neither.
+        g.wall_s = 0.0 if self.first_time is None or self.last_time is None else self.last_time - self.first_time
         g.restarting_s += sum(p.startup_s for p in procs[1:])
         g.last_step = max((p.last_step for p in procs if p.last_step is not None), default=None)
 

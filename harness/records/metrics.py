@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from harness.records.jsonlines import parse_line, records
 from harness.records.run_id import RUN_ID_KEY, claim_log
@@ -27,7 +27,7 @@ class MetricsLog:
         self.run_id = run_id
         if run_id is not None:
             claim_log(self.path, run_id, run_dir)
-        self._file = None
+        self._file: TextIO | None = None
 
     def truncate_after(self, step: int) -> list[dict[str, Any]]:
         """Drop lines of steps after `step` (steps a crashed process ran past its last checkpoint);
@@ -37,8 +37,9 @@ class MetricsLog:
             return []
         # Lines that are not JSON objects (a power loss's NUL tail, stray bytes) are dropped here.
         lines = self.path.read_bytes().splitlines(keepends=True)
-        kept = [line for line in lines if _step_of(line) is not None and _step_of(line) <= step]
-        dropped = [parse_line(line) for line in lines if _step_of(line) is not None and _step_of(line) > step]
+        kept = [line for line in lines if (at := _step_of(line)) is not None and at <= step]
+        dropped = [parsed for line in lines
+                   if (at := _step_of(line)) is not None and at > step and (parsed := parse_line(line)) is not None]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_bytes(b"".join(line if line.endswith(b"\n") else line + b"\n" for line in kept))
         os.replace(tmp, self.path)

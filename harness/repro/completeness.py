@@ -48,14 +48,14 @@ _MODULE_INTERNALS = frozenset({"_parameters", "_buffers", "_modules"})
 _LEAF_TYPES = (str, bytes, int, float, bool, complex, type(None), torch.Tensor, torch.device, torch.dtype, type,
                types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType, range)
 
+np: types.ModuleType | None
 try:
     import numpy as np
-
-    _NUMPY_RNG: tuple[type, ...] = (np.random.Generator, np.random.RandomState)
 except ImportError:  # numpy is optional
     np = None
-    _NUMPY_RNG = ()
+_NUMPY_RNG: tuple[type, ...] = () if np is None else (np.random.Generator, np.random.RandomState)
 
+_Config: type | tuple[type, ...]
 try:
     from pydantic import BaseModel as _Config
 except ImportError:  # pragma: no cover - pydantic is a dependency of the config

@@ -77,7 +77,8 @@ def apply(threads: int | None = None) -> dict[str, Any]:
     # Deterministic mode also fills every uninitialised tensor (`torch.empty`, every op's output
     # buffer) with NaN by default: a debugging aid that changes no result of a program that never
     # reads memory before writing it, and 2-3% of a quickstart step on CPU (docs/bench-overhead.md).
-    torch.utils.deterministic.fill_uninitialized_memory = False
+    # A property of the module's class (torch/utils/deterministic.py swaps it in), which the checker cannot see.
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]
     torch.backends.cudnn.benchmark = False
     torch.backends.cudnn.deterministic = True
     mkl = _mkl()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ import torch
 from harness.errors import UserError
 from harness.repro.splitmix import derive_seed
 
+np: ModuleType | None
 try:
     import numpy as np
 except ImportError:  # numpy is optional for users' own setups; without it there is no state to keep
@@ -70,7 +72,7 @@ def micro_batch_streams(seed: int, step: int) -> Iterator[Callable[[int], None]]
         yield lambda micro_batch: seed_everything(derive_seed(_MICRO_BATCH_DOMAIN, seed, step, micro_batch))
     finally:
         random.setstate(saved_python)
-        if saved_numpy is not None:
+        if np is not None and saved_numpy is not None:  # saved when numpy is there
             np.random.set_state(saved_numpy)
         torch.set_rng_state(saved_torch)
         if saved_cuda is not None:
@@ -119,6 +121,7 @@ class RNGState:
         # JSON brings the state back as a list; random.setstate insists on a tuple.
         random.setstate((python["version"], tuple(python["state"]), python["gauss_next"]))
         if "numpy" in state:
+            assert np is not None  # refused above without numpy
             saved = state["numpy"]
             np.random.set_state(
                 (

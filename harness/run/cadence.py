@@ -52,8 +52,10 @@ class CheckpointClock:
         if self.auto:
             if self.blocking_s is None:  # the measuring save; a skipped save or a rollback measured nothing
                 return True
-            if self.every_steps and step - self.last_saved_step >= self.every_steps:
-                return True
+            if self.every_steps:
+                assert self.last_saved_step is not None  # _choose sets every_steps after a save
+                if step - self.last_saved_step >= self.every_steps:
+                    return True
         elif self.every_steps and step % self.every_steps == 0:
             return True
         return bool(self.every_s) and self.clock() - self.last_save >= self.every_s
@@ -79,11 +81,13 @@ class CheckpointClock:
             self._choose()
 
     def _choose(self) -> None:
+        blocking_s, persist_s = self.blocking_s, self.persist_s
+        assert blocking_s is not None and persist_s is not None  # observe_step waits for both
         step_s = sum(self.step_times) / len(self.step_times)
-        young_daly_s = math.sqrt(2.0 * self.blocking_s * self.mtbf_s)
-        interval_s = max(young_daly_s, self.persist_s)
+        young_daly_s = math.sqrt(2.0 * blocking_s * self.mtbf_s)
+        interval_s = max(young_daly_s, persist_s)
         self.every_steps = max(1, math.ceil(interval_s / step_s)) if step_s > 0 else 1
         if self.report is not None:
             self.report({"every_steps": self.every_steps, "interval_s": interval_s, "young_daly_s": young_daly_s,
-                         "blocking_s": self.blocking_s, "persist_s": self.persist_s, "step_s": step_s,
+                         "blocking_s": blocking_s, "persist_s": persist_s, "step_s": step_s,
                          "mtbf_s": self.mtbf_s, "steps_measured": len(self.step_times)})

@@ -20,8 +20,9 @@ def environment_fingerprint(device: torch.device) -> dict[str, Any]:
 
     import safetensors
 
-    fp = {"torch": torch.__version__, "python": platform.python_version(), "safetensors": safetensors.__version__,
-          "device_type": device.type, "numerics": numerics.settings()}
+    fp: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(),
+                          "safetensors": safetensors.__version__, "device_type": device.type,
+                          "numerics": numerics.settings()}
     if device.type == "cuda":
         fp["cuda"] = torch.version.cuda
         fp["gpu"] = torch.cuda.get_device_name(device)
@@ -32,8 +33,8 @@ def warn_if_changed(before: dict[str, Any], device: torch.device) -> None:
     """Warn about each key (torch version, device type, resume-sensitive numerics) that differs
     between the environment a checkpoint recorded (`before`) and this one."""
     now = environment_fingerprint(device)
-    differ = [(key, before[key], now[key])
-              for key in ("torch", "device_type") if key in before and before[key] != now[key]]
+    differ: list[tuple[str, Any, Any]] = [(key, before[key], now[key]) for key in ("torch", "device_type")
+                                          if key in before and before[key] != now[key]]
     saved_numerics = before.get("numerics", {})
     differ += [(f"numerics.{key}", saved_numerics[key], now["numerics"][key])
                for key in numerics.RESUME_SENSITIVE

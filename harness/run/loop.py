@@ -33,6 +33,7 @@ from harness.health.watchdog import HangReport, HangWatchdog
 from harness.log import get_logger
 from harness.models.hf import HF_CONFIG_META
 from harness.parallel import distributed
+from harness.parallel.distributed import Silent
 from harness.process.signals import PreemptionWatch, SaveDeadline
 from harness.records.events import EventLog
 from harness.records.metrics import MetricsLog
@@ -50,8 +51,8 @@ class Loop:
     the health hooks (harness/health): the hang watchdog around every blocking phase (`watch`),
     rollback on an anomaly (`anomaly`), the trackers next to metrics.jsonl."""
 
-    def __init__(self, cfg: RunConfig, trainer: Trainer, store: CheckpointStore, metrics: MetricsLog,
-                 events: EventLog, log_dir: Path, last_committed: int | None = None, trackers: Any = None,
+    def __init__(self, cfg: RunConfig, trainer: Trainer, store: CheckpointStore, metrics: MetricsLog | Silent,
+                 events: EventLog | Silent, log_dir: Path, last_committed: int | None = None, trackers: Any = None,
                  local_tier: LocalTier | None = None, replicate: bool = False) -> None:
         """`replicate`: save the resumed state to the local tier before the first step (every rank
         at once, with its peer copy): after a resume from copies at another world size or from a
@@ -65,9 +66,12 @@ class Loop:
         self.clock = CheckpointClock(c.every_steps, c.every_minutes, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
                                      report=self.interval_chosen)
         # One clock per tier: the local tier's "auto" is Young/Daly from its own (cheaper) saves.
-        self.local_clock = None if local_tier is None else CheckpointClock(
-            c.local.every_steps, 0.0, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
-            report=functools.partial(self.interval_chosen, tier=LOCAL))
+        self.local_clock: CheckpointClock | None = None
+        if local_tier is not None:
+            assert c.local is not None  # session.py opens a local tier for [checkpoint.local]
+            self.local_clock = CheckpointClock(
+                c.local.every_steps, 0.0, cfg.train.steps, mtbf_s=c.mtbf_hours * 3600.0,
+                report=functools.partial(self.interval_chosen, tier=LOCAL))
         # Every save goes through this one saver (sync or async; group, local-first or direct).
         settings = SaveSettings(background=c.async_save, local_dir=c.local_dir, when_busy=c.when_busy,
                                 save_deadline_s=c.save_deadline_s,
@@ -223,6 +227,7 @@ class Loop:
         self.clock.saved(step)
         self.trackers.rewind(step)
         if self.local_tier is not None:
+            assert self.local_clock is not None  # opened with the tier
             self.local_clock.saved(step)
             self.local_tier.drop_after(step)
 
@@ -281,6 +286,7 @@ class Loop:
         """Whether the local tier saves at `step`. An "auto" interval is measured on each rank, so
         rank 0's decision is taken everywhere (every rank saves, and exchanges peer copies, at the
         same steps); a fixed one is the same on every rank already."""
+        assert self.local_clock is not None  # called for a run with a local tier
         due = self.local_clock.due(step)
         return distributed.rank0_flag(due) if self.local_clock.auto else due
 
@@ -288,6 +294,7 @@ class Loop:
         """Checkpoint the current step to the local tier (node-local disk or tmpfs), as the run dir's
         saves are taken (in the background or in this thread), with the same finite-state check as
         `save`; its peer copy is exchanged in the background (checkpoint/save/local_tier.py)."""
+        assert self.local_tier is not None and self.local_clock is not None  # called for a run with a local tier
         self.trainer.check_finite_state()
         step = self.trainer.step
         submitted = self.local_tier.save(step, self.trainer.state.parts(), self.checkpoint_meta())

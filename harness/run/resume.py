@@ -244,6 +244,7 @@ class Resume:
         chosen = choice.candidate
         if chosen is None:
             return None
+        assert choice.checkpoint is not None  # a candidate is chosen opened
         with self._timed():
             if trainer.sharded or choice.checkpoint.sharded:
                 trainer.materialize_optimizer_state()  # read into live tensors of the right sharding

@@ -109,8 +109,9 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             for rejected in starting.rejected:
                 events.emit("checkpoint_rejected", **rejected)
             if chosen is not None:
-                log.info("resumed", step=ref.step, tier=chosen.tier, url=ref.url, restore_s=round(restore_s, 3),
-                         steps_lost=None if reached is None else max(0, reached - ref.step))
+                log.info("resumed", step=chosen.ref.step, tier=chosen.tier, url=chosen.ref.url,
+                         restore_s=round(restore_s, 3),
+                         steps_lost=None if reached is None else max(0, reached - chosen.ref.step))
             events.emit("start", step=trainer.step, total_steps=cfg.train.steps, resumed_from=ref.step if ref else None,
                         resumed_tier=chosen.tier if chosen else None, previous_reached=reached, run_dir=cfg.run_dir,
                         host=socket.gethostname(), startup_s=time.time() - psutil.Process().create_time(),
@@ -124,7 +125,8 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
                 events.emit("config_changed", step=trainer.step,
                             changes={k: {"old": a, "new": b} for k, (a, b) in started.choice.changes.items()},
                             schedule=trainer.sched.replanned)
-            resumed_here = chosen is not None and chosen.store is store
+            # Resumed from this run's own store: its checkpoint is the last one committed there.
+            committed_here = chosen.ref.step if chosen is not None and chosen.store is store else None
             trackers = open_trackers(cfg.log, log_dir, trainer.step, run_id) if lead else distributed.Silent()
             tier = cfg.checkpoint.local
             local_tier = None if tier is None else LocalTier(tier, run_id, trainer.step, trainer.state.per_rank,
@@ -133,7 +135,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             # The copies the lost ranks held for others are made again at once, paired for this world.
             replicate = chosen is not None and chosen.tier != PERSISTENT and (resized or chosen.tier == PEER)
             loop = Loop(cfg, trainer, store, metrics, events, log_dir,
-                        last_committed=ref.step if resumed_here else None, trackers=trackers, local_tier=local_tier,
+                        last_committed=committed_here, trackers=trackers, local_tier=local_tier,
                         replicate=replicate and trainer.step < cfg.train.steps)
             try:
                 return loop.run()

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -45,6 +45,10 @@ from optim.build import build_bundle
 from optim.bundle import MultiOpt
 from optim.dtensor import is_dtensor, local
 from optim.errors import OptimError
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
 
 log = get_logger(__name__)
 
@@ -255,7 +259,8 @@ class Trainer:
         compiled: `self.model` stays the plain module, so the state part (and every checkpoint)
         keeps unprefixed parameter names (no `_orig_mod.`)."""
         if self.cfg.train.compile:
-            return torch.compile(net, options=compile_options(self.device))
+            # A compiled Module is an OptimizedModule (a Module); torch.compile's overloads type it as a callable.
+            return cast(torch.nn.Module, torch.compile(net, options=compile_options(self.device)))
         return net
 
     def _mixed_precision(self) -> tuple[Callable[[], Any], torch.amp.GradScaler]:
@@ -316,11 +321,13 @@ class Trainer:
         t_optim = time.perf_counter()
         stepping = self._stepping(names)
         grad_norm = math.nan
+        # GradScaler reads param_groups and calls step(), which MultiOpt has: it types them a torch Optimizer.
+        as_optimizer = cast(torch.optim.Optimizer, stepping)
         if math.isfinite(loss_value):
-            self.scaler.unscale_(stepping)
+            self.scaler.unscale_(as_optimizer)
             grad_norm = self._clip_gradients(stepping if names is not None else None)
         self._stop_if_diverged(loss_value, grad_norm, batch_no)
-        self.scaler.step(stepping)
+        self.scaler.step(as_optimizer)
         self.scaler.update()
         self.sched.step(names)
         self.optim.zero_grad(set_to_none=True)  # also the gradients of the optimizers that did not step
@@ -414,9 +421,9 @@ class Trainer:
             self.batch_hook(self.step + 1, block)
         params = [p for p in self.model.parameters() if p.requires_grad]
         micro_batches = self.grad_accum * self.world_size
-        take = self._fsdp_gradients.take if self.sharded else None
+        take = self._fsdp_gradients.take if self._fsdp_gradients is not None else None  # set when sharded
         if self.sharded:  # FSDP keeps each micro-batch's whole gradient; the tree sums them
-            self.model.set_requires_gradient_sync(False)
+            cast("FSDPModule", self.model).set_requires_gradient_sync(False)  # fully_shard swapped its class
         tree = exact.SumTree()
         losses = []
         names: list[tuple[str, ...] | None] = []
@@ -443,9 +450,10 @@ class Trainer:
     def _accumulating(self, more: bool):
         """The context of one micro-batch's backward: no gradient reduction when `more` follow."""
         if self.sharded:
-            self.model.set_requires_gradient_sync(not more)
+            cast("FSDPModule", self.model).set_requires_gradient_sync(not more)  # fully_shard swapped its class
             return nullcontext()
-        return self.net.no_sync() if self.world_size > 1 and more else nullcontext()
+        # Several replicated ranks: `net` is the DDP wrapper (_wrap_ddp); compiled, it passes attributes through.
+        return cast("DistributedDataParallel", self.net).no_sync() if self.world_size > 1 and more else nullcontext()
 
     def materialize_optimizer_state(self) -> None:
         """Create the optimizers' state now (a sharded checkpoint loads into live tensors only)."""
@@ -466,6 +474,7 @@ class Trainer:
     def _check_buffers(self) -> None:
         """After the watched first forward, before its backward: apply the completeness policy to
         the non-persistent buffers that carry state, and let the fingerprints blame them."""
+        assert self._buffer_probe is not None  # _forward calls this while the probe watches
         stateful = self._buffer_probe.stateful
         self._buffer_probe = None
         check_buffers(stateful, self.cfg.train.unregistered_state)

@@ -11,7 +11,7 @@ A tracker whose package is missing is a `UserError` at start: a setting is never
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from harness.config import LogSection
 from harness.log import get_logger
@@ -19,10 +19,20 @@ from harness.log import get_logger
 log = get_logger(__name__)
 
 
+class Tracker(Protocol):
+    """What each tracker (tensorboard, wandb, mlflow) does with the run's scalars."""
+
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def rewind(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
 def open_trackers(cfg: LogSection, log_dir: Path, resumed_step: int, run_id: str) -> Trackers:
     """The trackers named in `[log] trackers`, continuing after `resumed_step` (the config admits
     only the names below)."""
-    opened = []
+    opened: list[Tracker] = []
     for name in cfg.trackers:
         if name == "tensorboard":
             from harness.health.trackers.tensorboard import TensorBoardTracker
@@ -42,7 +52,7 @@ def open_trackers(cfg: LogSection, log_dir: Path, resumed_step: int, run_id: str
 class Trackers:
     """Calls every tracker; a failure warns and never propagates (module docstring)."""
 
-    def __init__(self, trackers: list[Any]) -> None:
+    def __init__(self, trackers: list[Tracker]) -> None:
         self.trackers = trackers
         self._failing: set[int] = set()
 

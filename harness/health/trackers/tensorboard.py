@@ -10,10 +10,13 @@ good if its step is before the checkpoint the run resumes from.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.health.trackers.packages import require
 from harness.health.trackers.scalars import scalars
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 SUBDIR = "tensorboard"
 
@@ -22,7 +25,7 @@ class TensorBoardTracker:
     def __init__(self, log_dir: Path, resumed_step: int) -> None:
         require("tensorboard", "tensorboard", "tensorboard")
         self.dir = Path(log_dir) / SUBDIR
-        self.writer = None
+        self.writer: SummaryWriter | None = None
         self.rewind(resumed_step)
 
     def rewind(self, step: int) -> None:
@@ -34,9 +37,11 @@ class TensorBoardTracker:
 
     def write(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
+        assert self.writer is not None  # opened by __init__ (rewind)
         for key, value in scalars(record).items():
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
     def close(self) -> None:
+        assert self.writer is not None  # opened by __init__ (rewind)
         self.writer.close()
