@@ -28,6 +28,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("harness.run.",),
     ("harness.verify.", "harness.experiments."),
     ("harness", "harness.__main__", "harness.testing", "harness.cli.", "harness.forkserver."),
+    # The fork server's own process runs the CLI (it preloads its command modules, its children run
+    # it); the CLI asks a server through the package's client side (relay, pool) a floor below.
+    ("harness.forkserver.server", "harness.forkserver.child", "harness.forkserver.__main__"),
 ]
 
 
