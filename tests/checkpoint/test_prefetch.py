@@ -1,6 +1,6 @@
 """prefetch.py: a checkpoint's tensor files read into the page cache in a thread while a resume
 builds its trainer (residency asked of the kernel with mincore), stopped by `close`, nothing off
-local disk; and a real resume prefetches the files it loads (every open traced by the fault layer)."""
+local disk. That a real resume prefetches the files it loads: test_resume_reads.py."""
 
 from __future__ import annotations
 
@@ -13,9 +13,6 @@ from pathlib import Path
 import torch
 
 from harness.checkpoint import CheckpointStore, Prefetch
-from harness.storage.faults import TRACE_ENV
-from harness.storage.filesystem import FAULTS_ENV
-from procs import ENV, TINY, harness
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -78,16 +75,3 @@ def test_prefetch_stops_at_close_and_reads_nothing_off_local_disk(tmp_path):
     with Prefetch(remote.loc, remote.ref(1), ["model.safetensors"]) as nothing:
         pass
     assert nothing.read == 0
-
-
-def test_a_resume_prefetches_the_tensor_files_it_loads(tmp_path):
-    run, logs, trace = tmp_path / "run", tmp_path / "logs", tmp_path / "trace"
-    args = ["train", str(TINY), "--run-dir", str(run), "--set", f"log_dir={logs}", "--set", "debug.step_sleep_s=0"]
-    crashed = harness(*args, "--set", "debug.crash_at_step=5", "--set", "checkpoint.async_save=false")
-    assert crashed.returncode != 0 and (run / "checkpoints" / "step-00000004" / "manifest.json").exists()
-    harness(*args, check=True, env={**ENV, FAULTS_ENV: "count", TRACE_ENV: str(trace)})
-    opened = [line.split(" ", 2)[2] for line in trace.read_text().splitlines() if line.split(" ", 2)[1] == "open"]
-    candidate = "/checkpoints/step-00000004/"
-    opens = {name: sum(path.endswith(candidate + name) for path in opened)
-             for name in ("model.safetensors", "optim.safetensors")}
-    assert opens == {"model.safetensors": 2, "optim.safetensors": 2}, opened  # the prefetch's, then the load's
