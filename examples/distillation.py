@@ -20,22 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness.task import SeededSamples
+
 FEATURES = 16
 CLASSES = 10
 
 
-class Inputs:
-    """`count` feature vectors, vector `i` from a generator seeded by (seed, i)."""
-
-    def __init__(self, count: int, seed: int) -> None:
-        self.count = count
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return torch.randn(FEATURES, generator=torch.Generator().manual_seed(self.seed * 1_000_003 + i))
+def feature_vector(g: torch.Generator) -> torch.Tensor:
+    """One feature vector, drawn from `g`."""
+    return torch.randn(FEATURES, generator=g)
 
 
 class Distillation:
@@ -49,8 +42,9 @@ class Distillation:
         self.samples = int(args.get("samples", 4096))
         self.ema: nn.Module | None = None
 
-    def data(self, ctx) -> tuple[Inputs, Inputs]:
-        return Inputs(self.samples, ctx.seed), Inputs(512, ctx.seed + 1)
+    def data(self, ctx) -> tuple[SeededSamples, SeededSamples]:
+        return (SeededSamples(self.samples, ctx.seed, feature_vector),
+                SeededSamples(512, ctx.seed + 1, feature_vector))
 
     def models(self, ctx) -> dict[str, nn.Module]:
         teacher = nn.Sequential(nn.Linear(FEATURES, self.teacher_width), nn.Tanh(),

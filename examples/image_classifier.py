@@ -18,35 +18,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from harness.task import SeededSamples
+
 SIZE = 16
 CLASSES = 4
 
 
-class Shapes:
-    """`count` images, sample `i` drawn from a generator seeded by (seed, i): a map-style source."""
-
-    def __init__(self, count: int, seed: int) -> None:
-        self.count = count
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        label = int(torch.randint(CLASSES, (), generator=g))
-        top, left = (int(v) for v in torch.randint(2, SIZE - 8, (2,), generator=g))
-        image = 0.3 * torch.randn(1, SIZE, SIZE, generator=g)
-        patch = image[0, top:top + 6, left:left + 6]
-        if label == 0:
-            patch[2:4, :] += 1.0
-        elif label == 1:
-            patch[:, 2:4] += 1.0
-        elif label == 2:
-            patch += torch.eye(6)
-        else:
-            patch[1:5, 1:5] += 1.0
-        return {"image": image, "label": torch.tensor(label)}
+def shape_image(g: torch.Generator) -> dict[str, torch.Tensor]:
+    """One image and its label, drawn from `g`."""
+    label = int(torch.randint(CLASSES, (), generator=g))
+    top, left = (int(v) for v in torch.randint(2, SIZE - 8, (2,), generator=g))
+    image = 0.3 * torch.randn(1, SIZE, SIZE, generator=g)
+    patch = image[0, top:top + 6, left:left + 6]
+    if label == 0:
+        patch[2:4, :] += 1.0
+    elif label == 1:
+        patch[:, 2:4] += 1.0
+    elif label == 2:
+        patch += torch.eye(6)
+    else:
+        patch[1:5, 1:5] += 1.0
+    return {"image": image, "label": torch.tensor(label)}
 
 
 class SmallCNN(nn.Module):
@@ -75,8 +67,9 @@ class ImageClassifier:
         self.train_samples = int(args.get("train_samples", 2048))
         self.eval_samples = int(args.get("eval_samples", 256))
 
-    def data(self, ctx) -> tuple[Shapes, Shapes]:
-        return Shapes(self.train_samples, ctx.seed), Shapes(self.eval_samples, ctx.seed + 1)
+    def data(self, ctx) -> tuple[SeededSamples, SeededSamples]:
+        return (SeededSamples(self.train_samples, ctx.seed, shape_image),
+                SeededSamples(self.eval_samples, ctx.seed + 1, shape_image))
 
     def models(self, ctx) -> nn.Module:
         return SmallCNN(self.width, self.dropout)

@@ -21,25 +21,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from harness.task import StepLoss
+from harness.task import SeededSamples, StepLoss
 
 NOISE = 8
 
 
-class Ring:
-    """`count` points, point `i` from a generator seeded by (seed, i): one of 8 Gaussians on a circle."""
-
-    def __init__(self, count: int, seed: int) -> None:
-        self.count = count
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-        angle = 2 * math.pi * int(torch.randint(8, (), generator=g)) / 8
-        return torch.tensor([math.cos(angle), math.sin(angle)]) * 2 + 0.05 * torch.randn(2, generator=g)
+def ring_point(g: torch.Generator) -> torch.Tensor:
+    """One point of one of 8 Gaussians on a circle, drawn from `g`."""
+    angle = 2 * math.pi * int(torch.randint(8, (), generator=g)) / 8
+    return torch.tensor([math.cos(angle), math.sin(angle)]) * 2 + 0.05 * torch.randn(2, generator=g)
 
 
 def mlp(inputs: int, width: int, outputs: int, dropout: float = 0.0) -> nn.Sequential:
@@ -57,8 +47,9 @@ class TwoCadences:
         if self.generator_every < 1:
             raise ValueError("generator_every must be >= 1")
 
-    def data(self, ctx) -> tuple[Ring, Ring]:
-        return Ring(self.samples, ctx.seed), Ring(256, ctx.seed + 1)
+    def data(self, ctx) -> tuple[SeededSamples, SeededSamples]:
+        return (SeededSamples(self.samples, ctx.seed, ring_point),
+                SeededSamples(256, ctx.seed + 1, ring_point))
 
     def models(self, ctx) -> dict[str, nn.Module]:
         return {"generator": mlp(NOISE, self.width, 2), "critic": mlp(2, self.width, 1, dropout=0.1)}

@@ -10,6 +10,7 @@ from harness.checkpoint import CheckpointStore, load
 from harness.config import load_config
 from harness.repro.completeness import IncompleteState
 from harness.run.trainer import Trainer
+from harness.task import SeededSamples
 from harness.testing import assert_resumes_exactly, trainer_task
 from procs import ENV, ROOT, assert_one_line_error, harness, losses
 
@@ -87,3 +88,15 @@ def test_harness_testing_and_harness_train_share_the_step_bit_for_bit(tmp_path, 
         assert all(torch.equal(live[k], loaded[k]) for k in live), part
     trainer.close()
     trainer_b.close()
+
+
+def test_seeded_samples_draw_each_sample_from_its_own_seed_whatever_the_order():
+    draw = lambda g: torch.randn(3, generator=g)  # noqa: E731
+    forward = SeededSamples(5, seed=7, draw=draw)
+    backward = [SeededSamples(5, seed=7, draw=draw)[i] for i in reversed(range(5))][::-1]
+    assert len(forward) == 5
+    assert all(torch.equal(forward[i], backward[i]) for i in range(5))
+    assert not torch.equal(forward[0], SeededSamples(5, seed=8, draw=draw)[0])  # another seed, other samples
+    assert not torch.equal(forward[0], forward[1])
+    with pytest.raises(IndexError):
+        forward[5]
