@@ -25,6 +25,7 @@ ENV_EXAMPLES = {**ENV, "PYTHONPATH": str(EXAMPLES)}
 STEPS = 12
 SHORT = ("--set", f"train.steps={STEPS}", "--set", "train.eval_every=6")
 NAMES = ["image_classifier", "two_cadences", "distillation"]
+SLOW_STEPS = ("--set", "debug.step_sleep_s=0.5")
 
 
 def train(name: str, run_dir, *extra: str) -> list[str]:
@@ -54,7 +55,8 @@ def test_a_sigkilled_example_resumes_from_its_local_tier_bitwise(example, tmp_pa
     name, uninterrupted = example
     run_dir, local = tmp_path / "run", tmp_path / "local"
     args = train(name, run_dir, "--set", f"checkpoint.local.dir='{local}'")
-    assert kill_at_step(args, run_dir, 7, signal.SIGKILL, env=ENV_EXAMPLES) == -signal.SIGKILL
+    # Slow steps while it is killed (not part of the math): the kill lands before step 8's checkpoints.
+    assert kill_at_step([*args, *SLOW_STEPS], run_dir, 7, signal.SIGKILL, env=ENV_EXAMPLES) == -signal.SIGKILL
     harness(*args, env=ENV_EXAMPLES, check=True)
     start = events(run_dir, "start")[-1]
     assert (start["resumed_from"], start["resumed_tier"]) == (6, "local"), start
@@ -68,8 +70,8 @@ def test_an_example_loses_a_node_under_torchrun_and_goes_on_alone_bitwise(exampl
     locals_ = [tmp_path / "node0-local", tmp_path / "node1-local"]
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
     config = EXAMPLES / f"{name}.toml"
-    lose_all(agents(run_dir, locals_, logs, *SHORT, config=config, common=(), env=ENV_EXAMPLES), run_dir, 7,
-             logs[0], starts=1)
+    nodes = agents(run_dir, locals_, logs, *SHORT, *SLOW_STEPS, config=config, common=(), env=ENV_EXAMPLES)
+    lose_all(nodes, run_dir, 7, logs[0], starts=1)
     shutil.rmtree(locals_[1])
     alone = harness(*train(name, run_dir, "--set", f"checkpoint.local.dir='{locals_[0]}'"), env=ENV_EXAMPLES)
     assert alone.returncode == 0, alone.stderr[-3000:] + tail(logs[0])
