@@ -17,10 +17,10 @@ per rank, saved by its own saver and loaded by the same `load`.
 
 Modules, bottom up: discovery (finding committed checkpoints without reading data; no torch),
 tensorfile (safetensors read/write), format (what the files hold), manifest (the commit record),
-retention (what to keep), lease (one writer), restore (loading into live parts), loading (a
+retention (what to keep), lease (one writer), into_live (loading into live parts), loading (a
 checkpoint read once, then loaded: the one loader), store (commit sequence, discovery,
 retention, reading), prefetch (a checkpoint's files into the page cache while a resume builds its
-trainer), target (what a URL names), verify (`ckpt verify`), dcp and shard_files
+trainer), target (what a URL names), integrity (`ckpt verify`), dcp and shard_files
 (sharded parts), consolidate and diff (whole tensors, checkpoint differences; the `harness
 ckpt` command is harness/cli/ckpt.py); save/ (how a training process saves: the saver, its
 committers, the local tier). Storage itself (filesystems, S3, retries, faults) is harness/storage.
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
 _EXPORTS = {"CheckpointCorrupt": "errors", "CheckpointError": "errors", "Snapshot": "format", "capture": "format",
             "sharded_parts": "format", "WORLD_SIZE_KEY": "format", "Checkpoint": "loading", "Verify": "loading",
             "CheckpointRef": "discovery", "skipped": "discovery", "CheckpointStore": "store", "Prefetch": "prefetch",
-            "locate": "target", "open_target": "target", "verify_target": "verify",
+            "locate": "target", "open_target": "target", "verify_target": "integrity",
             "open_saver": "save", "SaveSettings": "save", "SaveHooks": "save", "Saver": "save.saver",
             "Committed": "save.commit",
             "LocalTier": "save.local_tier", "local_store": "save.local_tier", "not_mine": "save.local_tier",
