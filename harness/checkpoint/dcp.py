@@ -62,7 +62,7 @@ from torch.futures import Future
 
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.shard_files import METADATA_FILE, shard_file
-from harness.checkpoint.tensorfile import CODES, DTYPES, Readable, TensorEntry, read_tensor, serialize
+from harness.checkpoint.tensorfile import CODES, DTYPES, Opened, Readable, TensorEntry, read_tensor, serialize
 from optim.dtensor import is_dtensor
 
 if TYPE_CHECKING:  # manifest.py imports format.py, which imports this module
@@ -260,7 +260,6 @@ def save_shards(tensors: Mapping[str, torch.Tensor], write_file: WriteFile, rank
 
 # ---- reading -----------------------------------------------------------------------------------
 
-Opened = tuple[Readable, dict[str, TensorEntry], str]
 OpenFile = Callable[[str], Opened]
 """Opens one file the manifest lists (size and header checked): (reader, header entries, URL)."""
 

@@ -79,6 +79,10 @@ class TensorEntry:
         return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
 
 
+Opened = tuple[Readable, dict[str, TensorEntry], str]
+"""A tensor file opened for reading: (reader, header entries, its URL for messages)."""
+
+
 def describe(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
