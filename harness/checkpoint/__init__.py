@@ -17,10 +17,10 @@ per rank, saved by its own saver and loaded by the same `load`.
 
 Modules, bottom up: discovery (finding committed checkpoints without reading data; no torch),
 tensorfile (safetensors read/write), format (what the files hold), manifest (the commit record),
-retention (what to keep), lease (one writer), restore (loading into live parts), loading (a
+retention (what to keep), lease (one writer), into_live (loading into live parts), loading (a
 checkpoint read once, then loaded: the one loader), store (commit sequence, discovery,
 retention, reading), prefetch (a checkpoint's files into the page cache while a resume builds its
-trainer), target (what a URL names), verify (`ckpt verify`), dcp and shard_files
+trainer), target (what a URL names), integrity (`ckpt verify`), dcp and shard_files
 (sharded parts), consolidate and diff (whole tensors, checkpoint differences; the `harness
 ckpt` command is harness/cli/ckpt.py); save/ (how a training process saves: the saver, its
 committers, the local tier). Storage itself (filesystems, S3, retries, faults) is harness/storage.
@@ -33,9 +33,34 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from harness.checkpoint.discovery import CheckpointRef
-    from harness.checkpoint.loading import Checkpoint, Verify
-    from harness.checkpoint.store import CheckpointStore
+    # The lazy exports below, as mypy sees them (`X as X`: re-exported, so `from harness.checkpoint
+    # import CheckpointStore` type-checks); keep in step with `_EXPORTS`.
+    from harness.checkpoint.discovery import CheckpointRef as CheckpointRef, skipped as skipped
+    from harness.checkpoint.errors import CheckpointCorrupt as CheckpointCorrupt, CheckpointError as CheckpointError
+    from harness.checkpoint.format import (
+        WORLD_SIZE_KEY as WORLD_SIZE_KEY,
+        Snapshot as Snapshot,
+        capture as capture,
+        sharded_parts as sharded_parts,
+    )
+    from harness.checkpoint.integrity import verify_target as verify_target
+    from harness.checkpoint.loading import Checkpoint as Checkpoint, Verify as Verify
+    from harness.checkpoint.prefetch import Prefetch as Prefetch
+    from harness.checkpoint.save import SaveHooks as SaveHooks, SaveSettings as SaveSettings, open_saver as open_saver
+    from harness.checkpoint.save.commit import Committed as Committed
+    from harness.checkpoint.save.coverage import Coverage as Coverage
+    from harness.checkpoint.save.local_recovery import LocalRecovery as LocalRecovery
+    from harness.checkpoint.save.local_tier import (
+        LOCAL as LOCAL,
+        PERSISTENT as PERSISTENT,
+        LocalTier as LocalTier,
+        local_store as local_store,
+        not_mine as not_mine,
+    )
+    from harness.checkpoint.save.peer_copies import PEER as PEER, peer_jump as peer_jump
+    from harness.checkpoint.save.saver import Saver as Saver
+    from harness.checkpoint.store import CheckpointStore as CheckpointStore
+    from harness.checkpoint.target import locate as locate, open_target as open_target
 
 # The names below are loaded on first use, so that importing a torch-free module of this package
 # (errors, lease, discovery) does not import torch: `harness train` reads checkpoint.errors
@@ -44,7 +69,7 @@ if TYPE_CHECKING:
 _EXPORTS = {"CheckpointCorrupt": "errors", "CheckpointError": "errors", "Snapshot": "format", "capture": "format",
             "sharded_parts": "format", "WORLD_SIZE_KEY": "format", "Checkpoint": "loading", "Verify": "loading",
             "CheckpointRef": "discovery", "skipped": "discovery", "CheckpointStore": "store", "Prefetch": "prefetch",
-            "locate": "target", "open_target": "target", "verify_target": "verify",
+            "locate": "target", "open_target": "target", "verify_target": "integrity",
             "open_saver": "save", "SaveSettings": "save", "SaveHooks": "save", "Saver": "save.saver",
             "Committed": "save.commit",
             "LocalTier": "save.local_tier", "local_store": "save.local_tier", "not_mine": "save.local_tier",
@@ -72,7 +97,7 @@ def load(store: CheckpointStore, checkpoint: Checkpoint | CheckpointRef, targets
                    one_rank=one_rank, shard_copies=[(s.loc, c) for s, c in shard_copies])
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)

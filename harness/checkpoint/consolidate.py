@@ -17,24 +17,30 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from harness.checkpoint.discovery import CheckpointRef
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.format import tensor_refs
 from harness.checkpoint.loading import Checkpoint, open_tensors, read_listed
 from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE, SHARDED
-from harness.checkpoint.store import CheckpointRef, CheckpointStore
-from harness.checkpoint.tensorfile import read_tensor, stream
+from harness.checkpoint.store import CheckpointStore
+from harness.checkpoint.tensorfile import Opened, Readable, TensorEntry, read_tensor, stream
 from harness.storage.location import output_folder, write_stream
+
+if TYPE_CHECKING:  # DCP: imported only for a sharded checkpoint (`_sharded`)
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from harness.checkpoint.dcp import ShardLocation
 
 MODEL_PART = "model"
 MODEL_FILE = "model.safetensors"
 
 
 def consolidate(store: CheckpointStore, ref: CheckpointRef, out: str,
-                storage_options: dict | None = None) -> tuple[str, int]:
+                storage_options: dict[str, Any] | None = None) -> tuple[str, int]:
     """Write `ref`'s model part to `out/model.safetensors` (a local folder or URL); returns (its
     URL, bytes). Raises `CheckpointCorrupt` for a damaged checkpoint, `CheckpointError` for one
     without a model part or an `out` that is a file or cannot be written to."""
@@ -61,9 +67,13 @@ class Whole(NamedTuple):
     shape: tuple[int, ...]
 
 
+Refs = dict[str, tuple[str, str]]  # a tensor's name (key path joined by "/") -> (file, name there) of state.json
+OpenFile = Callable[[str], Opened]
+Wholes = tuple[dict[str, Whole], Callable[[str], torch.Tensor]]  # what `whole_tensors` yields
+
 @contextmanager
 def whole_tensors(store: CheckpointStore, checkpoint: Checkpoint,
-                  part: str) -> Iterator[tuple[dict[str, Whole], Callable[[str], torch.Tensor]]]:
+                  part: str) -> Iterator[Wholes]:
     """Every tensor of `part` in `checkpoint` (opened: `store.open`), whole, whatever the world
     size and sharding it was written with: (name -> Whole, produce(name) -> the full tensor, one
     per call, assembled from its stored chunks). Names are the key paths joined by "/" (a
@@ -77,9 +87,9 @@ def whole_tensors(store: CheckpointStore, checkpoint: Checkpoint,
     refs = {"/".join(map(str, path)): where for path, where in tensor_refs(tree).items()}
     records = checkpoint.records
     with ExitStack() as stack:
-        opened: dict[str, tuple] = {}
+        opened: dict[str, Opened] = {}
 
-        def file(name: str) -> tuple:
+        def file(name: str) -> Opened:
             if name not in records:
                 raise CheckpointCorrupt(f"{ref.url}: state.json refers to {name!r}, which the manifest does not list")
             if name not in opened:
@@ -92,8 +102,8 @@ def whole_tensors(store: CheckpointStore, checkpoint: Checkpoint,
             yield _unsharded(refs, file)
 
 
-def _unsharded(refs: dict, file):
-    def entry(name: str):
+def _unsharded(refs: Refs, file: OpenFile) -> Wholes:
+    def entry(name: str) -> tuple[Readable, TensorEntry, str]:
         f, entries, where = file(refs[name][0])
         if refs[name][1] not in entries:
             raise CheckpointCorrupt(f"{where}: has no tensor {refs[name][1]!r}")
@@ -103,20 +113,23 @@ def _unsharded(refs: dict, file):
     return specs, lambda name: read_tensor(*entry(name))
 
 
-def _sharded(store: CheckpointStore, checkpoint, refs: dict, file):
+def _sharded(store: CheckpointStore, checkpoint: Checkpoint, refs: Refs, file: OpenFile) -> Wholes:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     from harness.checkpoint.dcp import metadata_from_json  # DCP: only sharded checkpoints load it
 
     meta_bytes = read_listed(store.loc, checkpoint.ref, checkpoint.manifest, METADATA_FILE, MAX_METADATA_BYTES)
     metadata = metadata_from_json(meta_bytes, f"{checkpoint.ref.url}/{METADATA_FILE}")
-    chunks: dict[str, list] = {}
+    chunks: dict[str, list[tuple[tuple[int, ...], ShardLocation]]] = {}
     for index, location in metadata.storage_data.items():
         chunks.setdefault(index.fqn, []).append((tuple(index.offset), location))
 
-    def stored(name: str):
+    def stored(name: str) -> tuple[str, TensorStorageMetadata]:
         fqn = refs[name][1]
         meta = metadata.state_dict_metadata.get(fqn)
         if meta is None:
             raise CheckpointCorrupt(f"{checkpoint.ref.url}: the DCP metadata has no tensor {fqn!r}")
+        assert isinstance(meta, TensorStorageMetadata)  # metadata_from_json lists tensors only
         return fqn, meta
 
     def produce(name: str) -> torch.Tensor:

@@ -42,19 +42,27 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
+    STORAGE_TYPES,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
 from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
 from harness.checkpoint.shard_files import METADATA_FILE, shard_file
-from harness.checkpoint.tensorfile import CODES, DTYPES, TensorEntry, read_tensor, serialize
+from harness.checkpoint.tensorfile import CODES, DTYPES, Opened, Readable, TensorEntry, read_tensor, serialize
 from optim.dtensor import is_dtensor
 
 if TYPE_CHECKING:  # manifest.py imports format.py, which imports this module
@@ -100,7 +108,7 @@ def metadata_from_json(data: bytes, where: str) -> Metadata:
         doc = json.loads(data.decode("utf-8"))
         if doc["format_version"] != METADATA_FORMAT:
             raise ValueError(f"format version {doc['format_version']!r}, this harness reads {METADATA_FORMAT}")
-        state = {}
+        state: dict[str, STORAGE_TYPES] = {}
         for fqn, t in doc["tensors"].items():
             chunks = [ChunkStorageMetadata(torch.Size(_ints(o)), torch.Size(_ints(s))) for o, s in t["chunks"]]
             state[fqn] = TensorStorageMetadata(TensorProperties(dtype=DTYPES[t["dtype"]]), torch.Size(_ints(t["size"])),
@@ -133,6 +141,7 @@ def merged(metadatas: Iterable[tuple[Metadata, str]]) -> Metadata:
         version = version or md.version
         planner.update(md.planner_data or {})
         for fqn, meta in md.state_dict_metadata.items():
+            assert isinstance(meta, TensorStorageMetadata)  # metadata_from_json and merged list tensors only
             have = state.get(fqn)
             if have is None:
                 state[fqn] = have = TensorStorageMetadata(meta.properties, meta.size, [])
@@ -143,7 +152,7 @@ def merged(metadatas: Iterable[tuple[Metadata, str]]) -> Metadata:
             have.chunks.extend(c for c in meta.chunks if tuple(c.offsets) not in listed)
         for idx, loc in (md.storage_data or {}).items():
             storage.setdefault(idx, loc)
-    return Metadata(state_dict_metadata=state, planner_data=planner, storage_data=storage, version=version)
+    return Metadata(state_dict_metadata=dict(state), planner_data=planner, storage_data=storage, version=version)
 
 
 def _ints(values: Any) -> list[int]:
@@ -173,7 +182,7 @@ def raising_the_failure() -> Iterator[None]:
 
 # ---- writing -----------------------------------------------------------------------------------
 
-WriteFile = Callable[[str, Iterable], "FileRecord"]
+WriteFile = Callable[[str, Iterable[memoryview | bytes]], "FileRecord"]
 """Writes one named file of the checkpoint from its chunks (durably, hashed): the store's."""
 
 
@@ -203,16 +212,19 @@ class ShardWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         file = shard_file(self.rank)
-        tensors, results = {}, []
+        tensors: dict[str, torch.Tensor] = {}
+        results: list[WriteResult] = []
         for item in plan.items:
             t = planner.resolve_data(item)
+            # prepare_local_plan refused every BYTE_IO item: each is a tensor
+            assert isinstance(t, torch.Tensor) and item.tensor_data is not None
             name = _chunk_name(item.index.fqn, item.tensor_data.chunk.offsets)
             tensors[name] = t.detach()
             results.append(WriteResult(index=item.index, size_in_bytes=t.numel() * t.element_size(),
                                        storage_data=ShardLocation(file, name)))
         if tensors:
             self.records.append(self.write_file(file, serialize(tensors, f"{self.where}/{file}")))
-        done: Future = Future()
+        done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
 
@@ -248,7 +260,7 @@ def save_shards(tensors: Mapping[str, torch.Tensor], write_file: WriteFile, rank
 
 # ---- reading -----------------------------------------------------------------------------------
 
-OpenFile = Callable[[str], tuple[Any, dict[str, TensorEntry], str]]
+OpenFile = Callable[[str], Opened]
 """Opens one file the manifest lists (size and header checked): (reader, header entries, URL)."""
 
 
@@ -277,7 +289,7 @@ class ShardReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        by_file: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        by_file: dict[str, dict[str, list[ReadItem]]] = defaultdict(lambda: defaultdict(list))
         for req in plan.items:
             loc = self.metadata.storage_data.get(req.storage_index)
             if loc is None:
@@ -290,12 +302,12 @@ class ShardReader(StorageReader):
                 raise CheckpointCorrupt(f"{where}: has no tensor {missing[0]!r}, which the DCP metadata places there")
             for name in sorted(by_tensor, key=lambda n: entries[n].start):
                 self._read_chunk(f, entries[name], where, by_tensor[name], planner)
-        done: Future = Future()
+        done: Future[None] = Future()
         done.set_result(None)
         return done
 
     @staticmethod
-    def _read_chunk(f: Any, entry: TensorEntry, where: str, reqs: list, planner: LoadPlanner) -> None:
+    def _read_chunk(f: Readable, entry: TensorEntry, where: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
         if len(reqs) == 1:
             dest = planner.resolve_tensor(reqs[0]).detach()
             if tuple(dest.shape) == entry.shape and dest.dtype == entry.dtype:  # the whole chunk: no second copy
@@ -327,6 +339,7 @@ def check_fit(metadata: Metadata, dest: Mapping[str, torch.Tensor], where: str) 
     problems = []
     for fqn, t in dest.items():
         meta = metadata.state_dict_metadata.get(fqn)
+        assert meta is None or isinstance(meta, TensorStorageMetadata)  # metadata_from_json, merged: tensors only
         if meta is None:
             problems.append(f"{fqn}: missing from the sharded state of {where}")
         elif tuple(meta.size) != tuple(t.shape) or meta.properties.dtype != t.dtype:
@@ -366,11 +379,11 @@ def load_shards(metadata: Metadata, dest: Mapping[str, torch.Tensor], open_file:
                  no_dist=not _in_group())
 
 
-def opened_once(open_tensors: Callable[[ExitStack, str], tuple], stack: ExitStack) -> OpenFile:
+def opened_once(open_tensors: Callable[[ExitStack, str], Opened], stack: ExitStack) -> OpenFile:
     """`open_file` for a `ShardReader`: each file opened once per load, kept open on `stack`."""
-    opened: dict[str, tuple] = {}
+    opened: dict[str, Opened] = {}
 
-    def open_file(file: str) -> tuple:
+    def open_file(file: str) -> Opened:
         if file not in opened:
             opened[file] = open_tensors(stack, file)
         return opened[file]

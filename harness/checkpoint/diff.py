@@ -17,19 +17,22 @@ world size, but for the per-rank files of ranks only one side has).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import torch
 
 from harness.checkpoint.consolidate import Whole, whole_tensors
+from harness.checkpoint.discovery import CheckpointRef
 from harness.checkpoint.format import sharded_parts
-from harness.checkpoint.store import CheckpointRef, CheckpointStore
+from harness.checkpoint.store import CheckpointStore
 from harness.checkpoint.tensorfile import TensorEntry, read_tensor
 
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MAX_JSON_LINES = 50
+_Stored = TypeVar("_Stored", TensorEntry, Whole)  # how a compared tensor is described: a file's entry, or whole
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,7 @@ def compare_checkpoints(a: tuple[CheckpointStore, CheckpointRef],
             (fa, ea, wa), (fb, eb, wb) = files_a[file], files_b[file]
             for name in sorted(n for n in set(ea) | set(eb) if _part_of(file, n) not in whole):
                 _add(result, _tensor_diff(_part_of(file, name), f"{file}:{name}", ea.get(name), eb.get(name),
-                                          lambda e, f=fa, w=wa: read_tensor(f, e, w),
-                                          lambda e, f=fb, w=wb: read_tensor(f, e, w)))
+                                          partial(read_tensor, fa, where=wa), partial(read_tensor, fb, where=wb)))
     for part in whole:
         if part not in state_a["parts"] or part not in state_b["parts"]:
             continue  # the JSON comparison named it
@@ -100,7 +102,7 @@ def compare_checkpoints(a: tuple[CheckpointStore, CheckpointRef],
                 whole_tensors(store_b, store_b.open(ref_b), part) as (specs_b, read_b):
             for name in sorted(set(specs_a) | set(specs_b)):
                 _add(result, _tensor_diff(part, f"{part} (whole):{name}", specs_a.get(name), specs_b.get(name),
-                                          lambda _, n=name: read_a(n), lambda _, n=name: read_b(n)))
+                                          partial(_whole, read_a, name), partial(_whole, read_b, name)))
     return result
 
 
@@ -116,8 +118,14 @@ def _part_of(file: str, name: str) -> str:
     return name.split("/", 1)[0] if file.startswith(("rank-", "shards-")) else file.split(".", 1)[0]
 
 
-def _tensor_diff(part: str, label: str, ea: TensorEntry | Whole | None, eb: TensorEntry | Whole | None, read_a,
-                 read_b) -> Difference | None:
+def _whole(read: Callable[[str], torch.Tensor], name: str, _spec: Whole) -> torch.Tensor:
+    """The tensor `name` of `whole_tensors`, read whole (`read(name)`)."""
+    return read(name)
+
+
+def _tensor_diff(part: str, label: str, ea: _Stored | None, eb: _Stored | None,
+                 read_a: Callable[[_Stored], torch.Tensor],
+                 read_b: Callable[[_Stored], torch.Tensor]) -> Difference | None:
     if ea is None or eb is None:
         return Difference(part, label, f"{label}: only in {'A' if eb is None else 'B'}")
     if ea.dtype != eb.dtype or ea.shape != eb.shape:

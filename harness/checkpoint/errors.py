@@ -31,11 +31,12 @@ class CheckpointCorrupt(CheckpointError):
 def storage_errno(error: BaseException) -> int | None:
     """The errno of the first OSError in `error`'s chain (itself, its cause, its context)."""
     seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno is not None:
-            return error.errno
-        error = error.__cause__ or error.__context__
+    link: BaseException | None = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, OSError) and link.errno is not None:
+            return link.errno
+        link = link.__cause__ or link.__context__
     return None
 
 

@@ -144,9 +144,9 @@ class _Sink:
     named: dict[str, torch.Tensor]
     file: str
     prefix: KeyPath
-    stored: dict[tuple, str] = field(default_factory=dict)  # view identity -> its name (tied tensors)
+    stored: dict[tuple[Any, ...], str] = field(default_factory=dict)  # view identity -> its name (tied tensors)
 
-    def add(self, path: KeyPath, t: torch.Tensor) -> dict:
+    def add(self, path: KeyPath, t: torch.Tensor) -> dict[str, list[str]]:
         view = tensor_view(t)
         if view in self.stored:
             return {TENSOR_KEY: [self.file, self.stored[view]]}
@@ -159,7 +159,7 @@ class _Sink:
         return {TENSOR_KEY: [self.file, name]}
 
 
-def tensor_view(t: torch.Tensor) -> tuple:
+def tensor_view(t: torch.Tensor) -> tuple[Any, ...]:
     """What makes two tensor objects the same tensor: storage, offset, shape, strides, dtype,
     device. Empty tensors are never the same (they have no storage to share)."""
     if t.numel() == 0:
@@ -266,7 +266,7 @@ def dump_state(step: int, snapshot: Snapshot, meta: Mapping[str, Any] | None) ->
 
 
 def snapshot_files(step: int, snapshot: Snapshot, meta: Mapping[str, Any] | None, url: str, *,
-                   own: bool = False) -> Iterator[tuple[str, Iterable[bytes]]]:
+                   own: bool = False) -> Iterator[tuple[str, Iterable[memoryview | bytes]]]:
     """The files of `snapshot` committed as `step` in the checkpoint folder `url`, each as (name,
     its bytes in chunks), produced one at a time: every tensor file (sorted by name), then
     `state.json` with `meta`. Not the sharded parts' files, which every rank writes through DCP

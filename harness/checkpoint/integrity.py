@@ -4,20 +4,22 @@ it says."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from harness.checkpoint.discovery import STEP_DIR, CheckpointRef
 from harness.checkpoint.target import open_target
 from harness.storage.location import folder_name
 
 
-def verify_target(url: str, options: dict | None = None) -> int:
+def verify_target(url: str, options: dict[str, Any] | None = None) -> int:
     """Print the verdict and problems of the checkpoint folder `url`, or of every checkpoint of
     the run dir `url` (a step folder without a manifest counts as a failed one); 1 if any fails
     or the run dir has none, else 0. `options` are storage options."""
     store, ref = open_target(url, options)
     refs, incomplete = ([ref], []) if ref is not None else store.scan()
     for path in incomplete:
-        if STEP_DIR.fullmatch(folder_name(path)):
-            refs.append(CheckpointRef(int(STEP_DIR.fullmatch(folder_name(path))[1]), path, store.loc.url_of(path)))
+        if step := STEP_DIR.fullmatch(folder_name(path)):
+            refs.append(CheckpointRef(int(step[1]), path, store.loc.url_of(path)))
     if not refs:
         print(f"no checkpoints in {store.url}")
         return 1

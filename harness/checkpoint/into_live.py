@@ -32,11 +32,11 @@ import torch
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import DROP, KeyPath, decode, path_str, tensor_refs, tensor_view
 from harness.checkpoint.shard_files import SHARDED
-from harness.checkpoint.tensorfile import TensorEntry, describe, read_tensor
+from harness.checkpoint.tensorfile import Opened, Readable, TensorEntry, describe, read_tensor
 from optim.dtensor import is_dtensor
 
 # (file handle, header entries, name for messages) of one tensor file of the checkpoint.
-OpenTensors = Callable[[ExitStack, str], tuple[Any, dict[str, TensorEntry], str]]
+OpenTensors = Callable[[ExitStack, str], Opened]
 _MAX_LISTED = 30
 
 
@@ -48,6 +48,12 @@ class _Slot:
     entry: TensorEntry | None  # None for a sharded tensor (read by DCP)
     live: torch.Tensor | None
     value: torch.Tensor | None = None
+
+    @property
+    def stored(self) -> TensorEntry:
+        """`entry`, of a slot read from a tensor file (every slot but a sharded tensor's)."""
+        assert self.entry is not None, f"{self.file}: a sharded tensor's slot has no entry in a tensor file"
+        return self.entry
 
 
 def _skipped(name: str, skip: Collection[str]) -> bool:
@@ -88,7 +94,7 @@ class ShardedSource(Protocol):
         """Fill the live tensors in place (a collective when there is a process group)."""
 
 
-def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], open_tensors: OpenTensors,
+def restore_parts(doc: dict[str, Any], targets: Mapping[str, Any], skip: Collection[str], open_tensors: OpenTensors,
                   where: str, check_streamed: Callable[[], None] | None = None,
                   sharded: ShardedSource | None = None) -> None:
     """Load `doc` (a parsed state.json) into `targets`; see the module docstring.
@@ -109,7 +115,7 @@ def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], 
         )
     parts = [p for p in targets if p not in skip]
     with ExitStack() as stack:
-        files: dict[str, tuple[Any, dict[str, TensorEntry], str]] = {}
+        files: dict[str, Opened] = {}
         slots: dict[str, dict[KeyPath, _Slot]] = {}
         kept: dict[str, dict[KeyPath, torch.Tensor]] = {}
         shard_dest: dict[str, torch.Tensor] = {}
@@ -135,14 +141,15 @@ def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], 
             )
         for file, (f, _, fwhere) in files.items():
             todo = sorted((s for ps in slots.values() for s in ps.values() if s.file == file),
-                          key=lambda s: s.entry.start)
+                          key=lambda s: s.stored.start)
             read: dict[str, torch.Tensor] = {}  # entry name -> its value: a tied tensor is read once
             for slot in todo:
-                if slot.entry.name in read:
-                    slot.value = _tie(slot.live, read[slot.entry.name])
+                if slot.stored.name in read:
+                    slot.value = _tie(slot.live, read[slot.stored.name])
                 else:
-                    slot.value = read[slot.entry.name] = _read_into(f, slot.entry, fwhere, slot.live)
+                    slot.value = read[slot.stored.name] = _read_into(f, slot.stored, fwhere, slot.live)
         if shard_dest:
+            assert sharded is not None  # else the problems above named the sharded tensors, and were raised
             sharded.load(stack, shard_dest)
         if check_streamed is not None:
             check_streamed()
@@ -150,7 +157,7 @@ def restore_parts(doc: dict, targets: Mapping[str, Any], skip: Collection[str], 
         _load_part(part, stored[part], targets[part], slots[part], kept[part], where)
 
 
-def _read_into(f: Any, entry: TensorEntry, where: str, live: torch.Tensor | None) -> torch.Tensor:
+def _read_into(f: Readable, entry: TensorEntry, where: str, live: torch.Tensor | None) -> torch.Tensor:
     """Read one stored tensor into `live` (or a new tensor). A sharded live tensor (FSDP) loading
     an unsharded checkpoint (DDP, one process) takes its own shard of the whole tensor read."""
     if not is_dtensor(live):
@@ -177,8 +184,8 @@ def _tie(live: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
     return live
 
 
-def _plan(part: str, tree: Any, target: Any, skip: Collection[str], files: dict, open_file: Callable,
-          problems: list[str],
+def _plan(part: str, tree: Any, target: Any, skip: Collection[str], files: dict[str, Opened],
+          open_file: Callable[[str], Opened], problems: list[str],
           shard_dest: dict[str, torch.Tensor]) -> tuple[dict[KeyPath, _Slot], dict[KeyPath, torch.Tensor]]:
     live: dict[KeyPath, torch.Tensor] = {}
     tensor_dicts: set[KeyPath] = set()
@@ -186,11 +193,11 @@ def _plan(part: str, tree: Any, target: Any, skip: Collection[str], files: dict,
     refs = tensor_refs(tree)
     slots: dict[KeyPath, _Slot] = {}
     kept: dict[KeyPath, torch.Tensor] = {}
-    for path, t in live.items():
+    for path, live_t in live.items():
         if _skipped(path_str(part, path), skip):
-            kept[path] = t
+            kept[path] = live_t
         elif path not in refs:
-            problems.append(f"{path_str(part, path)}: missing from the checkpoint (live {describe(t)})")
+            problems.append(f"{path_str(part, path)}: missing from the checkpoint (live {describe(live_t)})")
     for path, (file, name) in refs.items():
         label = path_str(part, path)
         if _skipped(label, skip):

@@ -39,6 +39,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import psutil
 
@@ -57,6 +58,8 @@ DEFAULT_HEARTBEAT_S = 30.0
 # How long a holder process that is exiting on this host gets to finish before it is taken over.
 DYING_GRACE_S = 5.0
 _POLL_S = 0.2
+
+Holder = dict[str, Any]  # a lease record, as the lease file holds it (owner, host, pid, since, heartbeat, ...)
 
 ALIVE, DYING, GONE = "alive", "dying", "gone"
 _PF_EXITING = 0x4  # task flag (include/linux/sched.h): do_exit() has started
@@ -130,7 +133,7 @@ class Lease:
     def stale_after_s(self) -> float:
         return MISSED_HEARTBEATS * self.heartbeat_s
 
-    def read(self) -> dict | None:
+    def read(self) -> Holder | None:
         """The current lease record, or None. A malformed one is reported and treated as absent;
         a storage failure (`StorageUnavailable`) propagates: it says nothing about the lease."""
         with self._io:
@@ -145,12 +148,12 @@ class Lease:
         log.warning("ignoring a malformed lease file", path=self.loc.url_of(self.path))
         return None
 
-    def describe(self, holder: dict) -> str:
+    def describe(self, holder: Holder) -> str:
         age = self.clock() - float(holder["heartbeat"])
         return (f"writer {holder['owner']} (host {holder['host']}, pid {holder['pid']}, since "
                 f"{_iso(float(holder['since']))}, last heartbeat {age:.0f}s ago)")
 
-    def stale_after(self, holder: dict) -> float:
+    def stale_after(self, holder: Holder) -> float:
         """Seconds without a heartbeat after which `holder` counts as gone (its own interval)."""
         return MISSED_HEARTBEATS * float(holder.get("heartbeat_s") or self.heartbeat_s)
 
@@ -170,10 +173,11 @@ class Lease:
         self.check()
         self.held = True
 
-    def _wait_for_holder(self) -> dict | None:
+    def _wait_for_holder(self) -> Holder | None:
         """The lease record once it is free to take (None, ours, or a gone holder's); raises
         `CheckpointError` when the holder is alive."""
-        first_beat, give_up_at = None, None
+        first_beat: object = None
+        give_up_at: float | None = None
         while True:
             holder = self.read()
             if holder is None or holder["owner"] == self.owner or self.gone_reason(holder) is not None:
@@ -188,6 +192,7 @@ class Lease:
                 if wait > 0:
                     log.warning("the run dir lease is held by a writer that may be gone; waiting for it",
                                 holder=self.describe(holder), wait_s=round(wait, 1))
+            assert give_up_at is not None  # set in the round that set first_beat (or in every round, while None)
             moved = holder["heartbeat"] != first_beat
             if moved or now >= give_up_at:
                 if same_host and not moved and self._holder_state(holder) == DYING:
@@ -250,7 +255,7 @@ class Lease:
                 self.loc.fs.rm(self.path)
             self.held = False
 
-    def gone_reason(self, holder: dict) -> str | None:
+    def gone_reason(self, holder: Holder) -> str | None:
         """Why the holder is provably not writing any more, or None if it may be alive."""
         if holder["host"] == self.host and self._holder_state(holder) == GONE:
             return f"pid {holder['pid']} is not running on this host"
@@ -260,7 +265,7 @@ class Lease:
             return f"no heartbeat for {age:.0f}s (more than {stale:.0f}s: {MISSED_HEARTBEATS} missed heartbeats)"
         return None
 
-    def _holder_state(self, holder: dict) -> str:
+    def _holder_state(self, holder: Holder) -> str:
         started = holder.get("started")
         return self.process_alive(int(holder["pid"]), None if started is None else float(started))
 

@@ -27,23 +27,26 @@ another shape is reported as damage.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.checkpoint.discovery import CheckpointRef, read_manifest, size_problem
 from harness.checkpoint.errors import CheckpointCorrupt
 from harness.checkpoint.format import WORLD_SIZE_KEY, parse_state, rank_state_file, tensor_refs
-from harness.checkpoint.into_live import restore_parts
+from harness.checkpoint.into_live import OpenTensors, restore_parts
 from harness.checkpoint.manifest import STATE_FILE, FileRecord, Manifest
 from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE
-from harness.checkpoint.tensorfile import TensorEntry, read_header
+from harness.checkpoint.tensorfile import Opened, TensorEntry, read_header
 from harness.errors import StorageError
 from harness.log import get_logger
 from harness.storage.digest import hexdigest
 from harness.storage.location import HashingReader, Location, check_small, hash_file, open_read, read_bytes
+
+if TYPE_CHECKING:  # DCP: imported only by sharded loads (CheckpointShards)
+    from torch.distributed.checkpoint.metadata import Metadata
 
 log = get_logger(__name__)
 
@@ -180,15 +183,15 @@ class CheckpointShards:
     header checked, hashed while read when that load verifies). Built only for a checkpoint with
     sharded parts: it imports DCP (checkpoint/shard_files.py says why nothing else does)."""
 
-    def __init__(self, copies: Sequence[tuple[Location, Checkpoint, Callable]]) -> None:
+    def __init__(self, copies: Sequence[tuple[Location, Checkpoint, OpenTensors]]) -> None:
         from harness.checkpoint import dcp
 
         self.copies = copies
         self._dcp = dcp
-        self._metadata = None
+        self._metadata: Metadata | None = None
 
     @property
-    def metadata(self):
+    def metadata(self) -> Metadata:
         if self._metadata is None:
             read = []
             for loc, checkpoint, _ in self.copies:
@@ -204,7 +207,7 @@ class CheckpointShards:
     def load(self, stack: ExitStack, dest: Mapping[str, Any]) -> None:
         owners = {name: open_file for _, checkpoint, open_file in self.copies for name in checkpoint.records}
 
-        def open_file(s: ExitStack, file: str):
+        def open_file(s: ExitStack, file: str) -> Opened:
             if file not in owners:
                 raise CheckpointCorrupt(f"the DCP metadata places chunks in {file!r}, which no copy's manifest lists")
             return owners[file](s, file)
@@ -212,13 +215,13 @@ class CheckpointShards:
         self._dcp.load_shards(self.metadata, dest, self._dcp.opened_once(open_file, stack))
 
 
-def _shards(loc: Location, checkpoint: Checkpoint, open_file: Callable,
+def _shards(loc: Location, checkpoint: Checkpoint, open_file: OpenTensors,
             copies: Sequence[tuple[Location, Checkpoint]]) -> CheckpointShards | None:
     """Where `load` reads the sharded tensors from: `checkpoint` itself, or the `copies`."""
     if not copies:
         return CheckpointShards([(loc, checkpoint, open_file)]) if checkpoint.sharded else None
 
-    def opener(copy_loc: Location, copy: Checkpoint) -> Callable:
+    def opener(copy_loc: Location, copy: Checkpoint) -> OpenTensors:
         return lambda stack, file: open_tensors(copy_loc, stack, copy.ref, copy.records[file], prefetch=True)
 
     return CheckpointShards([(copy_loc, copy, opener(copy_loc, copy)) for copy_loc, copy in copies])
@@ -286,7 +289,8 @@ def load(loc: Location, checkpoint: Checkpoint | CheckpointRef, targets: Mapping
     restore_parts(state, targets, skip, files.open,
                   where=f"checkpoint {ref.url}", check_streamed=files.check_streamed if files.hashing else None,
                   sharded=_shards(loc, checkpoint, files.open, shard_copies))
-    return state["meta"]
+    meta: dict[str, Any] = state["meta"]
+    return meta
 
 
 def _saved_world(checkpoint: Checkpoint, world: int, rank: int) -> int:
@@ -324,7 +328,7 @@ class _TensorFiles:
         self.loc, self.ref, self.records, self.hashing = loc, checkpoint.ref, checkpoint.records, hashing
         self.readers: dict[str, HashingReader] = {}  # file -> the hashing reader it was opened through
 
-    def open(self, stack: ExitStack, file: str):
+    def open(self, stack: ExitStack, file: str) -> Opened:
         """(reader, header entries, URL) of the safetensors file `file`, opened in `stack`;
         `CheckpointCorrupt` when the manifest does not list it as one."""
         if file not in self.records or not file.endswith(".safetensors"):
@@ -343,14 +347,16 @@ class _TensorFiles:
         problems = []
         for rec in self.records.values():
             path = f"{self.ref.path}/{rec.name}"
+            size: int | None
+            digest: str | None
             if rec.name in self.readers:
                 size, digest = self.readers[rec.name].finish()
             elif rec.name == STATE_FILE:
                 continue
             else:
                 size, digest = hash_file(self.loc, path, rec.algorithm) if self.loc.fs.exists(path) else (None, None)
-            found = FileRecord(rec.name, size, digest, rec.algorithm)
-            if found != rec:
-                problems.append(f"{self.loc.url_of(path)}: {found.describe()}, the manifest says {rec.describe()}")
+            if (size, digest) != (rec.size, rec.digest):  # (None, None): the file is missing
+                found = f"{size} bytes with {rec.algorithm} {digest}"  # in the words of FileRecord.describe
+                problems.append(f"{self.loc.url_of(path)}: {found}, the manifest says {rec.describe()}")
         if problems:
             raise CheckpointCorrupt(f"{self.ref.url} is corrupt, found while loading it:\n  " + "\n  ".join(problems))

@@ -66,5 +66,5 @@ class Prefetch:
     def __enter__(self) -> Prefetch:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -33,6 +33,7 @@ this store and not the lease holder) are removed.
 
 from __future__ import annotations
 
+import builtins
 import os
 import re
 import socket
@@ -101,8 +102,9 @@ class CheckpointStore:
     heartbeat interval (lease.py: stale after a few missed ones).
     """
 
-    def __init__(self, url: str, *, keep_last: int = 3, keep_every: int = 0, storage_options: dict | None = None,
-                 writer_id: str | None = None, clock: Callable[[], float] = time.time,
+    def __init__(self, url: str, *, keep_last: int = 3, keep_every: int = 0,
+                 storage_options: dict[str, Any] | None = None, writer_id: str | None = None,
+                 clock: Callable[[], float] = time.time,
                  lease_heartbeat_s: float = DEFAULT_HEARTBEAT_S) -> None:
         check_policy(keep_last, keep_every)
         self.keep_last, self.keep_every, self.clock = keep_last, keep_every, clock
@@ -120,21 +122,21 @@ class CheckpointStore:
 
     def exists(self) -> bool:
         """Whether the run dir exists at all."""
-        return self.loc.fs.isdir(self.loc.root)
+        return bool(self.loc.fs.isdir(self.loc.root))
 
     def ref(self, step: int) -> CheckpointRef:
         return ref_at(self.loc, step)
 
-    def scan(self) -> tuple[list[CheckpointRef], list[str]]:
+    def scan(self) -> tuple[builtins.list[CheckpointRef], builtins.list[str]]:
         """(`list()`, `incomplete()`) from one listing and one manifest check per step folder
         (on an object store each is a request; retention after every save needs both)."""
         return scan(self.loc)
 
-    def list(self) -> list[CheckpointRef]:
+    def list(self) -> builtins.list[CheckpointRef]:
         """Committed checkpoints (a manifest exists; not yet verified), oldest first."""
         return self.scan()[0]
 
-    def incomplete(self) -> list[str]:
+    def incomplete(self) -> builtins.list[str]:
         """Paths of folders that are not checkpoints: temporary folders, step folders without manifest."""
         return self.scan()[1]
 
@@ -142,12 +144,12 @@ class CheckpointStore:
         """The parsed manifest of `ref`; `CheckpointCorrupt` when it is missing or malformed."""
         return read_manifest(self.loc, ref)
 
-    def verify(self, ref: CheckpointRef) -> list[str]:
+    def verify(self, ref: CheckpointRef) -> builtins.list[str]:
         """Every problem with `ref` (empty when it is good): each file's size and digest against
         the manifest, the safetensors headers and state.json. Reads every byte."""
         return verify_files(self.loc, ref)
 
-    def candidates(self) -> list[CheckpointRef]:
+    def candidates(self) -> builtins.list[CheckpointRef]:
         """Committed checkpoints newest first, not yet verified; step folders without a manifest
         (interrupted saves) are logged as ignored."""
         return candidates(self.loc)
@@ -238,13 +240,13 @@ class CheckpointStore:
             self.loc.fs.rm(f"{ref.path}/{MANIFEST_FILE}")
         return ref, ref.path
 
-    def write_file(self, work: str, ref: CheckpointRef, name: str, chunks) -> FileRecord:
+    def write_file(self, work: str, ref: CheckpointRef, name: str, chunks: Iterable[memoryview | bytes]) -> FileRecord:
         """Write one file of the checkpoint `ref` into `work` (durably on local disk)."""
         size, digest = write_stream(self.loc, f"{work}/{name}", chunks)
         return FileRecord(name, size, digest)
 
     def write_shards(self, work: str, ref: CheckpointRef, snapshot: Snapshot, *, group: Any = None,
-                     own: bool = False) -> list[FileRecord]:
+                     own: bool = False) -> builtins.list[FileRecord]:
         """Write this rank's shards of the sharded parts of `snapshot` (none: nothing) into `work`
         through DCP (checkpoint/dcp.py `save_shards`: collective over `group`, or with `own` this
         rank's checkpoint alone); the records of the files written."""
@@ -255,7 +257,7 @@ class CheckpointStore:
         return save_shards(snapshot.tensors[SHARDED], lambda name, chunks: self.write_file(work, ref, name, chunks),
                            snapshot.rank, ref.url, group=group, own=own)
 
-    def seal(self, ref: CheckpointRef, work: str, records: list[FileRecord]) -> Manifest:
+    def seal(self, ref: CheckpointRef, work: str, records: builtins.list[FileRecord]) -> Manifest:
         """The commit point: write the manifest listing `records`; on local disk fsync and rename
         `work` to the step folder (replacing a committed one)."""
         manifest = Manifest(step=ref.step, files=tuple(sorted(records, key=lambda r: r.name)),
@@ -287,7 +289,7 @@ class CheckpointStore:
             with suppress(FileNotFoundError):
                 self.loc.fs.rm(ref.path, recursive=True)
 
-    def gc(self, newest_good: int | None = None, *, dry_run: bool = False) -> list[str]:
+    def gc(self, newest_good: int | None = None, *, dry_run: bool = False) -> builtins.list[str]:
         """Apply retention and remove leftovers of dead writers; returns the URLs removed (with
         `dry_run`, the URLs it would remove, removing nothing). `newest_good`: the step of a
         checkpoint known to be good (one just committed); unset, the newest that verifies is

@@ -4,6 +4,8 @@ URL, for `harness ckpt` (a run dir or a checkpoint) and `harness train --resume 
 
 from __future__ import annotations
 
+from typing import Any
+
 from harness.checkpoint.discovery import CHECKPOINTS_DIR, STEP_DIR, CheckpointRef
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.manifest import MANIFEST_FILE, parse_manifest
@@ -11,7 +13,7 @@ from harness.checkpoint.store import CheckpointStore
 from harness.storage.location import folder_name, open_location, read_bytes
 
 
-def locate(url: str, options: dict | None = None) -> tuple[CheckpointStore, CheckpointRef | None]:
+def locate(url: str, options: dict[str, Any] | None = None) -> tuple[CheckpointStore, CheckpointRef | None]:
     """(the store of the run dir, the checkpoint folder or None) that `url` names; `options` are
     storage options. A folder named `step-N` is the checkpoint of step N, whether it exists or not
     (the caller says what a missing one means), and so is any other folder holding a manifest
@@ -32,7 +34,7 @@ def locate(url: str, options: dict | None = None) -> tuple[CheckpointStore, Chec
     return store, CheckpointRef(step, loc.root, loc.url_of(loc.root))
 
 
-def open_target(url: str, options: dict | None = None) -> tuple[CheckpointStore, CheckpointRef | None]:
+def open_target(url: str, options: dict[str, Any] | None = None) -> tuple[CheckpointStore, CheckpointRef | None]:
     """`locate(url, options)` of a folder that exists; `CheckpointError` when there is none."""
     store, ref = locate(url, options)
     if not store.loc.fs.isdir(store.loc.root if ref is None else ref.path):

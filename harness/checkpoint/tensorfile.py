@@ -28,6 +28,7 @@ import struct
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -53,6 +54,17 @@ MAX_HEADER_BYTES = 100 << 20
 PIECE_BYTES = 16 << 20
 
 
+class Readable(Protocol):
+    """A binary file open for reading (a local or fsspec file, a `HashingReader`): what
+    `read_header` and `read_tensor` use of it."""
+
+    def seek(self, pos: int, /) -> int: ...
+
+    def read(self, n: int, /) -> bytes: ...
+
+    def readinto(self, view: memoryview, /) -> int | None: ...
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """One tensor's place in a file; `start`/`end` are absolute byte offsets."""
@@ -67,6 +79,10 @@ class TensorEntry:
         return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
 
 
+Opened = tuple[Readable, dict[str, TensorEntry], str]
+"""A tensor file opened for reading: (reader, header entries, its URL for messages)."""
+
+
 def describe(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
@@ -77,7 +93,8 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.resolve_conj().resolve_neg().contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    # numpy's stubs give ndarray `__buffer__` for Python >= 3.12 only (mypy checks as 3.11)
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
 
 
 class ChunkedTensors(Mapping[str, torch.Tensor]):
@@ -126,7 +143,7 @@ def stream(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
 def _file(specs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
           chunks: Callable[[str], Iterable[memoryview | bytes]]) -> Iterator[memoryview | bytes]:
     offset = 0
-    header: dict[str, dict] = {}
+    header: dict[str, dict[str, Any]] = {}
     names = sorted(specs)
     for name in names:
         dtype, shape = specs[name]
@@ -152,14 +169,14 @@ def pieces(chunk: memoryview | bytes) -> Iterator[memoryview | bytes]:
         yield view[at:at + PIECE_BYTES]
 
 
-def _no_duplicates(pairs: list[tuple[str, object]]) -> dict:
+def _no_duplicates(pairs: list[tuple[str, object]]) -> dict[str, object]:
     keys = [k for k, _ in pairs]
     if len(keys) != len(set(keys)):
         raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
     return dict(pairs)
 
 
-def read_header(f, file_size: int, where: str) -> dict[str, TensorEntry]:
+def read_header(f: Readable, file_size: int, where: str) -> dict[str, TensorEntry]:
     """Parse and validate the header of the safetensors file open in `f` (`file_size` bytes).
 
     Raises `CheckpointError` naming `where` for anything that is not a well-formed file.
@@ -185,11 +202,11 @@ def read_header(f, file_size: int, where: str) -> dict[str, TensorEntry]:
             f"{where}: malformed safetensors header ({e}); the file is corrupt or not safetensors"
         ) from e
     data_end = 8 + n
-    for e in sorted(entries, key=lambda e: (e.start, e.end)):
-        if e.start != data_end:
-            raise CheckpointError(f"{where}: tensor {e.name!r} starts at byte {e.start}, expected {data_end}; "
+    for entry in sorted(entries, key=lambda e: (e.start, e.end)):
+        if entry.start != data_end:
+            raise CheckpointError(f"{where}: tensor {entry.name!r} starts at byte {entry.start}, expected {data_end}; "
                                   "the header is corrupt")
-        data_end = e.end
+        data_end = entry.end
     if data_end != file_size:
         raise CheckpointError(
             f"{where}: the header describes {data_end} bytes but the file has {file_size}; the file is "
@@ -198,7 +215,7 @@ def read_header(f, file_size: int, where: str) -> dict[str, TensorEntry]:
     return {e.name: e for e in entries}
 
 
-def _entry(name: str, spec: dict, base: int) -> TensorEntry:
+def _entry(name: str, spec: dict[str, Any], base: int) -> TensorEntry:
     if spec["dtype"] not in DTYPES:
         raise ValueError(f"tensor {name!r} has unknown dtype {spec['dtype']!r}")
     shape, offsets = spec["shape"], spec["data_offsets"]
@@ -211,15 +228,15 @@ def _entry(name: str, spec: dict, base: int) -> TensorEntry:
     return TensorEntry(name, dtype, tuple(shape), base + offsets[0], base + offsets[1])
 
 
-def read_tensor(f, entry: TensorEntry, where: str, out: torch.Tensor | None = None) -> torch.Tensor:
+def read_tensor(f: Readable, entry: TensorEntry, where: str, out: torch.Tensor | None = None) -> torch.Tensor:
     """Read one tensor; into `out`'s storage when it is a dense CPU tensor (no extra memory),
     otherwise into a new tensor that is then copied into `out` (if given). Returns the result."""
     direct = (out is not None and out.device.type == "cpu" and out.is_contiguous() and not out.is_conj()
               and not out.is_neg())
-    buf = out.detach() if direct else torch.empty(entry.shape, dtype=entry.dtype)
+    buf = out.detach() if out is not None and direct else torch.empty(entry.shape, dtype=entry.dtype)
     if entry.end > entry.start:
         f.seek(entry.start)
-        view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())
+        view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # as in tensor_bytes
         pos = 0
         while pos < len(view):
             got = f.readinto(view[pos:pos + PIECE_BYTES])

@@ -11,7 +11,7 @@ from harness.checkpoint.save.async_saver import AsyncSaver
 from harness.checkpoint.save.commit import Committed, Committer
 from harness.checkpoint.save.group_commit import GroupCommit
 from harness.checkpoint.save.local_first import LocalFirst
-from harness.checkpoint.save.saver import Saver
+from harness.checkpoint.save.saver import Saver, SaverArgs
 from harness.checkpoint.store import CheckpointStore
 from harness.parallel import distributed
 
@@ -53,14 +53,19 @@ def open_saver(store: CheckpointStore, settings: SaveSettings = SaveSettings(), 
     `last_committed` are those of `Saver`."""
     s = settings
     if distributed.is_distributed():
-        side = distributed.new_side_group(s.save_deadline_s) if s.background else None
+        side = None
+        if s.background:
+            # The side group's collectives give up after the deadline, which a distributed
+            # background save has (harness/run/loop.py: `checkpoint.save_deadline_s`).
+            assert s.save_deadline_s is not None, "a distributed background save needs save_deadline_s"
+            side = distributed.new_side_group(s.save_deadline_s)
         commit: Committer = GroupCommit(store, group=side, fail_rank=s.fail_rank, fail_step=s.fail_step)
     elif s.local_dir is not None:
         commit = LocalFirst(store, s.local_dir)
     else:
         commit = Committer(store)
-    common = dict(rank=distributed.rank(), per_rank=per_rank, sharded=sharded, on_commit=hooks.on_commit,
-                  last_committed=last_committed)
+    common = SaverArgs(rank=distributed.rank(), per_rank=per_rank, sharded=sharded, on_commit=hooks.on_commit,
+                       last_committed=last_committed)
     if not s.background:
         return Saver(commit, **common)
     return AsyncSaver(commit, when_busy=s.when_busy, persist_delay_s=s.persist_delay_s,

@@ -122,8 +122,10 @@ class StagingBuffers:
                 # A DTensor's buffer keeps its spec (mesh, placements, global shape), on the CPU:
                 # `DTensor.from_local` would move it back to the mesh's device (as DCP's own
                 # staging does, the local tensor is swapped, never moved). `type(whole)` is DTensor,
-                # named without importing it (optim/dtensor.py).
-                out[name] = buf if src is whole else type(whole)(buf, whole._spec, requires_grad=False)
+                # named without importing it (optim/dtensor.py): untyped here, as torch's stubs know
+                # neither its constructor nor `_spec` on a Tensor.
+                dtensor: Any = whole
+                out[name] = buf if src is whole else type(dtensor)(buf, dtensor._spec, requires_grad=False)
                 if src.is_cuda:
                     on_gpu.setdefault(src.device, []).append((buf, src))
                 else:
@@ -136,14 +138,14 @@ class StagingBuffers:
     def _copy_from_gpu(self, device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
         side = self._streams.get(device)
         if side is None:
-            side = self._streams[device] = torch.cuda.Stream(device)
+            side = self._streams[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch: unannotated
         main = torch.cuda.current_stream(device)
         side.wait_stream(main)  # the copies see every kernel queued up to the step boundary
         with torch.cuda.stream(side):
             for buf, src in pairs:
                 buf.copy_(src.detach(), non_blocking=True)
                 src.record_stream(side)  # the allocator must not reuse src's memory before the copy ran
-        done = torch.cuda.Event()
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
         done.record(side)
         main.wait_event(done)  # the next step's in-place updates run after the copies
         return done
@@ -245,7 +247,8 @@ class AsyncSaver(Saver):
         t0 = time.perf_counter()
         mine = self._mine(parts)
         streamed = {file: named for file, named in mine.tensors.items() if file != SHARDED}
-        staged, copied = {}, []
+        staged: dict[str, dict[str, torch.Tensor]] = {}
+        copied: list[torch.cuda.Event] = []
         if SHARDED in mine.tensors:
             staged, copied = self.staging.take_buffers(self.job).stage({SHARDED: mine.tensors[SHARDED]})
         snapshot = mine.with_tensors({**staged, **self.ring.begin(streamed, self._writer_alive)})
@@ -276,7 +279,7 @@ class AsyncSaver(Saver):
     def _mine(self, parts: Mapping[str, Any]) -> Snapshot:
         return self.commit.mine(capture(parts, rank=self.rank, per_rank=self.per_rank, sharded=self.sharded))
 
-    def _persist(self, step: int, snapshot: Snapshot, meta: dict[str, Any], copied: list) -> None:
+    def _persist(self, step: int, snapshot: Snapshot, meta: dict[str, Any], copied: list[torch.cuda.Event]) -> None:
         t0 = time.perf_counter()
         for event in copied:
             event.synchronize()

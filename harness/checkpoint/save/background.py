@@ -67,7 +67,7 @@ class BackgroundJob:
                                             name=f"{self.thread_name}-{step}", daemon=True)
             self._thread.start()
 
-    def _run(self, step: int, fn: Callable[..., Any], args: tuple) -> None:
+    def _run(self, step: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
         try:
             fn(*args)
         except BaseException as e:  # kept for the owner: a thread's exception is otherwise only printed
@@ -81,6 +81,7 @@ class BackgroundJob:
             failure, self._failure = (None, self._failure) if running else (self._failure, None)
         if running:
             if self.watch is not None:
+                assert self.step is not None  # set by `start`, before the thread that runs
                 self.watch(self.step, time.monotonic() - self.started)
             return
         if failure is not None:
@@ -101,6 +102,7 @@ class BackgroundJob:
             self.wait()
             return
         while self.busy:
+            assert self.step is not None  # set by `start`, before the thread that is busy
             delay = self.watch(self.step, time.monotonic() - self.started)
             self.wait(max(delay, _MIN_SLICE_S))
 

@@ -17,8 +17,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from harness.checkpoint.discovery import CheckpointRef
 from harness.checkpoint.format import Snapshot
-from harness.checkpoint.store import CheckpointRef, CheckpointStore
+from harness.checkpoint.store import CheckpointStore
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,7 @@ class Plan:
         return self.sources[0].copy.world if self.sources else None
 
 
-def _preference(rank: int, world: int, holder: int, copy: Copy) -> tuple:
+def _preference(rank: int, world: int, holder: int, copy: Copy) -> tuple[bool, bool, bool, bool, int, int]:
     return (not (copy.owner == rank and copy.world == world), holder != rank, copy.world != world, copy.owner != rank,
             holder, copy.owner)
 
@@ -165,8 +165,11 @@ def plan(held: Sequence[Sequence[Copy]], coverage: Coverage) -> Plan:
         served = [_serve(at, coverage, rank, world) for rank in range(world)]
         missing = next((rank for rank, s in enumerate(served) if isinstance(s, list)), None)
         if missing is None:
-            return Plan(step, tuple(s[0] for s in served), tuple(s[1] for s in served), tuple(passed))
+            sources = [s for s in served if not isinstance(s, list)]  # all of them
+            return Plan(step, tuple(s[0] for s in sources), tuple(s[1] for s in sources), tuple(passed))
+        reasons = served[missing]
+        assert isinstance(reasons, list)  # the first rank none serves
         owners = sorted({(c.owner, c.world) for _, c in at})
         passed.append((step, f"no surviving copies of step {step} serve rank {missing} of {world} (held: "
-                             f"{', '.join(f'rank {o} of {w}' for o, w in owners)}): {'; '.join(served[missing])}"))
+                             f"{', '.join(f'rank {o} of {w}' for o, w in owners)}): {'; '.join(reasons)}"))
     return Plan(None, passed=tuple(passed))

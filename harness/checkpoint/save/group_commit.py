@@ -37,13 +37,14 @@ Loading it back, every rank its own per-rank parts at any world size, is loading
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from harness.checkpoint.discovery import CheckpointRef
 from harness.checkpoint.format import WORLD_SIZE_KEY, Snapshot, rank_file, snapshot_files
 from harness.checkpoint.manifest import FileRecord
 from harness.checkpoint.save.commit import Committer
-from harness.checkpoint.store import CheckpointRef, CheckpointStore
+from harness.checkpoint.store import CheckpointStore
 from harness.log import get_logger
 from harness.parallel import distributed
 
@@ -120,7 +121,8 @@ class GroupCommit(Committer):
             raise aborted
         if not ok:  # rank 0 could not seal
             raise distributed.raised_elsewhere(result)
-        return result
+        committed: CheckpointRef = result  # rank 0 sealed: what it broadcast is its commit.ref
+        return committed
 
     def _write_and_gather(self, ref: CheckpointRef, work: str, snapshot: Snapshot,
                           meta: dict[str, Any]) -> tuple[list[Outcome], Exception | None]:
@@ -155,7 +157,7 @@ def _aborted(outcomes: list[Outcome], step: int) -> CommitAborted | None:
                          f"was committed, the previous checkpoint is still the newest good one")
 
 
-def _fail_after_first(chunks: Iterable, rank: int, step: int):
+def _fail_after_first(chunks: Iterable[memoryview | bytes], rank: int, step: int) -> Iterator[memoryview | bytes]:
     for chunk in chunks:
         yield chunk
         raise OSError(f"debug.fail_save_rank: rank {rank} fails while writing its part of step {step}")

@@ -28,12 +28,13 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from harness.checkpoint.discovery import CheckpointRef
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import Snapshot
 from harness.checkpoint.manifest import FileRecord
 from harness.checkpoint.save.background import BackgroundJob
 from harness.checkpoint.save.commit import Committer
-from harness.checkpoint.store import CheckpointRef, CheckpointStore
+from harness.checkpoint.store import CheckpointStore
 from harness.errors import UserError
 from harness.log import get_logger
 from harness.storage.location import hash_file, open_read

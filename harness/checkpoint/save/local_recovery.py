@@ -135,6 +135,7 @@ class LocalRecovery:
         at = self._move(chosen, dict(held))
         if not distributed.all_ok(at is not None):
             return None
+        assert at is not None  # else all_ok was false on every rank
         me = distributed.rank()
         source = chosen.sources[me]
         tier = PEER if chosen.from_peer else LOCAL
@@ -152,13 +153,15 @@ class LocalRecovery:
         meets in turn); where this rank then holds each copy it loads from, or None when one
         arrived damaged."""
         me = distributed.rank()
+        step = chosen.step
+        assert step is not None  # `choose` moves the copies of a step it chose
         at = dict(stores)
         if chosen.moves:
             peer_group()  # collective: made here by every rank, also those no copy moves to or from
         for rank, source in chosen.moves:
             if me == source.holder:
                 store = stores[source.copy]
-                transfer(Outgoing(rank, store, store.ref(chosen.step)), None)
+                transfer(Outgoing(rank, store, store.ref(step)), None)
             elif me == rank:
                 owner = source.copy.owner
                 target = self.own if owner == me else peer_store(self.section, self.run_id, owner)

@@ -55,7 +55,7 @@ from harness.checkpoint.format import WORLD_SIZE_KEY
 from harness.checkpoint.save.async_saver import AsyncSaver
 from harness.checkpoint.save.commit import Committed, Committer
 from harness.checkpoint.save.peer_copies import PeerCopies, peer_jump
-from harness.checkpoint.save.saver import Saver, Submitted
+from harness.checkpoint.save.saver import Saver, SaverArgs, Submitted
 from harness.checkpoint.store import CheckpointStore
 from harness.config import LocalTierSection
 from harness.parallel import distributed
@@ -124,7 +124,8 @@ class LocalTier:
         self.drop_after(resumed_step)
 
     def _saver(self, persistent: Saver | None) -> Saver:
-        common = dict(rank=distributed.rank(), per_rank=self.per_rank, sharded=self.sharded, on_commit=self._committed)
+        common = SaverArgs(rank=distributed.rank(), per_rank=self.per_rank, sharded=self.sharded,
+                           on_commit=self._committed)
         commit = Committer(self.store, own_shards=True)
         if isinstance(persistent, AsyncSaver):
             return AsyncSaver(commit, staging=persistent.staging, save_deadline_s=persistent.save_deadline_s,

@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -135,13 +135,14 @@ def transfer(outgoing: Outgoing | None, incoming: Incoming | None) -> Checkpoint
     if incoming is None:
         wire.send_rest()
         return None
+    assert theirs is not None  # received into: incoming, so a sender
     received = parse_manifest(theirs.numpy().tobytes(), f"the peer copy from rank {sender}")
     store = incoming.store
 
     with store.committing(received.step, peer_of=sender) as commit:
         for record in received.files:
             commit.records.append(store.write_file(commit.work, commit.ref, record.name,
-                                                   wire.receive(sender, record.size)))
+                                                   wire.receive(incoming.sender, record.size)))
         wire.send_rest()
         expected = {r.name: r for r in received.files}
         differ = [r.name for r in commit.records if expected[r.name] != r]
@@ -170,12 +171,14 @@ class _Wire:
         """Each outgoing message in turn, in the reused buffer: framed by the size the manifest
         records, so a file damaged on this disk to another length still travels as that many bytes
         (cut, or padded with zeros), and its digest tells the receiver."""
-        loc, path = self.outgoing.store.loc, self.outgoing.ref.path
+        outgoing = self.outgoing
+        assert outgoing is not None  # an outbox only with an outgoing side (`__init__`)
+        loc, path = outgoing.store.loc, outgoing.ref.path
         for record in sending:
             with open_read(loc, f"{path}/{record.name}") as f:
                 for n in messages(record.size):
                     out = self._buffer[:n]
-                    view, got = memoryview(out.numpy()), 0
+                    view, got = memoryview(out.numpy()), 0  # type: ignore[arg-type]  # numpy's stubs, as tensorfile's
                     while got < n and (read := f.readinto(view[got:])):
                         got += read
                     out[got:].zero_()
@@ -183,7 +186,10 @@ class _Wire:
 
     def _next_out(self) -> tuple[int | None, torch.Tensor | None]:
         out = next(self._out, None)
-        return (None, None) if out is None else (self.outgoing.to, out)
+        if out is None:
+            return None, None
+        assert self.outgoing is not None  # messages only with an outgoing side (`__init__`)
+        return self.outgoing.to, out
 
     def receive(self, sender: int, size: int) -> Iterator[memoryview]:
         """The `size` bytes of the next file from `sender`, a message at a time (each in a buffer
@@ -193,7 +199,7 @@ class _Wire:
             to, out = self._next_out()
             into = torch.empty(n, dtype=torch.uint8)
             _swap(self.group, to, out, sender, into)
-            yield memoryview(into.numpy())
+            yield memoryview(into.numpy())  # type: ignore[arg-type]  # numpy's stubs, as tensorfile's
 
     def send_rest(self) -> None:
         """Send the outgoing messages not sent yet, alone."""
@@ -205,8 +211,10 @@ def _tensor(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
-def _swap(group: Any, to: int | None, out: torch.Tensor | None, sender: int | None,
-          into: torch.Tensor | None) -> torch.Tensor | None:
+_Into = TypeVar("_Into", bound="torch.Tensor | None")  # what `_swap` receives into, and returns
+
+
+def _swap(group: Any, to: int | None, out: torch.Tensor | None, sender: int | None, into: _Into) -> _Into:
     """Send `out` to rank `to` and receive `into` from rank `sender` at once (either side None:
     not that direction; an empty tensor travels as nothing, both partners know its size);
     returns `into`, filled."""
@@ -216,6 +224,7 @@ def _swap(group: Any, to: int | None, out: torch.Tensor | None, sender: int | No
     if sender is not None and into is not None and into.numel():
         works.append(dist.irecv(into, sender, group=group))
     for work in works:
+        assert work is not None  # None only for a rank outside `group`, which holds every rank
         work.wait()
     return into
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from harness.checkpoint.errors import failed_save
 from harness.checkpoint.format import capture
@@ -35,6 +35,16 @@ class Submitted:
     blocking_s: float
     waited_s: float
     nbytes: int
+
+
+class SaverArgs(TypedDict, total=False):
+    """The keyword arguments every kind of saver takes (`Saver`'s), for passing them on as one."""
+
+    rank: int
+    per_rank: Collection[str]
+    sharded: Collection[str]
+    on_commit: Callable[[Committed], None] | None
+    last_committed: int | None
 
 
 class Saver:

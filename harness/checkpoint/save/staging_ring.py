@@ -38,6 +38,7 @@ import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from functools import partial
 
 import torch
 
@@ -51,6 +52,7 @@ PIECE_BYTES = 16 << 20  # the largest piece handed to the writer while streaming
 MIN_CAPACITY = 4 * PIECE_BYTES  # room for the pieces the writer and its hash thread hold, and more
 
 Entry = tuple[str, str, torch.Tensor]  # (file, tensor name, live tensor)
+_Piece = tuple[str, str, int, int, int, bool, "torch.cuda.Event | None"]  # a piece fed, as the writer gets it
 
 
 def staged_bytes(tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> int:
@@ -81,7 +83,7 @@ class StagingRing:
         self._allocating: threading.Thread | None = None
         self._room = threading.Condition()
         # (file, name, generation, start, nbytes, last piece of the tensor, CUDA event or None)
-        self._pieces: queue.SimpleQueue[tuple[str, str, int, int, int, bool, object] | None] = queue.SimpleQueue()
+        self._pieces: queue.SimpleQueue[_Piece | None] = queue.SimpleQueue()
         self._generation = 0
         self._piece = PIECE_BYTES
         self._head = self._tail = 0  # bytes fed, bytes released in order (both since the save began)
@@ -169,7 +171,7 @@ class StagingRing:
             self._pieces.get_nowait()
         return {file: ChunkedTensors({name: torch.empty(local(t).shape, dtype=t.dtype, device="meta")
                                       for name, t in named.items()},
-                                     lambda name, file=file: self.chunks(file, name))
+                                     partial(self.chunks, file))
                 for file, named in tensors.items()}
 
     def feed(self, entries: Sequence[Entry]) -> None:
@@ -201,11 +203,11 @@ class StagingRing:
             n = min(total - done, size - at, self._piece)
             self._wait_room(start + n - size)
             piece = self._memory[at:at + n]
-            ready = None
+            ready: torch.cuda.Event | None = None
             if side is not None:
                 with torch.cuda.stream(side):
                     piece.copy_(flat[done:done + n], non_blocking=True)
-                    ready = torch.cuda.Event()
+                    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
                     ready.record(side)
             else:
                 piece.copy_(flat[done:done + n])
@@ -219,7 +221,7 @@ class StagingRing:
         the allocator keeps `flat`'s memory until the side stream is past it."""
         side = self._streams.get(flat.device)
         if side is None:
-            side = self._streams[flat.device] = torch.cuda.Stream(flat.device)
+            side = self._streams[flat.device] = torch.cuda.Stream(flat.device)  # type: ignore[no-untyped-call]
         side.wait_stream(torch.cuda.current_stream(flat.device))
         flat.record_stream(side)
         return side
@@ -242,13 +244,13 @@ class StagingRing:
             if (got_file, got_name) != (file, name):
                 raise StagingAborted(f"the writer asked for {file}/{name}, the ring holds {got_file}/{got_name}")
             if ready is not None:
-                ready.synchronize()  # type: ignore[attr-defined]
+                ready.synchronize()
             memory = self._memory
             assert memory is not None
             at = start % memory.numel()
             array = memory[at:at + n].numpy()
             weakref.finalize(array, self._release, generation, start, start + n)
-            yield memoryview(array)
+            yield memoryview(array)  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on Python >= 3.12
             del array
             if last:
                 return
