@@ -36,7 +36,7 @@ from harness.records.run_id import RUN_JSON
 from harness.storage.location import read_bytes
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"

@@ -45,7 +45,10 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"matplotlib is not installed, so no plot was written to {args.plot}; "
                             "install it with `pip install 'harness[plot]'` (the table is above)") from None
         try:
-            (write_sweep_plot if grouped else write_plot)(arms if grouped else runs, args.plot)
+            if grouped:
+                write_sweep_plot(arms, args.plot)
+            else:
+                write_plot(runs, args.plot)
         except OSError as e:  # the plot only writes args.plot: a missing or read-only folder
             raise UserError(f"cannot write the plot to --plot {args.plot}: {e}; choose a writable "
                             "path (the table is above)") from None

@@ -167,7 +167,8 @@ class ForkedPopen(subprocess.Popen):
         except protocol.TooLarge:
             return None
         except OSError as e:
-            return self._gone(e)
+            self._gone(e)
+            return None
         if isinstance(reply, str):
             return None
         self._conn, pid, pidfd = reply
@@ -202,12 +203,14 @@ class ForkedPopen(subprocess.Popen):
     def _receive_exit(self, deadstate: int | None) -> None:
         """The exit code from the server; `deadstate` stands for it if the server is gone (Popen's
         finalizer), else that raises."""
-        message, _ = protocol.receive(self._conn)
+        conn, pidfd = self._conn, self._pidfd
+        assert conn is not None and pidfd is not None  # a forked child's, open until the exit code came
+        message, _ = protocol.receive(conn)
         if message is None and deadstate is None:
             raise ForkServerError(f"pid {self.pid}: no exit code; {self._server.failure()}")
         self.returncode = deadstate if message is None else message["returncode"]
-        self._conn.close()
-        os.close(self._pidfd)
+        conn.close()
+        os.close(pidfd)
         self._conn = self._pidfd = None
 
     def send_signal(self, sig):

@@ -156,7 +156,8 @@ class Supervisor:
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before restart number `attempt` (from 1) of a crash streak."""
-        state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})
+        # A wait strategy reads only attempt_number: no Retrying object stands behind this state.
+        state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
         state.attempt_number = attempt
         return self._wait(state)
 
@@ -172,6 +173,7 @@ class Supervisor:
                             "command after `--` and that it is on PATH") from e
         if watch.requested:
             # The signal arrived while the child was being started, before it could be forwarded.
+            assert watch.signal_name is not None  # recorded with the first signal
             self._forward(signal.Signals[watch.signal_name])
         tee = threading.Thread(target=self._tee, args=(self._child.stderr,), daemon=True)
         tee.start()

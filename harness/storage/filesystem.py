@@ -39,6 +39,7 @@ def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
     options = dict(storage_options or {})
     faults = options.pop("faults", None) or os.environ.get(FAULTS_ENV)
     protocol = str(url).split("://", 1)[0] if "://" in str(url) else ""
+    fs: Any  # an fsspec filesystem (untyped), or a FaultyFileSystem over one
     if protocol in S3_PROTOCOLS:
         from harness.storage.s3 import RetryingS3FileSystem, s3_storage_options
 

@@ -30,7 +30,7 @@ import contextvars
 import errno
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -93,13 +93,14 @@ class RetryPolicy:
                 "deadline_s > 0 (checkpoint.storage_options.retry)")
 
 
-def _chain(exc: BaseException):
+def _chain(exc: BaseException) -> Iterator[BaseException]:
     """`exc` and the exceptions it was raised from (s3fs wraps botocore's errors in OSError)."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
 
 
 def _client_error(exc: BaseException):
@@ -165,7 +166,9 @@ def _capped_wait(policy: RetryPolicy):
 
     def wait(state: RetryCallState) -> float:
         ceiling = min(policy.max_wait, policy.initial * 2 ** (state.attempt_number - 1))
-        return max(0.0, min(_jitter.uniform(0, ceiling), policy.deadline_s - state.seconds_since_start))
+        elapsed = state.seconds_since_start
+        assert elapsed is not None  # tenacity waits after an attempt's outcome, which sets it
+        return max(0.0, min(_jitter.uniform(0, ceiling), policy.deadline_s - elapsed))
 
     return wait
 
@@ -180,6 +183,7 @@ async def call_with_retries(fn: Callable[[], Awaitable[T]], *, what: str, policy
     start = time.monotonic()
 
     def log_retry(state: RetryCallState) -> None:
+        assert state.outcome is not None  # tenacity calls before_sleep after a failed attempt
         err = state.outcome.exception()
         log.warning("storage retry", op=what, target=target, attempt=state.attempt_number,
                     error=f"{type(err).__name__}: {err}"[:300])

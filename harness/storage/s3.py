@@ -146,7 +146,7 @@ class RetryingS3FileSystem(S3FileSystem):
         # s3fs builds its S3File by name; switching the class adds retried reads and abort-on-error.
         # A reader's cache holds the fetch method bound at construction, so it is rebound too.
         f.__class__ = _RetryingS3File
-        f._parts_in_flight: list[tuple[Future, bytearray]] = []  # (upload, its body) while uploading
+        f._parts_in_flight = []  # (upload, its body) while uploading
         if f.writable():
             f._start_writing()
         if f.readable():
@@ -158,6 +158,14 @@ class _RetryingS3File(S3File):
     """S3File whose range reads are retried whole (request and body), whose writes fill fixed-size
     parts that upload in the background (up to `PARTS_IN_FLIGHT` at once, while the caller keeps
     serializing; sizes double every `PARTS_PER_SIZE` parts), and whose failed writes abort."""
+
+    # S3File's attributes used here (s3fs has no type information).
+    blocksize: int
+    forced: bool
+    # Ours: the part being filled (None once the file is flushed for good or aborted), and the
+    # parts uploading: (the upload, its body), set by `RetryingS3FileSystem._open`.
+    _part: bytearray | None
+    _parts_in_flight: list[tuple[Future[Any], bytearray]]
 
     def _start_writing(self) -> None:
         self.blocksize = self._first_part_size = min(self.blocksize, PART_SIZE)
@@ -175,13 +183,15 @@ class _RetryingS3File(S3File):
         view = memoryview(data).cast("B")
         done = 0
         while done < view.nbytes:
-            n = min(view.nbytes - done, len(self._part) - self._filled)
-            self._part[self._filled:self._filled + n] = view[done:done + n]
+            part = self._part
+            assert part is not None  # None only once forced or closed, which the test above rules out
+            n = min(view.nbytes - done, len(part) - self._filled)
+            part[self._filled:self._filled + n] = view[done:done + n]
             self._filled += n
             self.loc += n
             done += n
-            if self._filled == len(self._part):
-                self._ship(self._part)
+            if self._filled == len(part):
+                self._ship(part)
         return done
 
     def flush(self, force: bool = False) -> None:
@@ -194,6 +204,7 @@ class _RetryingS3File(S3File):
         if self.forced:
             raise ValueError("Force flush cannot be called more than once")
         self.forced = True
+        assert self._part is not None  # None only once forced or closed
         tail = memoryview(self._part)[:self._filled]
         if self.mpu is None:
             self.buffer = io.BytesIO(tail)  # `commit` PUTs it in one request (or touches an empty file)
