@@ -13,7 +13,7 @@ from harness.experiments.seed_groups import group_runs
 from harness.experiments.sweep_report import format_best, format_by_lr, write_sweep_plot
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("compare", help="table and plot of several runs (arms, seeds, lr sweeps)",
                               description=compare_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",

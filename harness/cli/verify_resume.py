@@ -83,7 +83,7 @@ def check_points(points: list[int], first: int | None, cfg: RunConfig) -> None:
                         f"resumed run would start from nothing and test no resume; interrupt at step {first} or later")
 
 
-def register(commands: argparse._SubParsersAction) -> None:
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = commands.add_parser("verify-resume", help="check that interrupting and resuming a run changes nothing",
                             description=equivalence_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p, run_dir=False)
