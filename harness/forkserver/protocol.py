@@ -69,7 +69,8 @@ def ask(path: str, request: dict[str, Any], fds: list[int]) -> tuple[socket.sock
         raise
     if reply is not None and "refused" in reply:
         conn.close()
-        return reply["refused"]
+        reason: str = reply["refused"]
+        return reason
     if reply is None or len(pidfds) != 1:
         for fd in pidfds:
             socket.close(fd)
