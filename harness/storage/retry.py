@@ -86,7 +86,7 @@ class RetryPolicy:
     max_wait: float = 5.0
     deadline_s: float = 120.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.attempts < 1 or self.initial <= 0 or self.max_wait < self.initial or self.deadline_s <= 0:
             raise StorageError(
                 f"invalid storage retry policy {self}: need attempts >= 1, 0 < initial <= max_wait and "
@@ -103,7 +103,7 @@ def _chain(exc: BaseException) -> Iterator[BaseException]:
         e = e.__cause__ or e.__context__
 
 
-def _client_error(exc: BaseException):
+def _client_error(exc: BaseException) -> tuple[str, int | None] | None:
     """(code, HTTP status) of the S3 error response behind `exc`, or None if there was none."""
     for e in _chain(exc):
         response = getattr(e, "response", None)
@@ -161,7 +161,7 @@ def permanent_error(exc: BaseException, target: str, endpoint: str | None) -> St
 _jitter = random.Random()
 
 
-def _capped_wait(policy: RetryPolicy):
+def _capped_wait(policy: RetryPolicy) -> Callable[[RetryCallState], float]:
     """Full-jitter exponential backoff, never sleeping past the operation's deadline."""
 
     def wait(state: RetryCallState) -> float:
