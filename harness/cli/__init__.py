@@ -89,7 +89,7 @@ def _command_module(argv: list[str]) -> str | None:
     return None
 
 
-def _accept_log_level_after_commands(commands: argparse._SubParsersAction) -> None:
+def _accept_log_level_after_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Every (sub)command parser takes `--log-level` too. SUPPRESS as its default: a subcommand
     that was not given the flag must not overwrite the value given before the command."""
     for sub in commands.choices.values():

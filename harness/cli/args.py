@@ -7,6 +7,7 @@ Each `add_*` adds its arguments to a command's parser; `*_of(args)` reads them b
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from harness.config import RunConfig, load_config
 from harness.config_layers import apply_assignments, toml_string
@@ -69,6 +70,6 @@ def storage_option_parser() -> argparse.ArgumentParser:
     return storage
 
 
-def storage_options_of(args: argparse.Namespace) -> dict | None:
+def storage_options_of(args: argparse.Namespace) -> dict[str, Any] | None:
     """The `-o KEY=VALUE` storage options (dotted keys nest: `retry.deadline_s=30`)."""
     return apply_assignments({}, args.storage_option, "-o", "endpoint_url=http://127.0.0.1:9000") or None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from typing import Any
 
 from harness.checkpoint.consolidate import consolidate
 from harness.checkpoint.diff import diff_checkpoints
@@ -36,7 +37,7 @@ from harness.records.run_id import RUN_JSON
 from harness.storage.location import read_bytes
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -44,7 +45,7 @@ def _size(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _checkpoint(url: str, options: dict | None) -> tuple[CheckpointStore, CheckpointRef]:
+def _checkpoint(url: str, options: dict[str, Any] | None) -> tuple[CheckpointStore, CheckpointRef]:
     store, ref = open_target(url, options)
     if ref is None:
         raise CheckpointError(f"{url} is a run dir, not a checkpoint; name one folder, "
@@ -193,7 +194,7 @@ def retention_policy(store: CheckpointStore, keep_last: int | None, keep_every: 
     return (saved_last if keep_last is None else keep_last), (saved_every if keep_every is None else keep_every)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("ckpt", help="inspect, verify and prune checkpoints", description=__doc__)
     commands = parser.add_subparsers(dest="ckpt_command", required=True, metavar="SUBCOMMAND")
     storage = storage_option_parser()

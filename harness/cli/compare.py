@@ -13,7 +13,7 @@ from harness.experiments.seed_groups import group_runs
 from harness.experiments.sweep_report import format_best, format_by_lr, write_sweep_plot
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("compare", help="table and plot of several runs (arms, seeds, lr sweeps)",
                               description=compare_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
@@ -45,7 +45,10 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"matplotlib is not installed, so no plot was written to {args.plot}; "
                             "install it with `pip install 'harness[plot]'` (the table is above)") from None
         try:
-            (write_sweep_plot if grouped else write_plot)(arms if grouped else runs, args.plot)
+            if grouped:
+                write_sweep_plot(arms, args.plot)
+            else:
+                write_plot(runs, args.plot)
         except OSError as e:  # the plot only writes args.plot: a missing or read-only folder
             raise UserError(f"cannot write the plot to --plot {args.plot}: {e}; choose a writable "
                             "path (the table is above)") from None

@@ -58,7 +58,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser("data", help="prepare and verify token-shard datasets", description=__doc__)
     commands = parser.add_subparsers(dest="data_command", required=True, metavar="SUBCOMMAND")
     storage = storage_option_parser()

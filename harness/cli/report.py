@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from harness.errors import UserError
 from harness.records.events import read_events
@@ -10,7 +11,7 @@ from harness.records.goodput import Goodput, account, describe_resumes
 from harness.records.run_files import events_url, refuse_a_file
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("report", help="print a run's goodput: training, saving, "
                                              "restarting, recomputing", description=__doc__)
     p.add_argument("run_dir", help="the run dir (URL) given to `harness train`")
@@ -52,9 +53,9 @@ def format_report(run_dir: str, g: Goodput) -> str:
     ])
 
 
-def describe_rollbacks(rollbacks: list[dict]) -> str:
+def describe_rollbacks(rollbacks: list[dict[str, Any]]) -> str:
     """"step 7 -> 4, skipped batch 7; ..." from `anomaly` events with action "rollback"."""
-    def one(r: dict) -> str:
+    def one(r: dict[str, Any]) -> str:
         skip = r.get("skip") or []
         batches = "batches" if len(skip) > 1 else "batch"
         what = f"skipped {batches} {', '.join(map(str, skip))}" if skip else "nothing skipped"

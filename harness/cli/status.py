@@ -21,7 +21,7 @@ from harness.records.run_files import log_dir_for, refuse_a_file
 CLEAR = "\033[H\033[2J"  # cursor home, clear the screen
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("status", help="one screen on a running or stopped run: step, speed, ETA, "
                                              "checkpoint, restarts, anomalies", description=__doc__)
     p.add_argument("run_dir", help="the run dir (URL) given to `harness train`")

@@ -16,7 +16,7 @@ from harness.records.events import EventLog
 from harness.records.run_files import events_url
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser(
         "supervise",
         help="run a command, restarting it after crashes (backoff, crash-loop limit)",

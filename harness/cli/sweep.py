@@ -18,7 +18,7 @@ from harness.experiments.arms import (
 from harness.experiments.grid import parse_axes
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("sweep", help="train arms and grids of runs one after another (resumable)",
                               description=arms_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("configs", nargs="+", metavar="CONFIG", help="TOML run configs, one per arm")

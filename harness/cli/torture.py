@@ -52,7 +52,7 @@ def _points(value: str) -> str:
     return value
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = subparsers.add_parser("torture", help="crash-consistency torture of the checkpoint store",
                               description=torture_doc.split("\n\n")[0], parents=[storage_option_parser()])
     p.add_argument("run_dir", metavar="RUN_DIR_URL", help="a scratch folder or URL (points use sub-folders of it)")

@@ -16,7 +16,7 @@ from harness.errors import UserError
 from harness.topology import topology_from_env
 
 
-def register(commands: argparse._SubParsersAction) -> None:
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = commands.add_parser("train", help="train a run; resumes automatically", description=__doc__)
     add_config_args(p)
     p.add_argument("--resume", default="auto", metavar="auto|never|CKPT_URL",

@@ -17,10 +17,11 @@ from harness.errors import UserError
 from harness.forkserver.pool import popen_for
 from harness.run.exact_mode import exact_at_every
 from harness.storage.location import output_folder
-from harness.verify.resume_equivalence import __doc__ as equivalence_doc, run_pair
+from harness.verify.resume_equivalence import Verdict, __doc__ as equivalence_doc, run_pair
 from harness.verify.world_equivalence import (
     DEFAULT_TOLERANCE,
     EXACT_TOLERANCE,
+    WorldVerdict,
     even_points,
     refuse_what_cannot_pass,
     run_worlds,
@@ -82,7 +83,7 @@ def check_points(points: list[int], first: int | None, cfg: RunConfig) -> None:
                         f"resumed run would start from nothing and test no resume; interrupt at step {first} or later")
 
 
-def register(commands: argparse._SubParsersAction) -> None:
+def register(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = commands.add_parser("verify-resume", help="check that interrupting and resuming a run changes nothing",
                             description=equivalence_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p, run_dir=False)
@@ -137,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
     output_folder(str(work), None, "--work-dir")
     sets = [*overrides, f"train.fingerprint_every={args.fingerprint_every}", 'train.on_divergence="warn"']
     sig = {"KILL": signal.SIGKILL, "TERM": signal.SIGTERM}[args.signal]
+    verdict: WorldVerdict | Verdict
     with popen_for(os.environ, os.getcwd()) as popen:  # a fork server where it can: no torch import per run
         if args.world_sizes:
             default = EXACT_TOLERANCE if exact_at_every(cfg, args.world_sizes) else DEFAULT_TOLERANCE

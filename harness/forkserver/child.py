@@ -35,7 +35,7 @@ import io
 import os
 import runpy
 import sys
-from typing import NoReturn
+from typing import NoReturn, cast
 
 from harness.forkserver.server import Request, first_on_path
 from harness.process import parent_death, process_end
@@ -77,17 +77,20 @@ def run(main: list[str]) -> NoReturn:
 def _reopen_stdio() -> None:
     """sys.stdin/stdout/stderr anew on fds 0-2, as CPython's start-up (create_stdio) makes them,
     with the server's encodings (its locale and PYTHONIOENCODING are the child's: environment.py)."""
-    unbuffered = sys.stdout.write_through  # how the server's start-up made it: -u or PYTHONUNBUFFERED
+    # How the server's start-up made it (a TextIOWrapper, as create_stdio makes it): -u or PYTHONUNBUFFERED.
+    unbuffered = cast(io.TextIOWrapper, sys.stdout).write_through
     for fd, name in enumerate(("stdin", "stdout", "stderr")):
         old = getattr(sys, name)
         writing = fd > 0
         raw_only = writing and unbuffered  # stdin is buffered always (TextIOWrapper needs read1)
         buffer = open(fd, "wb" if writing else "rb", 0 if raw_only else -1, closefd=False)
-        raw = buffer if raw_only else buffer.raw
+        # open() returns a FileIO unbuffered, else a BufferedReader/BufferedWriter over one.
+        buffered = cast("io.BufferedReader[io.FileIO] | io.BufferedWriter[io.FileIO]", buffer)
+        raw = cast(io.FileIO, buffer) if raw_only else buffered.raw
         raw.name = f"<{name}>"
         stream = io.TextIOWrapper(buffer, encoding=old.encoding, errors=old.errors, newline="\n",
                                   line_buffering=not unbuffered and (raw.isatty() or fd == 2),
                                   write_through=unbuffered)
-        stream.mode = "w" if writing else "r"
+        stream.mode = "w" if writing else "r"  # type: ignore[misc]  # read-only in typeshed; an attribute at runtime
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)

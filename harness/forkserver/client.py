@@ -27,17 +27,21 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from harness.forkserver import protocol
+
+if TYPE_CHECKING:
+    from subprocess import _CMD, _FILE  # what Popen runs, and a stdin/stdout/stderr it takes
 
 
 class ForkServerError(RuntimeError):
     pass
 
 
-def served(args) -> tuple[list[str], list[str]] | None:
+def served(args: object) -> tuple[list[str], list[str]] | None:
     """(what the interpreter is told to run, the arguments after it) of a command line a server
     runs with this interpreter: `python -m MODULE ...` (a module of protocol.MODULES) or `python
     SCRIPT.py ...` (the script's path as given); else None."""
@@ -55,9 +59,9 @@ class Server(abc.ABC):
 
     socket_path: str
 
-    def popen(self, args, *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
-              stdin=None, stdout=None, stderr=None, text: bool | None = None,
-              start_new_session: bool = False) -> subprocess.Popen:
+    def popen(self, args: _CMD, *, env: Mapping[str, str] | None = None, cwd: str | Path | None = None,
+              stdin: _FILE = None, stdout: _FILE = None, stderr: _FILE = None, text: bool | None = None,
+              start_new_session: bool = False) -> subprocess.Popen[Any]:  # [str] with `text`, else [bytes]
         return ForkedPopen(self, args, env=env, cwd=cwd, stdin=stdin, stdout=stdout, stderr=stderr, text=text,
                            start_new_session=start_new_session)
 
@@ -133,8 +137,10 @@ class NamedServer(Server):
         return f"the fork server at {self.socket_path} is gone"
 
 
-class ForkedPopen(subprocess.Popen):
-    def __init__(self, server: Server, args, *, start_new_session: bool = False, **kwargs):
+# Popen's private methods overridden and called here (_execute_child, _internal_poll, _wait,
+# _close_pipe_fds) are not in typeshed: their calls carry `type: ignore` (undefined in superclass).
+class ForkedPopen(subprocess.Popen[Any]):
+    def __init__(self, server: Server, args: _CMD, *, start_new_session: bool = False, **kwargs: Any):
         self._server = server
         self._new_session = start_new_session
         self.forked = False  # whether the server forked the child (else Popen started a fresh interpreter)
@@ -142,20 +148,25 @@ class ForkedPopen(subprocess.Popen):
         self._pidfd: int | None = None  # likewise
         super().__init__(args, start_new_session=start_new_session, **kwargs)
 
-    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
-                       creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest):
+    def _execute_child(self, args: _CMD, executable: str | bytes | os.PathLike[Any] | None,
+                       preexec_fn: Callable[[], object] | None, close_fds: bool, pass_fds: Sequence[int],
+                       cwd: str | os.PathLike[str] | None, env: Mapping[str, str] | None, startupinfo: Any,
+                       creationflags: int, shell: bool, p2cread: int, p2cwrite: int, c2pread: int, c2pwrite: int,
+                       errread: int, errwrite: int, *rest: Any) -> None:
         command = served(args) if executable is None and not shell else None
         reply = None if command is None else self._request(*command, env, cwd, [
             p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2])
         if reply is None:
-            return super()._execute_child(args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
-                                          creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,
-                                          errwrite, *rest)
+            super()._execute_child(  # type: ignore[misc]
+                args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo, creationflags, shell,
+                p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite, *rest)
+            return
         self.pid, self._pidfd = reply
         self.forked = self._child_created = True
-        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
+        self._close_pipe_fds(p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)  # type: ignore[attr-defined]
 
-    def _request(self, main: list[str], args: list[str], env, cwd, fds: list[int]) -> tuple[int, int] | None:
+    def _request(self, main: list[str], args: list[str], env: Mapping[str, str] | None,
+                 cwd: str | os.PathLike[str] | None, fds: list[int]) -> tuple[int, int] | None:
         """(pid, pidfd) of the forked child, or None when the server refused the request."""
         cwd = os.path.abspath(os.getcwd() if cwd is None else os.fspath(cwd))
         if main[0] != "-m":
@@ -167,7 +178,8 @@ class ForkedPopen(subprocess.Popen):
         except protocol.TooLarge:
             return None
         except OSError as e:
-            return self._gone(e)
+            self._gone(e)
+            return None
         if isinstance(reply, str):
             return None
         self._conn, pid, pidfd = reply
@@ -177,10 +189,11 @@ class ForkedPopen(subprocess.Popen):
         """The server did not answer: None (a fresh interpreter), or ForkServerError (`unanswered`)."""
         self._server.unanswered(error)
 
-    def _internal_poll(self, _deadstate=None, **kwargs):
+    def _internal_poll(self, _deadstate: int | None = None, **kwargs: Any) -> int | None:
         if not self.forked:
-            return super()._internal_poll(_deadstate=_deadstate, **kwargs)
+            return super()._internal_poll(_deadstate=_deadstate, **kwargs)  # type: ignore[misc, no-any-return]
         if self.returncode is None:
+            assert self._conn is not None  # a forked child's, open until the exit code came
             self._conn.setblocking(False)
             try:
                 self._receive_exit(_deadstate)
@@ -188,33 +201,39 @@ class ForkedPopen(subprocess.Popen):
                 pass
         return self.returncode
 
-    def _wait(self, timeout):
+    def _wait(self, timeout: float | None) -> int:
         if not self.forked:
-            return super()._wait(timeout)
+            return super()._wait(timeout)  # type: ignore[misc, no-any-return]
         if self.returncode is None:
+            assert self._conn is not None  # a forked child's, open until the exit code came
             self._conn.settimeout(timeout)
             try:
                 self._receive_exit(None)
             except TimeoutError:
+                assert timeout is not None  # a socket without a timeout blocks instead
                 raise subprocess.TimeoutExpired(self.args, timeout) from None
         return self.returncode
 
     def _receive_exit(self, deadstate: int | None) -> None:
         """The exit code from the server; `deadstate` stands for it if the server is gone (Popen's
         finalizer), else that raises."""
-        message, _ = protocol.receive(self._conn)
+        conn, pidfd = self._conn, self._pidfd
+        assert conn is not None and pidfd is not None  # a forked child's, open until the exit code came
+        message, _ = protocol.receive(conn)
         if message is None and deadstate is None:
             raise ForkServerError(f"pid {self.pid}: no exit code; {self._server.failure()}")
         self.returncode = deadstate if message is None else message["returncode"]
-        self._conn.close()
-        os.close(self._pidfd)
+        conn.close()
+        os.close(pidfd)
         self._conn = self._pidfd = None
 
-    def send_signal(self, sig):
+    def send_signal(self, sig: int) -> None:
         if not self.forked:
-            return super().send_signal(sig)
+            super().send_signal(sig)
+            return
         self.poll()
         if self.returncode is None:
+            assert self._pidfd is not None  # a forked child's, open until the exit code came
             try:
                 signal.pidfd_send_signal(self._pidfd, sig)
             except ProcessLookupError:

@@ -29,10 +29,14 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from harness.forkserver.client import ForkServer, NamedServer, served
 from harness.forkserver.inherited_env import signature
 from harness.forkserver.relay import SERVER_ENV
+
+if TYPE_CHECKING:
+    from subprocess import _CMD  # what Popen runs
 
 # Linux only: pidfds (Linux 5.3, Python 3.9) and SOCK_SEQPACKET unix sockets; elsewhere every
 # process starts fresh.
@@ -54,7 +58,7 @@ class ForkServers:
         # Short: a unix socket's path has at most 107 bytes.
         self.folder = Path(tempfile.mkdtemp(prefix="harness-fs-"))
 
-    def popen(self, args, *, env: Mapping[str, str] | None = None, **kwargs) -> subprocess.Popen:
+    def popen(self, args: _CMD, *, env: Mapping[str, str] | None = None, **kwargs: Any) -> subprocess.Popen[Any]:
         env = dict(os.environ if env is None else env)
         server = self.server_for(env)
         if server is not None:
@@ -82,7 +86,7 @@ class ForkServers:
 
 
 @contextmanager
-def popen_for(env: Mapping[str, str], cwd: str | Path) -> Iterator[Callable[..., subprocess.Popen]]:
+def popen_for(env: Mapping[str, str], cwd: str | Path) -> Iterator[Callable[..., subprocess.Popen[Any]]]:
     """What a command that starts several `harness` processes in turn (verify-resume) starts
     them with: where `env` names a server (relay.SERVER_ENV: the test session's), its `popen`
     (each process forked there, or fresh where it refuses); else a pool's `popen` (closed when

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 # A request carries the child's environment: far below this on any machine seen. A datagram must
@@ -35,7 +36,7 @@ class TooLarge(ValueError):
     pass
 
 
-def send(sock: socket.socket, message: dict[str, Any], fds: list[int] = ()) -> None:
+def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
     data = json.dumps(message).encode()
     if len(data) > MAX_MESSAGE:
         raise TooLarge(f"fork server message of {len(data)} bytes (at most {MAX_MESSAGE})")
@@ -68,7 +69,8 @@ def ask(path: str, request: dict[str, Any], fds: list[int]) -> tuple[socket.sock
         raise
     if reply is not None and "refused" in reply:
         conn.close()
-        return reply["refused"]
+        reason: str = reply["refused"]
+        return reason
     if reply is None or len(pidfds) != 1:
         for fd in pidfds:
             socket.close(fd)

@@ -29,7 +29,9 @@ import os
 import selectors
 import socket
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from harness.forkserver import inherited_env, protocol, relay
 from harness.repro import numerics
@@ -170,7 +172,8 @@ def _program_refusal(main: list[str]) -> str | None:
 
 
 def _environment_refusal(request: Request, preloaded: Preloaded) -> str | None:
-    accepted = {name: {value} for name, value in inherited_env.signature(preloaded.env).items()}
+    signature = inherited_env.signature(preloaded.env)
+    accepted: dict[str, set[str | None]] = {name: {value} for name, value in signature.items()}
     # What the imports set, as it was before them or as they set it: the processes a served child
     # starts (a supervisor's, torchrun's workers) inherit the latter.
     for name, value in preloaded.effects.items():
@@ -204,11 +207,11 @@ def first_on_path(request: Request) -> str | None:
 
 def _close(request: Request) -> None:
     """Close the server's copies of a request's fds (a forked child has its own)."""
-    for fd in {*request.fds, request.lifeline} - {None}:
+    for fd in {f for f in (*request.fds, request.lifeline) if f is not None}:
         os.close(fd)
 
 
-def _tell(conn: socket.socket, message: dict, fds: list[int] = ()) -> None:
+def _tell(conn: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
     """Send to a client that may have gone (its child runs on regardless)."""
     try:
         protocol.send(conn, message, fds)

@@ -48,6 +48,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import IO, Any
 
 import tenacity
 
@@ -106,7 +107,7 @@ class Supervisor:
         self._signals = tuple(signals)
         self._tail: collections.deque[str] = collections.deque(maxlen=tail_lines)
         self._env = env
-        self._child: subprocess.Popen | None = None
+        self._child: subprocess.Popen[bytes] | None = None
 
     def run(self) -> int:
         restarts = 0
@@ -156,7 +157,8 @@ class Supervisor:
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait before restart number `attempt` (from 1) of a crash streak."""
-        state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})
+        # A wait strategy reads only attempt_number: no Retrying object stands behind this state.
+        state = tenacity.RetryCallState(retry_object=None, fn=None, args=(), kwargs={})  # type: ignore[arg-type]
         state.attempt_number = attempt
         return self._wait(state)
 
@@ -172,6 +174,7 @@ class Supervisor:
                             "command after `--` and that it is on PATH") from e
         if watch.requested:
             # The signal arrived while the child was being started, before it could be forwarded.
+            assert watch.signal_name is not None  # recorded with the first signal
             self._forward(signal.Signals[watch.signal_name])
         tee = threading.Thread(target=self._tee, args=(self._child.stderr,), daemon=True)
         tee.start()
@@ -180,7 +183,7 @@ class Supervisor:
         tee.join(timeout=5)
         return code
 
-    def _tee(self, stream) -> None:
+    def _tee(self, stream: IO[bytes]) -> None:
         for raw in stream:
             line = raw.decode(errors="replace")
             self._tail.append(line.rstrip("\n"))
@@ -237,7 +240,7 @@ def _sleep_unless(watch: PreemptionWatch, seconds: float) -> bool:
 
 
 def supervise_self(argv: list[str], max_restarts: int, crash_loop_limit: int, run_dir: str,
-                   storage_options: dict | None = None, log_dir: str | None = None,
+                   storage_options: dict[str, Any] | None = None, log_dir: str | None = None,
                    backoff_initial: float = 1.0) -> int:
     """Run `harness <argv>` under a Supervisor, minus the supervisor's own flags.
 
@@ -256,7 +259,7 @@ def supervise_self(argv: list[str], max_restarts: int, crash_loop_limit: int, ru
     ).run()
 
 
-def checkpoint_progress(run_dir: str, storage_options: dict | None = None) -> Callable[[], int | None]:
+def checkpoint_progress(run_dir: str, storage_options: dict[str, Any] | None = None) -> Callable[[], int | None]:
     """A progress probe: the step of the newest checkpoint committed at `run_dir` whose files are
     all there at their recorded sizes (`discovery.latest_committed`). It reads no data (the
     supervisor probes before and after every child, and reading a multi-GB checkpoint each time

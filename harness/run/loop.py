@@ -305,6 +305,7 @@ class Loop:
 
     def local_committed(self, done: Committed) -> None:
         """A local checkpoint is committed (from the local persist thread when saving in the background)."""
+        assert self.local_tier is not None and self.local_clock is not None  # called for a run with a local tier
         self.local_clock.committed(done.persist_s)
         if self.local_tier.background:
             self.events.emit("local_committed", step=done.ref.step, persist_s=done.persist_s, bytes=done.nbytes)

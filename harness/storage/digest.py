@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Protocol
 
 import blake3
 
@@ -50,7 +50,15 @@ def hash_threads() -> int:
     return max(1, cores - 1)
 
 
-def _blake3(threads: int) -> Any:
+class Hasher(Protocol):
+    """A hasher of `ALGORITHMS` (hashlib's and blake3's have these)."""
+
+    def update(self, data: bytes | memoryview, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
+def _blake3(threads: int) -> Hasher:
     # More than one thread: a pool of that many for this hasher alone (blake3's AUTO would use
     # rayon's process-wide pool, which a fork breaks, and every core).
     return blake3.blake3(max_threads=threads)
@@ -58,7 +66,7 @@ def _blake3(threads: int) -> Any:
 
 # Name in the manifest -> constructor of a hasher (given the threads it may use) with update()
 # and hexdigest(); both give 64 hex digits.
-ALGORITHMS: dict[str, Callable[[int], Any]] = {"blake3": _blake3, "sha256": lambda _threads: hashlib.sha256()}
+ALGORITHMS: dict[str, Callable[[int], Hasher]] = {"blake3": _blake3, "sha256": lambda _threads: hashlib.sha256()}
 HEX_DIGITS = 64
 
 # Below this, a one-call hash runs on the calling thread: starting a pool took 0.3 ms for two
@@ -66,7 +74,7 @@ HEX_DIGITS = 64
 _THREADED_MIN_BYTES = 1 << 20
 
 
-def new_hasher(algorithm: str, threads: int | None = None) -> Any:
+def new_hasher(algorithm: str, threads: int | None = None) -> Hasher:
     """A fresh hasher for `algorithm` (a key of `ALGORITHMS`) on `threads` (`hash_threads()` when None)."""
     return ALGORITHMS[algorithm](threads or hash_threads())
 

@@ -35,7 +35,12 @@ import errno
 import os
 import shutil
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from _typeshed import HasFileno
 
 OPERATIONS = ("open", "write", "flush", "fsync", "fsync_dir", "rename", "mkdir", "put", "delete", "list")
 TRACE_ENV = "HARNESS_FAULTS_TRACE"
@@ -78,10 +83,10 @@ class Injector:
     dead: bool = False
     trace: list[tuple[int, str, str]] = field(default_factory=list)
     disk: PowerLossModel | None = None
-    open_files: list = field(default_factory=list)
+    open_files: list[Any] = field(default_factory=list)  # the wrapped filesystem's files (fsspec: untyped)
     trace_to: str | None = None
 
-    def hit(self, op: str, path: str) -> None:
+    def hit(self, op: str, path: object) -> None:  # a path, or the list of them an fsspec call takes
         if self.dead:
             raise SimulatedCrash(f"storage operation {op} {path} after the simulated crash")
         self.count += 1
@@ -118,7 +123,7 @@ class Injector:
             raise PermissionError(errno.EACCES, f"Access denied ({what})")
 
 
-def wrap_filesystem(fs, spec: str | FaultPlan) -> FaultyFileSystem:
+def wrap_filesystem(fs: Any, spec: str | FaultPlan) -> FaultyFileSystem:
     """`fs` with the fault plan `spec` (see `FaultPlan.parse`)."""
     plan = FaultPlan.parse(spec)
     disk = PowerLossModel() if getattr(fs, "local_disk", False) else None
@@ -126,20 +131,21 @@ def wrap_filesystem(fs, spec: str | FaultPlan) -> FaultyFileSystem:
 
 
 class FaultyFileSystem:
-    """Counts and fails the storage operations of `fs`; everything else is `fs`'s own."""
+    """Counts and fails the storage operations of `fs`; everything else is `fs`'s own. (`fs` and
+    its files are fsspec's, which has no type information: what they return is `Any` here.)"""
 
-    def __init__(self, fs, injector: Injector) -> None:
+    def __init__(self, fs: Any, injector: Injector) -> None:
         self.fs, self.injector = fs, injector
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.fs, name)
 
-    def _hit(self, op: str, path) -> None:
+    def _hit(self, op: str, path: object) -> None:
         self.injector.hit(op, path)
 
     # ---- files -----------------------------------------------------------------------------
 
-    def open(self, path, mode="rb", **kwargs):
+    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> _FaultyFile:
         self._hit("open", path)
         disk = self.injector.disk if "r" not in mode else None
         before = disk.before_write(path) if disk else None
@@ -148,84 +154,84 @@ class FaultyFileSystem:
             disk.after_open(path, f, before)
         return self._file(f, path, mode)
 
-    def create_new(self, path):
+    def create_new(self, path: str) -> _FaultyFile:
         self._hit("open", path)
         f = self.fs.create_new(path)
         if self.injector.disk:
             self.injector.disk.after_open(path, f, None)
         return self._file(f, path, "xb")
 
-    def _file(self, f, path, mode):
+    def _file(self, f: Any, path: str, mode: str) -> _FaultyFile:
         if "r" in mode:
             return _FaultyFile(f, self.injector, path, put=False)
         self.injector.open_files.append(f)
         return _FaultyFile(f, self.injector, path, put=not getattr(self.fs, "local_disk", False))
 
-    def fsync(self, f) -> None:
+    def fsync(self, f: _FaultyFile) -> None:
         f.flush()
         self._hit("fsync", f.path)
         self.fs.fsync(f.f)
         if self.injector.disk:
             self.injector.disk.synced(f.f)
 
-    def pipe_file(self, path, value, **kwargs):
+    def pipe_file(self, path: str, value: bytes, **kwargs: Any) -> Any:
         self._hit("put", path)
         return self.fs.pipe_file(path, value, **kwargs)
 
-    def put_file(self, lpath, rpath, **kwargs):
+    def put_file(self, lpath: str, rpath: str, **kwargs: Any) -> Any:
         self._hit("put", rpath)
         return self.fs.put_file(lpath, rpath, **kwargs)
 
     # ---- folders and names -----------------------------------------------------------------
 
-    def fsync_dir(self, path) -> None:
+    def fsync_dir(self, path: str) -> None:
         self._hit("fsync_dir", path)
         self.fs.fsync_dir(path)
         if self.injector.disk:
             self.injector.disk.dir_synced(path)
 
-    def replace(self, src, dst) -> None:
+    def replace(self, src: str, dst: str) -> None:
         self._hit("rename", f"{src} -> {dst}")
         backup = self.injector.disk.before_rename(dst) if self.injector.disk else None
         self.fs.replace(src, dst)
         if self.injector.disk:
             self.injector.disk.renamed(src, dst, backup)
 
-    def mv(self, path1, path2, **kwargs):
+    def mv(self, path1: str, path2: str, **kwargs: Any) -> Any:
         self._hit("rename", f"{path1} -> {path2}")
         return self.fs.mv(path1, path2, **kwargs)
 
-    def makedirs(self, path, exist_ok=False):
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
         self._hit("mkdir", path)
         new = self.injector.disk.missing_dirs(path) if self.injector.disk else []
         self.fs.makedirs(path, exist_ok=exist_ok)
         if self.injector.disk:
             self.injector.disk.created(new)
 
-    def mkdir(self, path, create_parents=True, **kwargs):
+    def mkdir(self, path: str, create_parents: bool = True, **kwargs: Any) -> None:
         self._hit("mkdir", path)
         new = self.injector.disk.missing_dirs(path) if self.injector.disk else []
         self.fs.mkdir(path, create_parents=create_parents, **kwargs)
         if self.injector.disk:
             self.injector.disk.created(new)
 
-    def rm(self, path, recursive=False, maxdepth=None):
+    def rm(self, path: str | list[str], recursive: bool = False, maxdepth: int | None = None) -> Any:
         self._hit("delete", path)
         return self.fs.rm(path, recursive=recursive, maxdepth=maxdepth)
 
-    def rm_file(self, path):
+    def rm_file(self, path: str) -> Any:
         self._hit("delete", path)
         return self.fs.rm_file(path)
 
-    def remove_tree(self, path) -> None:
+    def remove_tree(self, path: str) -> None:
         self._hit("delete", path)
         self.fs.remove_tree(path)
 
-    def ls(self, path, detail=True, **kwargs):
+    def ls(self, path: str, detail: bool = True, **kwargs: Any) -> Any:
         self._hit("list", path)
         return self.fs.ls(path, detail=detail, **kwargs)
 
-    def find(self, path, **kwargs):
+    def find(self, path: str, **kwargs: Any) -> Any:
         self._hit("list", path)
         return self.fs.find(path, **kwargs)
 
@@ -234,35 +240,40 @@ class _FaultyFile:
     """A file of a `FaultyFileSystem`: counts write and flush; closing an object-store file is
     its upload (`put`). After a simulated crash it neither writes nor closes."""
 
-    def __init__(self, f, injector: Injector, path: str, put: bool) -> None:
+    def __init__(self, f: Any, injector: Injector, path: str, put: bool) -> None:
         self.f, self.injector, self.path, self.put = f, injector, str(path), put
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.f, name)
 
-    def write(self, data):
+    def write(self, data: bytes) -> Any:
         self.injector.hit("write", self.path)
         return self.f.write(data)
 
-    def flush(self):
+    def flush(self) -> Any:
         self.injector.hit("flush", self.path)
         return self.f.flush()
 
-    def close(self):
+    def close(self) -> None:
         if self.injector.dead:
             return
         if self.put and not self.f.closed:
             self.injector.hit("put", self.path)
         self.f.close()
 
-    def __enter__(self):
+    def __enter__(self) -> _FaultyFile:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         return iter(self.f)
+
+
+# The events of PowerLossModel.pending: ("create", path) and ("rename", src, dst, the content dst had).
+_Created = tuple[Literal["create"], str]
+_Renamed = tuple[Literal["rename"], str, str, bytes | None]
 
 
 def _read(path: str) -> bytes:
@@ -279,7 +290,7 @@ class PowerLossModel:
 
     def __init__(self) -> None:
         self.unsynced: dict[int, bytes | None] = {}
-        self.pending: list[tuple] = []
+        self.pending: list[_Created | _Renamed] = []
         self.seen: set[str] = set()
 
     def before_write(self, path: str) -> tuple[int, bytes] | None:
@@ -288,7 +299,7 @@ class PowerLossModel:
             return os.stat(path).st_ino, _read(path)
         return None
 
-    def after_open(self, path: str, f, before: tuple[int, bytes] | None) -> None:
+    def after_open(self, path: str, f: HasFileno, before: tuple[int, bytes] | None) -> None:
         path = os.path.abspath(path)
         self.seen.add(os.path.dirname(path))
         ino = os.fstat(f.fileno()).st_ino
@@ -298,7 +309,7 @@ class PowerLossModel:
         else:
             self.unsynced.setdefault(ino, before[1])
 
-    def synced(self, f) -> None:
+    def synced(self, f: HasFileno) -> None:
         self.unsynced.pop(os.fstat(f.fileno()).st_ino, None)
 
     def missing_dirs(self, path: str) -> list[str]:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import functools
 import os
 import shutil
-from typing import Any
+from io import BufferedWriter
+from typing import IO, Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -39,6 +40,7 @@ def open_filesystem(url: str, storage_options: dict[str, Any] | None = None) -> 
     options = dict(storage_options or {})
     faults = options.pop("faults", None) or os.environ.get(FAULTS_ENV)
     protocol = str(url).split("://", 1)[0] if "://" in str(url) else ""
+    fs: Any  # an fsspec filesystem (untyped), or a FaultyFileSystem over one
     if protocol in S3_PROTOCOLS:
         from harness.storage.s3 import RetryingS3FileSystem, s3_storage_options
 
@@ -64,19 +66,19 @@ def _warn_ignored_options(names: tuple[str, ...], url: str) -> None:
                 options=list(names), path=url)
 
 
-class LocalDiskFileSystem(LocalFileSystem):
+class LocalDiskFileSystem(LocalFileSystem):  # type: ignore[misc]  # fsspec has no type information
     """Local disk with the calls a crash-safe commit needs; `open` returns plain Python files
     (unbuffered for reading, so large reads go straight into a tensor's storage)."""
 
     local_disk = True
 
-    def open(self, path, mode="rb", **kwargs):
+    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:  # a Python file, or fsspec's
         if "b" not in mode or kwargs:
             return super().open(path, mode, **kwargs)
         path = self._strip_protocol(path)
         return open(path, mode, buffering=0) if "r" in mode else open(path, mode)
 
-    def fsync(self, f) -> None:
+    def fsync(self, f: IO[Any]) -> None:
         """Flush `f` (a file from `open`) and make its bytes durable."""
         f.flush()
         os.fsync(f.fileno())
@@ -93,7 +95,7 @@ class LocalDiskFileSystem(LocalFileSystem):
         """Atomic rename (over an existing file, or an empty folder)."""
         os.replace(src, dst)
 
-    def create_new(self, path: str):
+    def create_new(self, path: str) -> BufferedWriter:
         """A writable file at `path` that did not exist; `FileExistsError` if it did (O_EXCL)."""
         return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb")
 

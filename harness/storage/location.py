@@ -66,7 +66,7 @@ def folder_name(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-def open_location(url: str, storage_options: dict | None = None) -> Location:
+def open_location(url: str, storage_options: dict[str, Any] | None = None) -> Location:
     """Resolve `url` (local path or fsspec URL); an unknown protocol is a `StorageError`."""
     try:
         fs, root = open_filesystem(str(url), storage_options)
@@ -83,7 +83,7 @@ def open_location(url: str, storage_options: dict | None = None) -> Location:
     return Location(fs=fs, root=root.rstrip("/") or "/", url=str(url))
 
 
-def output_folder(url: str, storage_options: dict | None, what: str) -> Location:
+def output_folder(url: str, storage_options: dict[str, Any] | None, what: str) -> Location:
     """Open `url` as a folder to write into, creating it. A path that is a file, or a folder that
     cannot be created, is a `StorageError` naming `what` (the flag or setting that gave it),
     raised before any work starts."""
@@ -122,7 +122,7 @@ class BackgroundHash:
         self.size = 0
         self._digest = new_hasher(algorithm)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-hash")
-        self._backlog: deque[tuple[Future, int]] = deque()
+        self._backlog: deque[tuple[Future[object], int]] = deque()
         self._pending = 0
 
     def update(self, chunk: memoryview | bytes) -> None:
@@ -146,7 +146,7 @@ class BackgroundHash:
     def __enter__(self) -> BackgroundHash:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._pool.shutdown(wait=True)
 
 
@@ -175,8 +175,9 @@ def _write(loc: Location, path: str, chunks: Iterable[memoryview | bytes],
             loc.fs.fsync(f)
 
 
-def open_read(loc: Location, path: str, prefetch: bool = False):
-    """A binary reader with `seek` and `readinto`; unbuffered on local disk (large reads go
+def open_read(loc: Location, path: str, prefetch: bool = False) -> Any:
+    """A binary reader with `seek` and `readinto` (the filesystem's file: a Python file on local
+    disk, else fsspec's, which has no type information); unbuffered on local disk (large reads go
     straight into the destination tensor). `prefetch` advises the kernel that the file will be
     read (`POSIX_FADV_WILLNEED`): Linux starts reading its first read-ahead window (the device's
     `read_ahead_kb`, 8 MiB on the reference machine) into the page cache at once, not the whole
@@ -196,7 +197,7 @@ class HashingReader:
     read into (live tensors, so no copy): those buffers must not change until `finish` returns.
     """
 
-    def __init__(self, f, algorithm: str = DEFAULT_ALGORITHM) -> None:
+    def __init__(self, f: Any, algorithm: str = DEFAULT_ALGORITHM) -> None:  # a reader of `open_read`
         self._f = f
         self._hash = BackgroundHash(algorithm)
 
@@ -204,12 +205,12 @@ class HashingReader:
         return self._hash.size
 
     def read(self, n: int = -1) -> bytes:
-        data = self._f.read(n)
+        data: bytes = self._f.read(n)
         self._hash.update(data)
         return data
 
     def readinto(self, view: memoryview) -> int:
-        got = self._f.readinto(view)
+        got: int = self._f.readinto(view)
         if got:
             self._hash.update(view[:got] if got < len(view) else view)
         return got
@@ -241,7 +242,7 @@ class HashingReader:
     def __enter__(self) -> HashingReader:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -263,4 +264,5 @@ def read_bytes(loc: Location, path: str, limit: int) -> bytes:
     """A small file's bytes; refuses files over `limit` (a manifest is never megabytes)."""
     check_small(loc.url_of(path), loc.fs.size(path), limit)
     with open_read(loc, path) as f:
-        return f.read()
+        data: bytes = f.read()
+        return data

@@ -30,7 +30,7 @@ import contextvars
 import errno
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -86,23 +86,24 @@ class RetryPolicy:
     max_wait: float = 5.0
     deadline_s: float = 120.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.attempts < 1 or self.initial <= 0 or self.max_wait < self.initial or self.deadline_s <= 0:
             raise StorageError(
                 f"invalid storage retry policy {self}: need attempts >= 1, 0 < initial <= max_wait and "
                 "deadline_s > 0 (checkpoint.storage_options.retry)")
 
 
-def _chain(exc: BaseException):
+def _chain(exc: BaseException) -> Iterator[BaseException]:
     """`exc` and the exceptions it was raised from (s3fs wraps botocore's errors in OSError)."""
     seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        yield exc
-        exc = exc.__cause__ or exc.__context__
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        e = e.__cause__ or e.__context__
 
 
-def _client_error(exc: BaseException):
+def _client_error(exc: BaseException) -> tuple[str, int | None] | None:
     """(code, HTTP status) of the S3 error response behind `exc`, or None if there was none."""
     for e in _chain(exc):
         response = getattr(e, "response", None)
@@ -160,12 +161,14 @@ def permanent_error(exc: BaseException, target: str, endpoint: str | None) -> St
 _jitter = random.Random()
 
 
-def _capped_wait(policy: RetryPolicy):
+def _capped_wait(policy: RetryPolicy) -> Callable[[RetryCallState], float]:
     """Full-jitter exponential backoff, never sleeping past the operation's deadline."""
 
     def wait(state: RetryCallState) -> float:
         ceiling = min(policy.max_wait, policy.initial * 2 ** (state.attempt_number - 1))
-        return max(0.0, min(_jitter.uniform(0, ceiling), policy.deadline_s - state.seconds_since_start))
+        elapsed = state.seconds_since_start
+        assert elapsed is not None  # tenacity waits after an attempt's outcome, which sets it
+        return max(0.0, min(_jitter.uniform(0, ceiling), policy.deadline_s - elapsed))
 
     return wait
 
@@ -180,6 +183,7 @@ async def call_with_retries(fn: Callable[[], Awaitable[T]], *, what: str, policy
     start = time.monotonic()
 
     def log_retry(state: RetryCallState) -> None:
+        assert state.outcome is not None  # tenacity calls before_sleep after a failed attempt
         err = state.outcome.exception()
         log.warning("storage retry", op=what, target=target, attempt=state.attempt_number,
                     error=f"{type(err).__name__}: {err}"[:300])

@@ -22,8 +22,10 @@ import asyncio
 import io
 import os
 import threading
+from collections.abc import Awaitable, Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Any
+from types import TracebackType
+from typing import Any, TypeVar, cast
 
 from fsspec.asyn import sync, sync_wrapper
 from s3fs import S3FileSystem
@@ -33,6 +35,8 @@ from harness.log import get_logger
 from harness.storage.retry import RetryPolicy, call_with_retries
 
 log = get_logger(__name__)
+
+T = TypeVar("T")
 
 # Per-request socket timeouts: a stalled request becomes a retryable timeout well within the
 # operation's deadline. 60 s of read silence is generous even for a 5 GiB part.
@@ -73,12 +77,12 @@ def s3_storage_options(user_options: dict[str, Any] | None) -> dict[str, Any]:
     return {"default_block_size": BLOCK_SIZE, **options, "config_kwargs": config_kwargs, "retry_policy": policy}
 
 
-class RetryingS3FileSystem(S3FileSystem):
+class RetryingS3FileSystem(S3FileSystem):  # type: ignore[misc]  # s3fs has no type information
     """s3fs with `RetryPolicy` around each request (`_call_s3`) and each byte read."""
 
     retries = 1  # s3fs's own retry loop: one attempt, ours does the rest
 
-    def __init__(self, *args, retry_policy: RetryPolicy | None = None, **kwargs):
+    def __init__(self, *args: Any, retry_policy: RetryPolicy | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.retry_policy = retry_policy or RetryPolicy()
         self._lanes: tuple[int, list[RetryingS3FileSystem]] | None = None
@@ -124,40 +128,52 @@ class RetryingS3FileSystem(S3FileSystem):
                       "UploadIdMarker": pages.get("NextUploadIdMarker", "")}
         return aborted
 
-    async def _retrying(self, fn, what: str, bucket: str, key: str = ""):
+    async def _retrying(self, fn: Callable[[], Awaitable[T]], what: str, bucket: str, key: str = "") -> T:
         target = f"s3://{bucket}/{key}" if key else f"s3://{bucket}"
         return await call_with_retries(fn, what=what, policy=self.retry_policy, target=target,
                                        endpoint=self.endpoint_url)
 
-    async def _call_s3(self, method, *akwarglist, **kwargs):
+    async def _call_s3(self, method: str, *akwarglist: Any, **kwargs: Any) -> dict[str, Any]:
         parent = super()._call_s3
-        return await self._retrying(lambda: parent(method, *akwarglist, **kwargs), f"S3 {method}",
-                                    kwargs.get("Bucket", ""), kwargs.get("Key", ""))
+        response: dict[str, Any] = await self._retrying(lambda: parent(method, *akwarglist, **kwargs), f"S3 {method}",
+                                                        kwargs.get("Bucket", ""), kwargs.get("Key", ""))
+        return response
 
     call_s3 = sync_wrapper(_call_s3)
 
-    async def _cat_file(self, path, *args, **kwargs):
+    async def _cat_file(self, path: str, *args: Any, **kwargs: Any) -> bytes:
         bucket, key, _ = self.split_path(path)
         parent = super()._cat_file
-        return await self._retrying(lambda: parent(path, *args, **kwargs), "read", bucket, key)
+        data: bytes = await self._retrying(lambda: parent(path, *args, **kwargs), "read", bucket, key)
+        return data
 
-    def _open(self, path, mode="rb", *args, **kwargs):
+    def _open(self, path: str, mode: str = "rb", *args: Any, **kwargs: Any) -> _RetryingS3File:
         f = super()._open(path, mode, *args, **kwargs)
         # s3fs builds its S3File by name; switching the class adds retried reads and abort-on-error.
         # A reader's cache holds the fetch method bound at construction, so it is rebound too.
         f.__class__ = _RetryingS3File
-        f._parts_in_flight: list[tuple[Future, bytearray]] = []  # (upload, its body) while uploading
+        f._parts_in_flight = []  # (upload, its body) while uploading
         if f.writable():
             f._start_writing()
         if f.readable():
             f.cache.fetcher = f._fetch_range
-        return f
+        return cast(_RetryingS3File, f)  # by the class switch above
 
 
-class _RetryingS3File(S3File):
+class _RetryingS3File(S3File):  # type: ignore[misc]  # s3fs has no type information
     """S3File whose range reads are retried whole (request and body), whose writes fill fixed-size
     parts that upload in the background (up to `PARTS_IN_FLIGHT` at once, while the caller keeps
     serializing; sizes double every `PARTS_PER_SIZE` parts), and whose failed writes abort."""
+
+    # S3File's attributes used here (s3fs has no type information).
+    blocksize: int
+    forced: bool
+    closed: bool
+    buffer: io.BytesIO | None
+    # Ours: the part being filled (None once the file is flushed for good or aborted), and the
+    # parts uploading: (the upload, its body), set by `RetryingS3FileSystem._open`.
+    _part: bytearray | None
+    _parts_in_flight: list[tuple[Future[Any], bytearray]]
 
     def _start_writing(self) -> None:
         self.blocksize = self._first_part_size = min(self.blocksize, PART_SIZE)
@@ -166,22 +182,25 @@ class _RetryingS3File(S3File):
         self._spare: list[bytearray] = []
         self._checksum_kw: dict[str, str] = {}
 
-    def write(self, data) -> int:
+    def write(self, data: bytes | memoryview) -> int:
         """Copy `data` into the part being filled and ship each part as it fills: one copy of
         every byte (s3fs's own buffering makes three, which a 2-core node pays for in upload
         speed)."""
         if not self.writable() or self.closed or self.forced:
-            return super().write(data)  # raises fsspec's error for the case
+            written: int = super().write(data)  # raises fsspec's error for the case
+            return written
         view = memoryview(data).cast("B")
         done = 0
         while done < view.nbytes:
-            n = min(view.nbytes - done, len(self._part) - self._filled)
-            self._part[self._filled:self._filled + n] = view[done:done + n]
+            part = self._part
+            assert part is not None  # None only once forced or closed, which the test above rules out
+            n = min(view.nbytes - done, len(part) - self._filled)
+            part[self._filled:self._filled + n] = view[done:done + n]
             self._filled += n
             self.loc += n
             done += n
-            if self._filled == len(self._part):
-                self._ship(self._part)
+            if self._filled == len(part):
+                self._ship(part)
         return done
 
     def flush(self, force: bool = False) -> None:
@@ -194,6 +213,7 @@ class _RetryingS3File(S3File):
         if self.forced:
             raise ValueError("Force flush cannot be called more than once")
         self.forced = True
+        assert self._part is not None  # None only once forced or closed
         tail = memoryview(self._part)[:self._filled]
         if self.mpu is None:
             self.buffer = io.BytesIO(tail)  # `commit` PUTs it in one request (or touches an empty file)
@@ -236,7 +256,7 @@ class _RetryingS3File(S3File):
         self._part = spare if spare is not None and len(spare) == self.blocksize else bytearray(self.blocksize)
         self._filled = 0
 
-    def _call_s3(self, method, *kwarglist, **kwargs):
+    def _call_s3(self, method: str, *kwarglist: Any, **kwargs: Any) -> dict[str, Any]:
         if method == "create_multipart_upload" and self._declares_checksums():
             self._checksum_kw = {"ChecksumAlgorithm": MULTIPART_CHECKSUM}  # for its parts too
             kwargs.update(self._checksum_kw)
@@ -248,7 +268,8 @@ class _RetryingS3File(S3File):
                     part["ETag"] = response["ETag"]
                     if checksum in response:
                         part[checksum] = response[checksum]
-        return super()._call_s3(method, *kwarglist, **kwargs)
+        reply: dict[str, Any] = super()._call_s3(method, *kwarglist, **kwargs)
+        return reply
 
     def _declares_checksums(self) -> bool:
         """Whether a multipart upload names its checksum algorithm: boto3's transfer manager does
@@ -257,24 +278,27 @@ class _RetryingS3File(S3File):
         against the parts it received, and keeps a composite checksum of the object (readable
         with `get_object_attributes`). (Without it moto, the local server, computes a
         whole-object checksum in Python at completion: a sixth of its CPU for an upload.)"""
-        return self.fs.connect().meta.config.request_checksum_calculation == "when_supported"
+        declares: bool = self.fs.connect().meta.config.request_checksum_calculation == "when_supported"
+        return declares
 
-    def _fetch_range(self, start, end):
+    def _fetch_range(self, start: int, end: int) -> bytes:
         if start >= end:
             return b""
         fs = self.fs
         fetch = lambda: _inner_fetch(fs, self.bucket, self.key, self.version_id, start, end,  # noqa: E731
                                      self.read_kw, self.details)
-        return sync(fs.loop, fs._retrying, fetch, "read", self.bucket, self.key)
+        data: bytes = sync(fs.loop, fs._retrying, fetch, "read", self.bucket, self.key)
+        return data
 
-    def close(self):
+    def close(self) -> None:
         try:
             super().close()
         except BaseException:
             self._abort_upload()  # the last part or the completion failed: leave no open upload
             raise
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool | None:
         if exc_type is not None and self.writable():
             # close() would upload the part being filled and complete the multipart upload with
             # the parts it has: a torn object. Abort instead; the commit protocol never points at
@@ -283,7 +307,8 @@ class _RetryingS3File(S3File):
             self._abort_upload()
             self.closed = True
             return None
-        return super().__exit__(exc_type, exc, tb)
+        suppress: bool | None = super().__exit__(exc_type, exc, tb)
+        return suppress
 
     def _abort_upload(self) -> None:
         """Abort the multipart upload, if one is open; a failure to abort is logged, not raised, so
