@@ -212,6 +212,7 @@ class Resume:
             return False
         shard_copies: list[tuple[CheckpointStore, Checkpoint]] = []
         if chosen.owner is not None:
+            assert self.local is not None  # a candidate with an owner is the local tier's
             # Every rank tries the same local candidate (agreed by `choose`): all load it or none.
             problem, shard_copies = _local_problem(self.local, chosen, checkpoint)
             if not distributed.all_ok(problem is None):
@@ -278,6 +279,7 @@ def _local_problem(local: LocalRecovery, chosen: Candidate,
     """Why the local copy `chosen` (opened: `checkpoint`) or one of the copies it reads its shards
     from must not be loaded (None: all are good; the cached verification of `LocalRecovery.problem`,
     so only a copy moved in is read again), and those copies opened."""
+    assert chosen.owner is not None  # a local copy
     problem = local.problem(chosen.store, chosen.ref, checkpoint.state, chosen.owner)
     shard_copies = []
     for store, owner in chosen.shards:
