@@ -1,9 +1,8 @@
-"""ops/bench/optim_step.py, sharded_muon.py (under torchrun), harness_overhead.py, data_wait.py, s3_io.py,
-prepare_rss.py, recovery.py, goodput_model.py, scale.py, scale_local.py (under torchrun) and save_blocking.py still
-run (tiny sizes)
-and print every figure docs/bench-optim.md, docs/bench-data.md, docs/bench-scale.md, docs/checkpoint-tiers.md and
-README quote. They time nothing here: no measured figure is
-asserted (the goodput model's are arithmetic on its defaults)."""
+"""ops/bench/ckpt_io.py, optim_step.py, sharded_muon.py (under torchrun), harness_overhead.py, data_wait.py,
+s3_io.py, prepare_rss.py, recovery.py, goodput_model.py, scale.py, scale_local.py (under torchrun) and
+save_blocking.py still run (tiny sizes) and print every figure docs/bench-checkpoint.md, docs/bench-optim.md,
+docs/bench-data.md, docs/bench-scale.md, docs/checkpoint-tiers.md and README quote. They time nothing here: no
+measured figure is asserted (the goodput model's are arithmetic on its defaults)."""
 
 from __future__ import annotations
 
@@ -15,13 +14,20 @@ from pathlib import Path
 
 import pytest
 
+from procs import ENV, finished, spawn
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def bench(name: str, *args: str, launcher: tuple[str, ...] = (sys.executable,)) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([*launcher, str(ROOT / "ops" / "bench" / name), *args], cwd=ROOT, env=env,
-                          check=True, capture_output=True, text=True, timeout=300).stdout
+    """The script's stdout; it runs forked by the session's fork server (and the `harness` processes
+    it starts relay to it), or fresh where the server cannot honour the environment."""
+    proc = finished(spawn([*launcher, str(ROOT / "ops" / "bench" / name), *args], cwd=ROOT,
+                          env={**ENV, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True))
+    if proc.returncode != 0:
+        raise AssertionError(f"{name} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+    return proc.stdout
 
 
 def test_optim_step_compares_ours_and_torch_muon_at_both_ns_dtypes():
@@ -118,3 +124,13 @@ def test_save_blocking_bench_times_every_part_of_a_loop_save():
     out = bench("save_blocking.py", "--d-model", "32", "--layers", "1", "--rounds", "1")
     for part in ("finite check", "fingerprints state dict", "torch copy", "AsyncSaver.save", "a Loop save blocks for"):
         assert part in out, part
+
+
+def test_ckpt_io_bench_runs_at_a_tiny_size_and_cleans_up(tmp_path):
+    out = bench("ckpt_io.py", "--size-mib", "4", "--repeat", "1", "--dir", str(tmp_path), "--json")
+    figures = json.loads(out.strip().splitlines()[-1])
+    for key in ("save_raw_s", "save_store_s", "save_torch_s", "save_dcp_s", "load_raw_cold_s", "load_store_cold_s",
+                "load_torch_warm_s", "verify_s", "rss_fresh_bytes", "rss_load_bytes", "rss_load_inplace_bytes"):
+        assert figures[key] > 0, key
+    assert "targets: save >= 0.9x raw" in out
+    assert list(tmp_path.iterdir()) == [], "the bench cleans up after itself"
