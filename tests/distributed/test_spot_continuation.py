@@ -25,7 +25,7 @@ import pytest
 from compare import bitwise_differences, losses_of
 from launch import COMMON, HARNESS, Ranks, agent_of_rank, free_port, kill_all, kill_tree, run, start, tail, wait_step
 from nodes import CADENCE, agents, steps_in
-from procs import ROOT, events, harness
+from procs import ROOT, events, harness, spawn
 
 SPOT = ROOT / "tests" / "data" / "spot.toml"
 STEPS = 16
@@ -233,8 +233,8 @@ def test_torchrun_elastic_survivor_goes_on_from_its_local_copy_without_a_restart
     resumes from its own local step 6 (not persistent 4) and finishes bitwise the uninterrupted
     world-size-2 run."""
     port = free_port()
-    store = subprocess.Popen([sys.executable, str(ROOT / "ops/torchrun/rendezvous_store.py"), "--host", "127.0.0.1",
-                              "--port", str(port)], stdout=subprocess.PIPE, text=True)
+    store = spawn([sys.executable, str(ROOT / "ops/torchrun/rendezvous_store.py"), "--host", "127.0.0.1",
+                   "--port", str(port)], stdout=subprocess.PIPE, text=True)
     run_dir = tmp_path / "run"
     locals_ = [tmp_path / "node0-local", tmp_path / "node1-local"]
     logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
