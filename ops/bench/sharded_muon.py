@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import optim.muon
 import optim.sharded
+from harness.process import process_end
 from optim.newton_schulz import ns_batches, orthogonalize
 from optim.sharded import layout_of
 
@@ -120,6 +121,7 @@ def main() -> None:
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and dist.is_nccl_available()
     dist.init_process_group("nccl" if cuda else "gloo")
+    process_end.group_joined()  # the group's threads outlive it: end without finalizing (below)
     device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count()) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -162,3 +164,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    process_end.end(0)  # a process that joined a group ends this way (harness/process/process_end.py)
