@@ -251,7 +251,10 @@ class Loop:
         the state is whole: before the first step of a resumed run, after the first step of a fresh
         one (an optimizer makes its state there), so no save waits for the memory."""
         if not self.staging_ready:
-            self.saver.prepare(self.trainer.state.parts())
+            # The ring the two tiers share is made once, for the larger snapshot: the local tier's
+            # (a rank's whole state) where there is one; the run dir's is a rank's per-rank parts
+            # only, past rank 0 (a second, larger prepare would wait here for the first).
+            (self.local_tier or self.saver).prepare(self.trainer.state.parts())
             self.staging_ready = True
 
     def finish_saves(self) -> None:

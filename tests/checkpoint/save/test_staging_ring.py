@@ -155,3 +155,21 @@ def test_the_step_loop_prepares_the_ring_after_a_fresh_first_step_and_before_a_r
     assert session.train(load_config(TINY, [run, "train.steps=6", "debug.step_sleep_s=0"]),
                          allow_config_change=True) == 0
     assert prepared == [1, 4]
+
+
+def test_with_a_local_tier_the_ring_is_prepared_for_the_local_tiers_snapshot(tmp_path, monkeypatch):
+    """The two tiers share one ring; a local save stages a rank's whole state where the run dir's
+    save stages (past rank 0) its per-rank parts only, so the ring is prepared through the local
+    tier, once: a rank > 0 would otherwise allocate it whole at its first local save, in the step."""
+    from harness.checkpoint.save.local_tier import LocalTier
+    from harness.config import load_config
+    from harness.run import session
+
+    local: list[int] = []
+    real = LocalTier.prepare
+    monkeypatch.setattr(LocalTier, "prepare",
+                        lambda self, parts: local.append(parts["trainer"].step) or real(self, parts))
+    run = [f"run_dir={str(tmp_path / 'run')!r}", f"checkpoint.local.dir={str(tmp_path / 'local')!r}",
+           "checkpoint.local.every_steps=2", "train.steps=4", "debug.step_sleep_s=0"]
+    assert session.train(load_config(TINY, run)) == 0
+    assert local == [1]
