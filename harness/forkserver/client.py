@@ -124,14 +124,17 @@ class ForkServer(Server):
 
 class NamedServer(Server):
     """A server another process started, known by its socket (the one relay.SERVER_ENV names, as
-    for the test session's). One that does not answer (gone, or never there) leaves a fresh
-    interpreter, as it leaves a relay running the command itself."""
+    for the test session's). One that is gone (or never there) leaves a fresh interpreter, as it
+    leaves a relay running the command itself; one that took the request and did not answer in
+    time is an error (it may still fork the child: a fresh one beside it would run the command twice)."""
 
     def __init__(self, socket_path: str):
         self.socket_path = socket_path
 
     def unanswered(self, error: OSError | None) -> None:
-        return None
+        if isinstance(error, TimeoutError):
+            raise ForkServerError(f"the fork server at {self.socket_path} did not answer within "
+                                  f"{protocol.REPLY_TIMEOUT_S} s") from error
 
     def failure(self) -> str:
         return f"the fork server at {self.socket_path} is gone"

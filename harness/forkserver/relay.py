@@ -64,7 +64,7 @@ def relayed(args: list[str]) -> int | None:
     try:
         reply = protocol.ask(path, {"main": ["-m", "harness.cli"], "args": args, "env": dict(os.environ),
                                     "cwd": os.getcwd(), "new_session": True}, [0, 1, 2, lifeline])
-    except (OSError, protocol.TooLarge):
+    except (OSError, ValueError, protocol.TooLarge):  # ValueError: a reply that is not the protocol's JSON
         reply = None
     finally:
         os.close(lifeline)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -132,24 +132,27 @@ def transfer(outgoing: Outgoing | None, incoming: Incoming | None) -> Checkpoint
     theirs = _swap(group, to, _tensor(header), sender,
                    None if sender is None else torch.empty(int(length), dtype=torch.uint8))
     wire = _Wire(group, outgoing, mine.files if mine else ())
-    if incoming is None:
-        wire.send_rest()
-        return None
-    assert theirs is not None  # received into: incoming, so a sender
-    received = parse_manifest(theirs.numpy().tobytes(), f"the peer copy from rank {sender}")
-    store = incoming.store
+    try:
+        if incoming is None:
+            wire.send_rest()
+            return None
+        assert theirs is not None  # received into: incoming, so a sender
+        received = parse_manifest(theirs.numpy().tobytes(), f"the peer copy from rank {sender}")
+        store = incoming.store
 
-    with store.committing(received.step, peer_of=sender) as commit:
-        for record in received.files:
-            commit.records.append(store.write_file(commit.work, commit.ref, record.name,
-                                                   wire.receive(incoming.sender, record.size)))
-        wire.send_rest()
-        expected = {r.name: r for r in received.files}
-        differ = [r.name for r in commit.records if expected[r.name] != r]
-        if differ:
-            raise CheckpointCorrupt(f"{commit.ref.url}: the copy from rank {sender} does not match its manifest "
-                                    f"({', '.join(differ)})")
-    return commit.ref
+        with store.committing(received.step, peer_of=sender) as commit:
+            for record in received.files:
+                commit.records.append(store.write_file(commit.work, commit.ref, record.name,
+                                                       wire.receive(incoming.sender, record.size)))
+            wire.send_rest()
+            expected = {r.name: r for r in received.files}
+            differ = [r.name for r in commit.records if expected[r.name] != r]
+            if differ:
+                raise CheckpointCorrupt(f"{commit.ref.url}: the copy from rank {sender} does not match its "
+                                        f"manifest ({', '.join(differ)})")
+        return commit.ref
+    finally:
+        wire.close()  # an exchange cut short leaves the outbox's file open
 
 
 def messages(size: int) -> list[int]:
@@ -164,18 +167,16 @@ class _Wire:
 
     def __init__(self, group: Any, outgoing: Outgoing | None, sending: tuple[FileRecord, ...]) -> None:
         self.group, self.outgoing = group, outgoing
-        self._out = self._outbox(sending) if outgoing is not None else iter(())
+        self._out = self._outbox(sending if outgoing is not None else ())
         self._buffer = torch.empty(min(CHUNK_BYTES, max((r.size for r in sending), default=0)), dtype=torch.uint8)
 
-    def _outbox(self, sending: tuple[FileRecord, ...]) -> Iterator[torch.Tensor]:
+    def _outbox(self, sending: tuple[FileRecord, ...]) -> Generator[torch.Tensor, None, None]:
         """Each outgoing message in turn, in the reused buffer: framed by the size the manifest
         records, so a file damaged on this disk to another length still travels as that many bytes
         (cut, or padded with zeros), and its digest tells the receiver."""
-        outgoing = self.outgoing
-        assert outgoing is not None  # an outbox only with an outgoing side (`__init__`)
-        loc, path = outgoing.store.loc, outgoing.ref.path
         for record in sending:
-            with open_read(loc, f"{path}/{record.name}") as f:
+            assert self.outgoing is not None  # files to send only with an outgoing side (`__init__`)
+            with open_read(self.outgoing.store.loc, f"{self.outgoing.ref.path}/{record.name}") as f:
                 for n in messages(record.size):
                     out = self._buffer[:n]
                     view, got = memoryview(out.numpy()), 0  # type: ignore[arg-type]  # numpy's stubs, as tensorfile's
@@ -183,6 +184,10 @@ class _Wire:
                         got += read
                     out[got:].zero_()
                     yield out
+
+    def close(self) -> None:
+        """Close the file the outbox is reading, if the exchange stopped part-way through it."""
+        self._out.close()
 
     def _next_out(self) -> tuple[int | None, torch.Tensor | None]:
         out = next(self._out, None)
