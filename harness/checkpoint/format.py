@@ -18,7 +18,7 @@ File layout (one folder per checkpoint):
   through DCP (checkpoint/dcp.py), and state.json refers to them as `{"$tensor": ["$dcp", name]}`.
 * Tied tensors (one tensor at several key paths of a file's parts, e.g. an embedding shared
   with the output head) are stored once, under the first path's name; every path's reference
-  in `state.json` names that entry, and loading reads it once and restores the tie (restore.py).
+  in `state.json` names that entry, and loading reads it once and restores the tie (into_live.py).
   Checkpoints written before this stored each path separately; they load the same.
 * `state.json`: `{"format_version", "step", "parts": {part: tree}, "meta"}`. A tree is the
   part's state dict with each tensor replaced by `{"$tensor": [file, name]}`. A dict whose keys

@@ -8,7 +8,7 @@ manifest's digest) once and returns a `Checkpoint` holding both parsed; everythi
 reads each small file once (one GET each on S3) and no two reads can disagree.
 
 `load(loc, checkpoint, targets, rank=, world=, ...)` streams the tensors into the live state
-(restore.py), every rank its own per-rank parts: the one way a checkpoint is loaded (a resume at
+(into_live.py), every rank its own per-rank parts: the one way a checkpoint is loaded (a resume at
 any world size, from either tier, a rollback, `harness.testing`). How much it re-hashes is a `Verify`:
 * `NO`: sizes and headers only (the checkpoint was verified already, e.g. by `latest_good`);
 * `BEFORE`: every file hashed first, so a corrupt checkpoint changes nothing;
@@ -260,7 +260,7 @@ def load(loc: Location, checkpoint: Checkpoint | CheckpointRef, targets: Mapping
          shard_copies: Sequence[tuple[Location, Checkpoint]] = ()) -> dict[str, Any]:
     """Restore each target (name -> object with state_dict/load_state_dict) from `checkpoint`
     (a ref, or one opened already: `open_checkpoint`) as rank `rank` of a world of `world`
-    (see restore.py for the checks, the module docstring for `verify`); returns the saved meta.
+    (see into_live.py for the checks, the module docstring for `verify`); returns the saved meta.
 
     Which per-rank parts a rank loads: those in state.json when it is this rank's own (every
     checkpoint's rank 0; a local tier's copy of its rank); else, for a rank of the saving run,
@@ -320,7 +320,7 @@ def _state_of_rank(loc: Location, checkpoint: Checkpoint, rank: int, saved_world
 
 
 class _TensorFiles:
-    """The tensor files one `load` of `checkpoint` opens (`open`, restore.py's OpenFile). With
+    """The tensor files one `load` of `checkpoint` opens (`open`, into_live.py's OpenTensors). With
     `hashing`, each is hashed as it streams, and `check_streamed` then compares every file of the
     manifest with its record."""
 

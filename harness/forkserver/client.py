@@ -44,7 +44,8 @@ class ForkServerError(RuntimeError):
 def served(args: object) -> tuple[list[str], list[str]] | None:
     """(what the interpreter is told to run, the arguments after it) of a command line a server
     runs with this interpreter: `python -m MODULE ...` (a module of protocol.MODULES) or `python
-    SCRIPT.py ...` (the script's path as given); else None."""
+    SCRIPT.py ...` (the script's path as given; the request makes it absolute, so a forked script's
+    sys.argv[0] is its absolute path where the interpreter would keep a relative one); else None."""
     if not isinstance(args, (list, tuple)) or len(args) < 2 or args[0] != sys.executable:
         return None
     words = [str(a) for a in args[1:]]

@@ -184,7 +184,7 @@ def _environment_refusal(request: Request, preloaded: Preloaded) -> str | None:
 
 
 def _path_refusal(request: Request, home: str) -> str | None:
-    """The folder a fresh interpreter would put first on sys.path (child.first_on_path) holding a
+    """The folder a fresh interpreter would put first on sys.path (first_on_path, below) holding a
     module of the name of one the server imported from elsewhere."""
     folder = first_on_path(request)
     if folder is None or os.path.realpath(folder) == os.path.realpath(home):

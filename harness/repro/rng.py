@@ -41,9 +41,9 @@ except ImportError:  # numpy is optional for users' own setups; without it there
 
 def seed_everything(seed: int) -> None:
     """Seed python, numpy (when importable), torch CPU and every CUDA device from one integer.
-    The torch generators are seeded one by one, as `torch.manual_seed` seeds them (the same
+    The torch generators are seeded one by one, as `torch.manual_seed` seeds those two (the same
     states), without its look at every other device type (0.12 ms a call: exact elastic mode
-    seeds at every micro-batch)."""
+    seeds at every micro-batch); the harness trains on CPU or CUDA only (`train.device`)."""
     random.seed(seed)
     if np is not None:
         # numpy accepts only seeds in [0, 2**32).

@@ -1,4 +1,4 @@
-"""store.py + restore.py: bitwise round trips, atomic commit, discovery of the newest good checkpoint,
+"""store.py + into_live.py: bitwise round trips, atomic commit, discovery of the newest good checkpoint,
 and loading that checks what it loads and streams into live storage."""
 
 from __future__ import annotations
