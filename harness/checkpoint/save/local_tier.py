@@ -6,8 +6,9 @@ cadence, `every_steps`, in a local folder: `DIR/<run id>/rank-NNNNN/` is an ordi
 `CheckpointStore` (the same files, the same atomic commit and BLAKE3 manifest, retention keeping
 `keep`), written by each training process itself at the steps where no persistent save is due, as
 the persistent tier saves (`save_like`): with `checkpoint.async_save`, in the background through
-the persistent saver's own staging memory (one staging memory per rank for both tiers: a local
-save begins once the persistent save before it has written its bytes, and the other way round),
+the persistent saver's own staging memory (one staging memory per rank for both tiers: a
+persistent save begins once the local save before it has written its bytes; a local save due while
+a persistent one is still writing, to S3 perhaps, is written in the step loop instead of waiting),
 else in the step loop. A tmpfs folder (`/dev/shm`) makes it a RAM tier: no other code.
 
 Several ranks (DDP, FSDP). Each rank keeps a whole checkpoint of its own in its own folder (the
@@ -121,6 +122,8 @@ class LocalTier:
         self.peers = PeerCopies(section, run_id, jump, peer_delay_s) if jump else None
         self.on_commit: Callable[[Committed], None] | None = None
         self.saver: Saver = self._saver(None)
+        self.in_thread = self.saver  # for a save due while the run dir's persist holds the staging memory
+        self.persistent: AsyncSaver | None = None
         self.drop_after(resumed_step)
 
     def _saver(self, persistent: Saver | None) -> Saver:
@@ -138,6 +141,8 @@ class LocalTier:
         after each local commit (from the background thread when saving in the background)."""
         self.finish()
         self.saver, self.on_commit = self._saver(persistent), on_commit
+        self.in_thread = self._saver(None)
+        self.persistent = persistent if isinstance(persistent, AsyncSaver) else None
 
     @property
     def background(self) -> bool:
@@ -175,7 +180,10 @@ class LocalTier:
         t0 = time.perf_counter()
         self.finish()
         waited = time.perf_counter() - t0
-        submitted = self.saver.save(step, parts, meta=meta, must=True)
+        # A persist of the run dir's in flight holds the staging memory until its bytes are out (to
+        # S3, perhaps): rather than wait for that, this save writes the node's disk in this thread.
+        saver = self.in_thread if self.persistent is not None and self.persistent.busy else self.saver
+        submitted = saver.save(step, parts, meta=meta, must=True)
         assert submitted is not None  # a save that must is never skipped
         return replace(submitted, blocking_s=submitted.blocking_s + waited, waited_s=submitted.waited_s + waited)
 
