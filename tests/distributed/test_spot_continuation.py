@@ -243,8 +243,11 @@ def test_torchrun_elastic_survivor_goes_on_from_its_local_copy_without_a_restart
            "RDZV_CONF": "is_host=false,last_call_timeout=2"}
     try:
         assert "listening" in store.stdout.readline()
+        # Slow steps (not part of the math): the kill after step 7 lands before step 8's checkpoints
+        # however long finding and killing the node's processes takes on a loaded machine.
         nodes = [start([str(ROOT / "ops/torchrun/train.sh"), str(SPOT), *COMMON, *CADENCE, "--set",
-                        f"checkpoint.local.dir='{local}'"], log, env) for local, log in zip(locals_, logs, strict=True)]
+                        "debug.step_sleep_s=0.5", "--set", f"checkpoint.local.dir='{local}'"], log, env)
+                 for local, log in zip(locals_, logs, strict=True)]
         try:
             wait_step(nodes[0], run_dir, 7, logs[0])
             lost = agent_of_rank(nodes, 0)
