@@ -46,6 +46,7 @@ from harness.checkpoint.tensorfile import tensor_bytes
 from harness.errors import UserError
 from harness.log import get_logger
 from harness.repro.buffer_probe import non_persistent_buffers
+from harness.repro.on_cores import host_bytes, on_cores
 from optim.dtensor import local
 
 log = get_logger(__name__)
@@ -100,18 +101,31 @@ def _json_digest(value: Any) -> str:
     return digest(json.dumps(value, sort_keys=True, default=repr).encode())
 
 
-def _leaves(node: Any, prefix: str, out: dict[str, str]) -> None:
-    """Digest of every tensor and JSON value of a state tree, keyed by its path."""
+_TensorLeaves = list[tuple[dict[str, str], str, torch.Tensor]]  # (the digests they go to, path, tensor)
+
+
+def _leaves(node: Any, prefix: str, out: dict[str, str], tensors: _TensorLeaves) -> None:
+    """Digest of every JSON value of a state tree into `out`, keyed by its path; its tensors are
+    listed in `tensors` as (out, path, tensor), digested together after (`_digest_tensors`)."""
     if isinstance(node, torch.Tensor):
-        out[prefix] = tensor_digest(node)
+        tensors.append((out, prefix, node))
     elif isinstance(node, Mapping) and node:
         for k, v in node.items():
-            _leaves(v, f"{prefix}/{k}" if prefix else str(k), out)
+            _leaves(v, f"{prefix}/{k}" if prefix else str(k), out, tensors)
     elif isinstance(node, (list, tuple)) and any(isinstance(v, (torch.Tensor, Mapping)) for v in node):
         for i, v in enumerate(node):
-            _leaves(v, f"{prefix}/{i}" if prefix else str(i), out)
+            _leaves(v, f"{prefix}/{i}" if prefix else str(i), out, tensors)
     else:
         out[prefix or "."] = _json_digest(node)
+
+
+def _digest_tensors(tensors: _TensorLeaves) -> None:
+    """Each listed tensor's digest into its `out` at its path, on every core for a large state
+    (on_cores.py: xxhash releases the GIL; a save's step loop waits for this pass)."""
+    nbytes = host_bytes([t for _, _, t in tensors])
+    for (out, path, _), value in zip(tensors, on_cores(lambda leaf: tensor_digest(leaf[2]), tensors, nbytes),
+                                     strict=True):
+        out[path] = value
 
 
 def _optimizers(part: Any) -> dict[str, torch.optim.Optimizer] | None:
@@ -127,37 +141,49 @@ def _optimizers(part: Any) -> dict[str, torch.optim.Optimizer] | None:
 def part_digests(part: Any, param_names: Mapping[int, str] | None = None, saved_only: bool = False) -> dict[str, str]:
     """Tensor/value path -> digest for one part's live state (see the module docstring);
     `saved_only` leaves out a module's non-persistent buffers."""
+    tensors: _TensorLeaves = []
+    out = _part_leaves(part, param_names or {}, saved_only, tensors)
+    _digest_tensors(tensors)
+    return out
+
+
+def _part_leaves(part: Any, names: Mapping[int, str], saved_only: bool,
+                 tensors: _TensorLeaves) -> dict[str, str]:
+    """`part_digests` of `part` with its tensors listed in `tensors`, not digested yet."""
     out: dict[str, str] = {}
     if isinstance(part, torch.nn.Module):  # non-persistent buffers too, unless saved_only: the step may use them
         buffers = dict(part.named_buffers())
         if saved_only:
             buffers = {k: v for k, v in buffers.items() if k not in non_persistent_buffers(part)}
-        _leaves({**dict(part.named_parameters()), **buffers}, "", out)
+        _leaves({**dict(part.named_parameters()), **buffers}, "", out, tensors)
         return out
     optimizers = _optimizers(part)
     if optimizers is None:
-        _leaves(part.state_dict(), "", out)
+        _leaves(part.state_dict(), "", out, tensors)
         return out
-    names = param_names or {}
     for opt_name, opt in optimizers.items():
         base = f"{opt_name}/" if opt_name else ""
         for g, group in enumerate(opt.param_groups):
             hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-            _leaves(hyper, f"{base}param_groups/{g}", out)
+            _leaves(hyper, f"{base}param_groups/{g}", out, tensors)
             labels = group.get("param_names") or [names.get(id(p), f"{g}.{i}") for i, p in enumerate(group["params"])]
             for label, p in zip(labels, group["params"], strict=True):
                 for key, value in opt.state.get(p, {}).items():
-                    _leaves(value, f"{base}state/{label}/{key}", out)
+                    _leaves(value, f"{base}state/{label}/{key}", out, tensors)
     return out
 
 
 def state_digests(parts: Mapping[str, Any], saved_only: bool = False) -> dict[str, dict[str, str]]:
     """Part -> (path -> digest) for every part; optimizer state is named by parameter name.
     `saved_only`: what a checkpoint restores, without non-persistent buffers (which forward may
-    rebuild before reading; those that carry state are named by harness.repro.buffer_probe instead)."""
+    rebuild before reading; those that carry state are named by harness.repro.buffer_probe instead).
+    The tensors of all parts are digested in one pass over the cores (`_digest_tensors`)."""
     param_names = {id(p): n for part in parts.values() if isinstance(part, torch.nn.Module)
                    for n, p in part.named_parameters()}
-    return {name: part_digests(part, param_names, saved_only) for name, part in parts.items()}
+    tensors: _TensorLeaves = []
+    digests = {name: _part_leaves(part, param_names, saved_only, tensors) for name, part in parts.items()}
+    _digest_tensors(tensors)
+    return digests
 
 
 def part_hashes(digests: Mapping[str, Mapping[str, str]]) -> dict[str, str]:

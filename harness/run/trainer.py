@@ -36,6 +36,7 @@ from harness.repro import numerics
 from harness.repro.buffer_probe import BufferProbe, non_persistent_buffers
 from harness.repro.completeness import check_buffers, check_registered
 from harness.repro.fingerprint import FingerprintLog
+from harness.repro.on_cores import host_bytes, on_cores
 from harness.repro.rng import RNGState, micro_batch_streams, seed_everything
 from harness.repro.splitmix import derive_seed
 from harness.run.exact_mode import AUTO, decide, with_mode
@@ -528,7 +529,8 @@ class Trainer:
         NaN/inf: called before every save, so a poisoned state never becomes a checkpoint.
 
         Cheap: one float32 sum per tensor (a NaN/inf element makes it non-finite; one fused
-        reduction, about 60x faster on a CPU than `isfinite().all()`) and one host sync. Only
+        reduction, about 60x faster on a CPU than `isfinite().all()`), spread over the cores for a
+        large state (the step loop waits for this pass: repro/on_cores.py), and one host sync. Only
         when a sum is not finite (or overflowed) is each tensor checked exactly, to name it."""
         named = [(f"model/{n}", t) for n, t in (*self.model.named_parameters(), *self.model.named_buffers())]
         for opt_name, opt in self.optim.optimizers.items():
@@ -536,8 +538,9 @@ class Trainer:
             named += [(f"optim/{opt_name}/{names.get(id(p), '?')}/{k}", v)
                       for p, st in opt.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)]
         named = [(n, local(t).detach()) for n, t in named if t.is_floating_point() and t.numel()]
-        suspect = bool(named) and not bool(
-            torch.stack([t.sum(dtype=torch.float32).to(self.device) for _, t in named]).isfinite().all())
+        sums = on_cores(lambda leaf: leaf[1].sum(dtype=torch.float32).to(self.device), named,
+                        host_bytes([t for _, t in named]))
+        suspect = bool(named) and not bool(torch.stack(sums).isfinite().all())
         bad = next((n for n, t in named if not bool(t.isfinite().all())), None) if suspect else None
         # Agreed across this trainer's ranks only: a one-process trainer may live in a rank of a group.
         if distributed.all_ok(bad is None) if self.world_size > 1 else bad is None:

@@ -28,6 +28,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from harness.log import get_logger
+from harness.storage import direct_io
 
 log = get_logger(__name__)
 
@@ -72,10 +73,14 @@ class LocalDiskFileSystem(LocalFileSystem):  # type: ignore[misc]  # fsspec has 
 
     local_disk = True
 
-    def open(self, path: str, mode: str = "rb", **kwargs: Any) -> Any:  # a Python file, or fsspec's
+    def open(self, path: str, mode: str = "rb", *, direct: bool = False, **kwargs: Any) -> Any:  # Python's or fsspec's
+        """`direct`: a large file written once, around the page cache where the filesystem allows
+        (`mode` "wb"; direct_io.py)."""
         if "b" not in mode or kwargs:
             return super().open(path, mode, **kwargs)
         path = self._strip_protocol(path)
+        if direct and mode == "wb" and direct_io.enabled():
+            return direct_io.DirectWriter(path)
         return open(path, mode, buffering=0) if "r" in mode else open(path, mode)
 
     def fsync(self, f: IO[Any]) -> None:

@@ -152,8 +152,24 @@ class BackgroundHash:
 
 def write_stream(loc: Location, path: str, chunks: Iterable[memoryview | bytes]) -> tuple[int, str]:
     """Write `chunks` to `path`, durably on local disk; return (size, digest hex under
-    `DEFAULT_ALGORITHM`). The hash runs behind the writes (`BackgroundHash`) and finishes during
-    the fsync."""
+    `DEFAULT_ALGORITHM`).
+
+    On local disk the file goes around the page cache (storage/direct_io.py: the device writes
+    each buffer in the background) and each chunk is hashed on this thread as it is given, so a
+    save keeps to the one core its thread runs on (a hash thread beside it took the training
+    step's core, docs/bench-scale.md) and the hash costs no time while it is faster than the disk.
+    Elsewhere (an upload) the hash runs behind the writes (`BackgroundHash`) and finishes while the
+    last part is sent."""
+    if loc.is_local:
+        hasher, size = new_hasher(DEFAULT_ALGORITHM), 0
+
+        def seen(chunk: memoryview | bytes) -> None:
+            nonlocal size
+            size += memoryview(chunk).nbytes
+            hasher.update(chunk)
+
+        _write(loc, path, chunks, seen, direct=True)
+        return size, hasher.hexdigest()
     with BackgroundHash() as digest:
         _write(loc, path, chunks, digest.update)
         return digest.size, digest.hexdigest()
@@ -166,8 +182,9 @@ def write_small(loc: Location, path: str, data: bytes) -> None:
 
 
 def _write(loc: Location, path: str, chunks: Iterable[memoryview | bytes],
-           seen: Callable[[memoryview | bytes], None]) -> None:
-    with loc.fs.open(path, "wb") as f:
+           seen: Callable[[memoryview | bytes], None], direct: bool = False) -> None:
+    # `direct` (local disk only): a large file goes around the page cache (storage/direct_io.py)
+    with loc.fs.open(path, "wb", **({"direct": True} if direct else {})) as f:
         for chunk in chunks:
             seen(chunk)
             f.write(chunk)

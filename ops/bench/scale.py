@@ -10,15 +10,19 @@ on `--dir`'s file system. Per size:
 * blocking: the seconds `AsyncSaver.save` holds the step loop (its staging ring prepared ahead, as
   the step loop's `prepare` leaves it) against a plain `torch` copy of the same tensors into
   preallocated, touched host memory (the limit); and per GiB;
-* save throughput: a raw write + fsync of the same bytes (two files) over the background save's
-  persist (serialize, hash, write, fsync, commit, retention): >= 1 is as fast as the disk;
+* save throughput: a raw write + fsync of the same bytes (two files, through the page cache) over
+  the background save's persist (serialize, hash, write, fsync, commit, retention): >= 1 is as fast
+  as a plain write; and a raw `O_DIRECT` write + fsync of them (from page-aligned memory, 64 MiB a
+  call: the disk's own speed, which the harness's writes around the page cache aim at) over it;
 * the writer's CPU-seconds per GiB saved: the process's CPU time during the persist less the
   step-loop thread's (which waits), i.e. serialize + hash + write + fsync in this process (the
   kernel's writeback threads are not counted);
 * step time during a background save: a real training step (the harness's GPT, forward, backward
   and AdamW, on `--step-threads` threads, 1 by default: a core left for the writer on this 2-core
   machine; Python-heavy, so a writer that held the GIL would show) timed while the save persists,
-  against a block of the same steps with no save in the same round;
+  against a block of the same steps with no save in the same round; and the step-loop seconds a
+  save's persist cost, summed over the steps beside it (each step's excess over the no-save median):
+  a writer that is fast and a writer that slows the steps less over a longer persist compare there;
 * RSS: the peak resident memory sampled every 5 ms during a save, minus the resident memory before
   its saver existed (the state alone), with the default ring (the state's size) and with
   `--cap-mib` (goal: the cap plus 64 MiB at most), and the capped save's blocking and persist;
@@ -180,6 +184,35 @@ def raw_write_s(parts: dict[str, list[torch.Tensor]], folder: Path) -> float:
     return seconds
 
 
+def raw_direct_write_s(parts: dict[str, list[torch.Tensor]], host: torch.Tensor, folder: Path) -> float:
+    """The same bytes as `raw_write_s`, written from `host` (page-aligned, holding the tensors in
+    the order of `parts`: `torch_copy_s` filled it) with `O_DIRECT`, 64 MiB a call, a file per
+    part, each fsynced; the files are removed after."""
+    folder.mkdir(parents=True, exist_ok=True)
+    view, at = memoryview(host.view(torch.uint8).numpy()), 0
+    os.sync()
+    t0 = time.perf_counter()
+    for name, tensors in parts.items():
+        end = at + sum(t.numel() * t.element_size() for t in tensors)
+        fd = os.open(folder / f"{name}.raw", os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
+        for block in range(at, end, 64 << 20):
+            os.pwrite(fd, view[block:min(block + (64 << 20), end)], block - at)
+        os.fsync(fd)
+        os.close(fd)
+        at = end
+    seconds = time.perf_counter() - t0
+    for path in folder.glob("*.raw"):
+        path.unlink()
+    return seconds
+
+
+def page_aligned(numel: int, pin: bool) -> torch.Tensor:
+    """An empty float32 tensor of `numel` whose memory starts on a page (O_DIRECT writes from it)."""
+    spare = torch.empty(numel + 1024, dtype=torch.float32, pin_memory=pin)
+    skip = (-spare.data_ptr() % 4096) // 4
+    return spare[skip:skip + numel]
+
+
 def drop_cache(files: list[Path]) -> None:
     os.sync()  # DONTNEED drops clean pages only
     for path in files:
@@ -301,17 +334,20 @@ def saves(parts, args: argparse.Namespace, root: Path, limit: torch.Tensor, gib:
     for r in range(args.rounds):
         copy = torch_copy_s(tensors, limit)
         raw_first = r % 2 == 0  # the disk drifts: alternate which goes first
-        raw = raw_write_s(host, root / "raw") if raw_first else None
+        raws = (lambda: raw_write_s(host, root / "raw"), lambda: raw_direct_write_s(host, limit, root / "raw"))
+        raw = [timed() for timed in raws] if raw_first else None
         saved = whole.save(r + 1)
-        raw = raw if raw_first else raw_write_s(host, root / "raw")
+        raw = raw or [timed() for timed in raws[::-1]][::-1]
         rows.append((copy, raw, saved))
         print(f"  round {r + 1}: blocking {saved['blocking']:.3f} s, torch copy {copy:.3f} s; persist "
-              f"{saved['persist']:.2f} s, raw write+fsync {raw:.2f} s; writer CPU {saved['writer_cpu']:.2f} s")
+              f"{saved['persist']:.2f} s, raw write+fsync {raw[0]:.2f} s, raw O_DIRECT write+fsync {raw[1]:.2f} s; "
+              f"writer CPU {saved['writer_cpu']:.2f} s")
     blocking = statistics.median(s["blocking"] for _, _, s in rows)
     print(f"  blocking {blocking:.3f} s = {blocking / gib:.3f} s/GiB; vs torch copy "
           f"{spread([s['blocking'] / c for c, _, s in rows])} (goal <= 1.2x)")
-    print(f"  save throughput (raw write+fsync / persist) {spread([w / s['persist'] for _, w, s in rows])} "
-          f"(goal >= 0.9x); persist {statistics.median(s['persist'] for _, _, s in rows):.2f} s")
+    print(f"  save throughput (raw write+fsync / persist) {spread([w / s['persist'] for _, (w, _), s in rows])} "
+          f"(goal >= 0.9x); vs raw O_DIRECT write+fsync {spread([d / s['persist'] for _, (_, d), s in rows])}; "
+          f"persist {statistics.median(s['persist'] for _, _, s in rows):.2f} s")
     user, system = (statistics.median(s[k] for _, _, s in rows) / gib for k in ("writer_user", "writer_system"))
     print(f"  writer CPU {statistics.median(s['writer_cpu'] for _, _, s in rows) / gib:.2f} s/GiB (serialize + hash + "
           f"write + fsync, this process): user {user:.2f} (the hash, Python), system {system:.2f} (the write and "
@@ -332,12 +368,13 @@ def steps_during_saves(parts, args: argparse.Namespace, root: Path) -> None:
     torch.set_num_threads(args.step_threads)
     step = TrainingStep(args.device)
     saves = Saves(parts, CheckpointStore(str(root / "steps"), keep_last=2), None)
-    ratios, counts, alone_all, during_all = [], [], [], []
+    ratios, counts, alone_all, during_all, lost = [], [], [], [], []
     for r in range(args.rounds):
         alone = [step() for _ in range(args.alone_steps)]
         saved = saves.save(r + 1, while_busy=step)
         during = saved["during"] or [float("nan")]
         ratios.append(statistics.median(during) / statistics.median(alone))
+        lost.append(sum(during) - len(during) * statistics.median(alone))
         counts.append(len(saved["during"]))
         alone_all += alone
         during_all += saved["during"]
@@ -345,7 +382,8 @@ def steps_during_saves(parts, args: argparse.Namespace, root: Path) -> None:
     torch.set_num_threads(threads)
     print(f"  step during a background save {statistics.median(during_all) * 1e3:.0f} ms vs "
           f"{statistics.median(alone_all) * 1e3:.0f} ms without = {spread(ratios)} (goal <= 1.05x; "
-          f"{args.step_threads} training thread(s), {sum(counts)} steps during {args.rounds} saves)")
+          f"{args.step_threads} training thread(s), {sum(counts)} steps during {args.rounds} saves); the step loop "
+          f"lost {statistics.median(lost):.2f} s per save ({min(lost):.2f}-{max(lost):.2f}) to the persist beside it")
 
 
 def restores(parts, args: argparse.Namespace, root: Path, limit: torch.Tensor) -> None:
@@ -376,7 +414,7 @@ def restores(parts, args: argparse.Namespace, root: Path, limit: torch.Tensor) -
 def run_size(gib: float, args: argparse.Namespace, root: Path) -> None:
     parts = state_of(gib, args.device)
     size = sum(t.numel() * 4 for t in tensors_of(parts)) / GIB
-    limit = torch.empty(round(size * GIB) // 4, dtype=torch.float32, pin_memory=args.device == "cuda")
+    limit = page_aligned(round(size * GIB) // 4, pin=args.device == "cuda")
     limit.zero_()  # touched: the copy and the read measure no page faults
     print(f"{size:.2f} GiB of state on {args.device}, {len(tensors_of(parts))} tensors:")
     with Machine() as machine:

@@ -44,6 +44,7 @@ import torch
 
 from harness.checkpoint.tensorfile import ChunkedTensors
 from harness.log import get_logger
+from harness.repro.on_cores import on_cores
 from optim.dtensor import local
 
 log = get_logger(__name__)
@@ -86,6 +87,7 @@ class StagingRing:
         self._pieces: queue.SimpleQueue[_Piece | None] = queue.SimpleQueue()
         self._generation = 0
         self._piece = PIECE_BYTES
+        self._whole = False  # the save begun last fits the ring whole (`begin`)
         self._head = self._tail = 0  # bytes fed, bytes released in order (both since the save began)
         self._released: dict[int, int] = {}  # start -> end of pieces released ahead of the tail
         self._writer_alive: Callable[[], bool] = lambda: False  # the writer of the save begun last
@@ -162,7 +164,8 @@ class StagingRing:
         self._writer_alive = writer_alive
         # Streaming, the writer gets small pieces (room comes back piece by piece); a snapshot the
         # ring holds whole is copied a tensor at a time (a copy per 16 MiB is slower than one per tensor).
-        self._piece = PIECE_BYTES if staged_bytes(tensors) > self.nbytes else self.nbytes
+        self._whole = staged_bytes(tensors) <= self.nbytes
+        self._piece = self.nbytes if self._whole else PIECE_BYTES
         with self._room:
             self._generation += 1
             self._head = self._tail = 0
@@ -180,14 +183,33 @@ class StagingRing:
         stopped (`writer_alive()` false) before making room. The writer is told to stop if this
         raises."""
         try:
-            for file, name, tensor in entries:
-                self._feed_tensor(file, name, tensor)
+            if self._whole and not any(local(t).is_cuda for _, _, t in entries):
+                self._feed_whole(entries)
+            else:
+                for file, name, tensor in entries:
+                    self._feed_tensor(file, name, tensor)
         except BaseException:
             self._pieces.put(None)
             raise
         finally:
             for device, side in self._streams.items():
                 torch.cuda.current_stream(device).wait_stream(side)  # the next step's updates after the copies
+
+    def _feed_whole(self, entries: Sequence[Entry]) -> None:
+        """`feed` of host tensors into a ring that holds them all: a piece per tensor, placed in
+        order, copied on every core (the step loop waits for this copy and nothing else runs:
+        repro/on_cores.py), then handed to the writer in order."""
+        assert self._memory is not None
+        placed = []
+        for file, name, tensor in entries:
+            flat = local(tensor).detach().contiguous().reshape(-1).view(torch.uint8)
+            if flat.numel():  # the file has no bytes of an empty tensor (tensorfile.py writes none)
+                placed.append((file, name, flat, self._head))
+                self._head += flat.numel()
+        memory = self._memory
+        on_cores(lambda piece: memory[piece[3]:piece[3] + piece[2].numel()].copy_(piece[2]), placed, self._head)
+        for file, name, flat, start in placed:
+            self._pieces.put((file, name, self._generation, start, flat.numel(), True, None))
 
     def _feed_tensor(self, file: str, name: str, tensor: torch.Tensor) -> None:
         src = local(tensor).detach()

@@ -14,6 +14,7 @@ from harness.checkpoint import CheckpointStore
 from harness.checkpoint.save.async_saver import AsyncSaver, BackgroundSaveError, SaveStalled
 from harness.checkpoint.save.commit import Committer
 from harness.checkpoint.save.staging_ring import MIN_CAPACITY, StagingRing
+from harness.repro import on_cores as on_cores_module
 from procs import TINY, assert_one_line_error, assert_same_run, harness
 
 CAP = MIN_CAPACITY  # 64 MiB
@@ -45,6 +46,28 @@ def test_a_ring_smaller_than_the_state_writes_the_same_bytes_and_holds_only_the_
     saver.finish()
     assert hashes(store, 1) == hashes(sync, 1)
     assert saver.ring.nbytes == CAP < submitted.nbytes
+
+
+def test_a_ring_that_holds_the_state_is_filled_on_every_core_with_the_same_bytes(tmp_path, monkeypatch):
+    """The whole-ring copy (more than on_cores.MIN_BYTES: a thread per core) writes what a
+    synchronous save writes, and the snapshot is the state at the boundary."""
+    monkeypatch.setattr(on_cores_module, "cores", lambda: 2)
+    threads = set()
+    copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda t, src: threads.add(threading.get_ident()) or copy(t, src))
+    state = big_state()
+    sync = CheckpointStore(str(tmp_path / "sync"))
+    sync.save(1, state)
+    store = CheckpointStore(str(tmp_path / "ring"))
+    saver = AsyncSaver(Committer(store), persist_delay_s=0.2)
+    submitted = saver.save(1, state)
+    monkeypatch.undo()
+    for named in state.values():
+        for t in named.values():
+            t.add_(1)
+    saver.finish()
+    assert hashes(store, 1) == hashes(sync, 1)
+    assert saver.ring.nbytes == submitted.nbytes and len(threads) == 2
 
 
 def test_the_ring_is_reused_by_the_next_save(tmp_path):
