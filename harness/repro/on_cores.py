@@ -38,11 +38,14 @@ def host_bytes(tensors: Sequence[torch.Tensor]) -> int:
     return 0 if any(t.device.type != "cpu" for t in shards) else sum(t.numel() * t.element_size() for t in shards)
 
 
-def on_cores(fn: Callable[[T], R], items: Sequence[T], nbytes: int) -> list[R]:
+def on_cores(fn: Callable[[T], R], items: Sequence[T], nbytes: int, each_uses: int = 1) -> list[R]:
     """`[fn(item) for item in items]`, in that order, computed on a thread per core when the items
-    hold `nbytes` >= `MIN_BYTES` (below that, on this thread). `fn` must release the GIL for its
-    work, and be safe to run on several items at once. An exception of `fn` is raised here."""
-    threads = min(cores(), len(items))
+    hold `nbytes` >= `MIN_BYTES` (below that, on this thread). `each_uses`: the threads one call
+    of `fn` runs on by itself (a torch kernel: `torch.get_num_threads()`), so the cores are shared
+    out, not oversubscribed: with torch's own threads on every core, the calls run one at a time
+    here. `fn` must release the GIL for its work, and be safe to run on several items at once. An
+    exception of `fn` is raised here."""
+    threads = min(cores() // max(1, each_uses), len(items))
     if threads < 2 or nbytes < MIN_BYTES:
         return [fn(item) for item in items]
     with ThreadPoolExecutor(threads, thread_name_prefix="state-pass") as pool:

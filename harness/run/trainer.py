@@ -539,7 +539,7 @@ class Trainer:
                       for p, st in opt.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)]
         named = [(n, local(t).detach()) for n, t in named if t.is_floating_point() and t.numel()]
         sums = on_cores(lambda leaf: leaf[1].sum(dtype=torch.float32).to(self.device), named,
-                        host_bytes([t for _, t in named]))
+                        host_bytes([t for _, t in named]), each_uses=torch.get_num_threads())
         suspect = bool(named) and not bool(torch.stack(sums).isfinite().all())
         bad = next((n for n, t in named if not bool(t.isfinite().all())), None) if suspect else None
         # Agreed across this trainer's ranks only: a one-process trainer may live in a rank of a group.

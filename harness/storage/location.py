@@ -9,10 +9,11 @@ kind on purpose:
 * Object stores and `memory://`: a single PUT is atomic and there is nothing to fsync; the
   commit point is the manifest object, written last (see store.py).
 
-`write_stream` hashes what it writes in a second thread (`BackgroundHash`), behind the writes
-(local disk or S3 parts) and during the fsync, so the save waits for the hash only if the hash
-is slower than the storage: with BLAKE3 (digest.py) it is faster than a disk or a network here.
-The hashers and file writes all release the GIL. `HashingReader` does the same for loading: the
+`write_stream` writes a file on local disk around the page cache (direct_io.py), hashing each
+chunk on the writing thread while the device writes the chunks before it; to S3 it hashes in a
+second thread (`BackgroundHash`), behind the part uploads. Either way the save waits for the hash
+only if the hash is slower than the storage: with BLAKE3 (digest.py) it is faster than a disk or
+a network here. The hashers and file writes all release the GIL. `HashingReader` does the same for loading: the
 bytes are hashed, in order, in a second thread while the next ones are read, so a verified load
 reads every byte once and costs about a raw read while the hash keeps up with the reads.
 """

@@ -350,8 +350,8 @@ def saves(parts, args: argparse.Namespace, root: Path, limit: torch.Tensor, gib:
           f"persist {statistics.median(s['persist'] for _, _, s in rows):.2f} s")
     user, system = (statistics.median(s[k] for _, _, s in rows) / gib for k in ("writer_user", "writer_system"))
     print(f"  writer CPU {statistics.median(s['writer_cpu'] for _, _, s in rows) / gib:.2f} s/GiB (serialize + hash + "
-          f"write + fsync, this process): user {user:.2f} (the hash, Python), system {system:.2f} (the write and "
-          f"fsync calls, the page cache's pages)")
+          f"write + fsync, this process): user {user:.2f} (the hash, the copy into the write buffers, Python), "
+          f"system {system:.2f} (the write and fsync calls; with buffered writes, the page cache's pages)")
     whole.close()
     added = max(s["rss"] for _, _, s in rows)
     capped_saves = Saves(parts, CheckpointStore(str(root / "capped"), keep_last=2), args.cap_mib << 20)

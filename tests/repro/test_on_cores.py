@@ -67,10 +67,20 @@ def test_the_finite_state_check_on_every_core_names_the_poisoned_tensor(two_core
     monkeypatch.setattr(on_cores_module, "MIN_BYTES", 0)
     trainer = Trainer(load_config(TINY, [f"run_dir={str(tmp_path)!r}"]))
     trainer.train_step()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # a training step on one thread
+    threads = set()
+    summed = torch.Tensor.sum
+    monkeypatch.setattr(torch.Tensor, "sum", lambda t, **kw: threads.add(threading.get_ident()) or summed(t, **kw))
     trainer.check_finite_state()  # a finite state passes
+    assert len(threads) == 2
     name, param = next(iter(trainer.model.named_parameters()))
     with torch.no_grad():
         param.view(-1)[3] = float("inf")
     with pytest.raises(TrainingDiverged, match=f"model/{name} holds NaN/inf after step 1"):
         trainer.check_finite_state()
     trainer.close()
+
+
+def test_calls_that_use_threads_of_their_own_share_the_cores_out(two_cores):
+    caller = threading.get_ident()
+    assert on_cores(lambda _: threading.get_ident(), [0, 1, 2], MIN_BYTES, each_uses=2) == [caller] * 3

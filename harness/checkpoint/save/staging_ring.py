@@ -207,7 +207,8 @@ class StagingRing:
                 placed.append((file, name, flat, self._head))
                 self._head += flat.numel()
         memory = self._memory
-        on_cores(lambda piece: memory[piece[3]:piece[3] + piece[2].numel()].copy_(piece[2]), placed, self._head)
+        on_cores(lambda piece: memory[piece[3]:piece[3] + piece[2].numel()].copy_(piece[2]), placed, self._head,
+                 each_uses=torch.get_num_threads())
         for file, name, flat, start in placed:
             self._pieces.put((file, name, self._generation, start, flat.numel(), True, None))
 

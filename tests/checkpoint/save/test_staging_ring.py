@@ -52,6 +52,7 @@ def test_a_ring_that_holds_the_state_is_filled_on_every_core_with_the_same_bytes
     """The whole-ring copy (more than on_cores.MIN_BYTES: a thread per core) writes what a
     synchronous save writes, and the snapshot is the state at the boundary."""
     monkeypatch.setattr(on_cores_module, "cores", lambda: 2)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # the training step's threads: one
     threads = set()
     copy = torch.Tensor.copy_
     monkeypatch.setattr(torch.Tensor, "copy_", lambda t, src: threads.add(threading.get_ident()) or copy(t, src))
