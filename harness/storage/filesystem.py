@@ -74,14 +74,18 @@ class LocalDiskFileSystem(LocalFileSystem):  # type: ignore[misc]  # fsspec has 
     local_disk = True
 
     def open(self, path: str, mode: str = "rb", *, direct: bool = False, **kwargs: Any) -> Any:  # Python's or fsspec's
-        """`direct`: a large file written once, around the page cache where the filesystem allows
-        (`mode` "wb"; direct_io.py)."""
+        """`direct`: a large file written once, around the page cache where `writes_direct` says
+        so (`mode` "wb"; direct_io.py)."""
         if "b" not in mode or kwargs:
             return super().open(path, mode, **kwargs)
         path = self._strip_protocol(path)
-        if direct and mode == "wb" and direct_io.enabled():
+        if direct and mode == "wb" and self.writes_direct(path):
             return direct_io.DirectWriter(path)
         return open(path, mode, buffering=0) if "r" in mode else open(path, mode)
+
+    def writes_direct(self, path: str) -> bool:
+        """Whether `open(path, "wb", direct=True)` writes around the page cache (direct_io.suits)."""
+        return direct_io.suits(os.path.dirname(self._strip_protocol(path)) or ".")
 
     def fsync(self, f: IO[Any]) -> None:
         """Flush `f` (a file from `open`) and make its bytes durable."""

@@ -9,13 +9,14 @@ kind on purpose:
 * Object stores and `memory://`: a single PUT is atomic and there is nothing to fsync; the
   commit point is the manifest object, written last (see store.py).
 
-`write_stream` writes a file on local disk around the page cache (direct_io.py), hashing each
-chunk on the writing thread while the device writes the chunks before it; to S3 it hashes in a
-second thread (`BackgroundHash`), behind the part uploads. Either way the save waits for the hash
-only if the hash is slower than the storage: with BLAKE3 (digest.py) it is faster than a disk or
-a network here. The hashers and file writes all release the GIL. `HashingReader` does the same for loading: the
-bytes are hashed, in order, in a second thread while the next ones are read, so a verified load
-reads every byte once and costs about a raw read while the hash keeps up with the reads.
+`write_stream` writes a file on a local disk around the page cache (direct_io.py), hashing each
+chunk on the writing thread while the device writes the chunks before it; on a tmpfs or to S3 it
+hashes in a second thread (`BackgroundHash`), behind the writes or the part uploads. Either way
+the save waits for the hash only if the hash is slower than the storage: with BLAKE3 (digest.py)
+it is faster than a disk or a network here. The hashers and file writes all release the GIL.
+`HashingReader` does the same for loading: the bytes are hashed, in order, in a second thread
+while the next ones are read, so a verified load reads every byte once and costs about a raw read
+while the hash keeps up with the reads.
 """
 
 from __future__ import annotations
@@ -155,13 +156,13 @@ def write_stream(loc: Location, path: str, chunks: Iterable[memoryview | bytes])
     """Write `chunks` to `path`, durably on local disk; return (size, digest hex under
     `DEFAULT_ALGORITHM`).
 
-    On local disk the file goes around the page cache (storage/direct_io.py: the device writes
+    On a local disk the file goes around the page cache (storage/direct_io.py: the device writes
     each buffer in the background) and each chunk is hashed on this thread as it is given, so a
     save keeps to the one core its thread runs on (a hash thread beside it took the training
     step's core, docs/bench-scale.md) and the hash costs no time while it is faster than the disk.
-    Elsewhere (an upload) the hash runs behind the writes (`BackgroundHash`) and finishes while the
-    last part is sent."""
-    if loc.is_local:
+    Elsewhere (a tmpfs, whose writes are memory copies; an upload) the hash runs behind the writes
+    (`BackgroundHash`) and finishes during the fsync or while the last part is sent."""
+    if loc.is_local and loc.fs.writes_direct(path):
         hasher, size = new_hasher(DEFAULT_ALGORITHM), 0
 
         def seen(chunk: memoryview | bytes) -> None:

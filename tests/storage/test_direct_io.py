@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import errno
 import os
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +14,10 @@ import torch
 from harness.checkpoint import CheckpointStore, load
 from harness.checkpoint.loading import Verify
 from harness.storage import direct_io
+from harness.storage.digest import hexdigest
 from harness.storage.direct_io import BUFFER_BYTES, DirectWriter
 from harness.storage.filesystem import LocalDiskFileSystem
+from harness.storage.location import open_location, write_stream
 
 
 def _accepts_o_direct(folder) -> bool:
@@ -52,13 +56,28 @@ def test_writes_after_a_flush_append(tmp_path):
 
 def test_only_a_binary_write_the_caller_marks_direct_goes_around_the_cache(tmp_path, monkeypatch):
     fs = LocalDiskFileSystem()
+    assert direct_io.suits(str(tmp_path)) is (os.major(os.stat(tmp_path).st_dev) != 0)
     with fs.open(str(tmp_path / "a"), "wb", direct=True) as f:
-        assert isinstance(f, DirectWriter)
+        assert isinstance(f, DirectWriter) is direct_io.suits(str(tmp_path))
     with fs.open(str(tmp_path / "b"), "wb") as f:
         assert not isinstance(f, DirectWriter)
     monkeypatch.setenv(direct_io.ENV, "0")
+    assert not direct_io.suits(str(tmp_path))
     with fs.open(str(tmp_path / "c"), "wb", direct=True) as f:
         assert not isinstance(f, DirectWriter)
+
+
+def test_a_tmpfs_is_written_through_its_pages_with_the_hash_behind(tmp_path):
+    """A RAM tier's files are its pages: no direct writes there, and write_stream hashes in its
+    thread behind the writes (the same digest either way)."""
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        assert not direct_io.suits(shm)
+        data = os.urandom(BUFFER_BYTES + 5)
+        pieces = [data[:100], memoryview(data)[100:]]
+        in_ram = write_stream(open_location(shm), f"{shm}/f", pieces)
+        on_disk = write_stream(open_location(str(tmp_path)), f"{tmp_path}/f", pieces)
+        assert in_ram == on_disk == (len(data), hexdigest("blake3", data))
+        assert Path(shm, "f").read_bytes() == (tmp_path / "f").read_bytes() == data
 
 
 def test_a_failed_background_write_is_raised_once_and_close_adds_nothing(tmp_path, monkeypatch):
