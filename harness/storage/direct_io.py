@@ -28,6 +28,7 @@ it off (every write through the page cache).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import mmap
 import os
@@ -63,6 +64,8 @@ def _write_all(fd: int, data: Any, offset: int) -> None:
     view = memoryview(data)
     while len(view):
         n = os.pwrite(fd, view, offset)
+        if n <= 0:  # a regular file never takes nothing; looping on it would never end
+            raise OSError(errno.EIO, f"pwrite wrote {n} of {len(view)} bytes at offset {offset}")
         view, offset = view[n:], offset + n
 
 
