@@ -138,18 +138,11 @@ def _optimizers(part: Any) -> dict[str, torch.optim.Optimizer] | None:
     return None
 
 
-def part_digests(part: Any, param_names: Mapping[int, str] | None = None, saved_only: bool = False) -> dict[str, str]:
-    """Tensor/value path -> digest for one part's live state (see the module docstring);
-    `saved_only` leaves out a module's non-persistent buffers."""
-    tensors: _TensorLeaves = []
-    out = _part_leaves(part, param_names or {}, saved_only, tensors)
-    _digest_tensors(tensors)
-    return out
-
-
 def _part_leaves(part: Any, names: Mapping[int, str], saved_only: bool,
                  tensors: _TensorLeaves) -> dict[str, str]:
-    """`part_digests` of `part` with its tensors listed in `tensors`, not digested yet."""
+    """Tensor/value path -> digest for one part's live state (see the module docstring), its
+    tensors listed in `tensors` and digested later (`_digest_tensors`); `saved_only` leaves out a
+    module's non-persistent buffers."""
     out: dict[str, str] = {}
     if isinstance(part, torch.nn.Module):  # non-persistent buffers too, unless saved_only: the step may use them
         buffers = dict(part.named_buffers())
