@@ -157,9 +157,10 @@ def write_stream(loc: Location, path: str, chunks: Iterable[memoryview | bytes])
     `DEFAULT_ALGORITHM`).
 
     On a local disk the file goes around the page cache (storage/direct_io.py: the device writes
-    each buffer in the background) and each chunk is hashed on this thread as it is given, so a
-    save keeps to the one core its thread runs on (a hash thread beside it took the training
-    step's core, docs/bench-scale.md) and the hash costs no time while it is faster than the disk.
+    each buffer in the background) and each chunk is hashed on this thread as it is given, not in
+    a hash thread beside it, which took the training step's core on the 2-core reference machine
+    (docs/bench-scale.md; BLAKE3 still splits a chunk over every core but one, digest.py's
+    `hash_threads`: there, one). The hash costs no time while it is faster than the disk.
     Elsewhere (a tmpfs, whose writes are memory copies; an upload) the hash runs behind the writes
     (`BackgroundHash`) and finishes during the fsync or while the last part is sent."""
     if loc.is_local and loc.fs.writes_direct(path):
