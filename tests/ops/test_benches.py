@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -104,10 +105,19 @@ def test_goodput_model_prints_the_figures_docs_quote():
 def test_scale_bench_reports_every_figure_against_its_goal(tmp_path):
     out = bench("scale.py", "--sizes", "0.07", "--rounds", "1", "--cap-mib", "64", "--alone-steps", "1",
                 "--dir", str(tmp_path))
-    for figure in ("blocking", "vs torch copy", "save throughput (raw write+fsync / persist)", "writer CPU",
+    for figure in ("blocking", "vs torch copy", "save throughput (raw write+fsync / persist)",
+                   "vs raw O_DIRECT write+fsync", "the step loop lost", "writer CPU",
                    "RSS a save adds: default ring", "cap 64 MiB:", "step during a background save", "restore warm",
                    "restore cold", "other processes"):
         assert figure in out, figure
+
+
+def test_writer_cost_bench_reports_the_step_beside_each_design(tmp_path):
+    out = bench("writer_cost.py", "--gib", "0.02", "--rounds", "1", "--steps", "1", "--dir", str(tmp_path),
+                "--designs", "direct + hash inline,buffered + hash thread,hash only")
+    for design in ("direct + hash inline", "buffered + hash thread", "hash only"):
+        assert re.search(rf"{re.escape(design)} +step [0-9.]+x \([0-9.]+-[0-9.]+\), writer [0-9.]+ s", out), out
+    assert list(tmp_path.iterdir()) == [], "the bench cleans up after itself"
 
 
 def test_scale_local_bench_reports_both_ranks_with_and_without_a_cap(tmp_path):
