@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.later import Later, json_value
 from harness.checkpoint.manifest import STATE_FILE
 from harness.checkpoint.shard_files import SHARDED, local_nbytes
 from harness.checkpoint.tensorfile import serialize
@@ -184,8 +185,8 @@ def _encode(value: Any, part: str, path: KeyPath, sink: _Sink) -> Any:
         return {ITEMS_KEY: [[k, _encode(v, part, path + (k,), sink)] for k, v in value.items()]}
     if isinstance(value, (list, tuple)):
         return [_encode(v, part, path + (i,), sink) for i, v in enumerate(value)]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
+    if value is None or isinstance(value, (bool, int, float, str, Later)):
+        return value  # a Later is written as its value, after the tensor files (later.py)
     raise CheckpointError(
         f"{path_str(part, path)} is a {type(value).__module__}.{type(value).__name__}; a checkpoint holds "
         f"tensors, dicts, lists and JSON scalars only (no pickle): convert it in that part's state_dict()"
@@ -260,7 +261,7 @@ def dump_state(step: int, snapshot: Snapshot, meta: Mapping[str, Any] | None) ->
     doc = {"format_version": FORMAT_VERSION, "step": step, "rank": snapshot.rank,
            "parts": dict(snapshot.parts), "meta": dict(meta or {})}
     try:
-        return json.dumps(doc, allow_nan=True).encode()  # no indent: the C encoder, 10x faster
+        return json.dumps(doc, allow_nan=True, default=json_value).encode()  # no indent: the C encoder, 10x faster
     except (TypeError, ValueError) as e:
         raise CheckpointError(f"checkpoint meta for step {step} is not JSON-able: {e}") from e
 

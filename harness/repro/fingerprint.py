@@ -20,7 +20,8 @@ A fingerprint record is a JSON object:
 
 `FingerprintLog` is the trainer's state part `fingerprints`: it keeps the history (the newest
 `HISTORY_LIMIT` records) in the checkpoint, plus the state hash of the parts at the moment of the
-save, without non-persistent buffers: a checkpoint does not restore them, and a cache that
+save (in a background save, of the copies staged at that moment, digested by the writer instead
+of the step loop: `_StateHashLater`, checkpoint/later.py), without non-persistent buffers: a checkpoint does not restore them, and a cache that
 forward rebuilds before reading it is no divergence (one that carries state is found by
 `harness.repro.buffer_probe` and named). After a resume (`watch`) it checks (1) that the restored
 parts hash to what was saved, and (2) each re-run step against the record the interrupted
@@ -42,6 +43,7 @@ from typing import Any
 import torch
 import xxhash
 
+from harness.checkpoint.later import Later, Stage, defers
 from harness.checkpoint.tensorfile import tensor_bytes
 from harness.errors import UserError
 from harness.log import get_logger
@@ -69,11 +71,35 @@ def digest(data: bytes) -> str:
     return xxhash.xxh3_64_hexdigest(data)
 
 
+def _tensor_hasher(t: torch.Tensor) -> xxhash.xxh3_64:
+    """A tensor's digest before its bytes: its dtype and shape."""
+    return xxhash.xxh3_64(f"{t.dtype}{tuple(t.shape)}".encode())
+
+
 def tensor_digest(t: torch.Tensor) -> str:
-    h = xxhash.xxh3_64(f"{t.dtype}{tuple(t.shape)}".encode())
+    h = _tensor_hasher(t)
     # A DTensor: this rank's shard (FSDP; rank 0 checks). A dense CPU tensor is hashed where it lies, without a copy.
     h.update(tensor_bytes(local(t)))
     return h.hexdigest()
+
+
+class _FedDigest:
+    """`tensor_digest` of a tensor whose staged copy's bytes are fed to it (checkpoint/later.py's `Feed`)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self._hasher = _tensor_hasher(t)
+        self._digest: str | None = None
+
+    def update(self, piece: memoryview) -> None:
+        self._hasher.update(piece)
+
+    def finish(self) -> None:
+        self._digest = self._hasher.hexdigest()
+
+    def value(self) -> str:
+        if self._digest is None:
+            raise RuntimeError("a staged tensor's digest was asked for before its bytes were fed")
+        return self._digest
 
 
 def batch_hash(batch: Any) -> str:
@@ -166,17 +192,53 @@ def _part_leaves(part: Any, names: Mapping[int, str], saved_only: bool,
     return out
 
 
+def _state_leaves(parts: Mapping[str, Any], saved_only: bool) -> tuple[dict[str, dict[str, str]], _TensorLeaves]:
+    """`state_digests` with its tensors listed, not yet digested."""
+    param_names = {id(p): n for part in parts.values() if isinstance(part, torch.nn.Module)
+                   for n, p in part.named_parameters()}
+    tensors: _TensorLeaves = []
+    digests = {name: _part_leaves(part, param_names, saved_only, tensors) for name, part in parts.items()}
+    return digests, tensors
+
+
 def state_digests(parts: Mapping[str, Any], saved_only: bool = False) -> dict[str, dict[str, str]]:
     """Part -> (path -> digest) for every part; optimizer state is named by parameter name.
     `saved_only`: what a checkpoint restores, without non-persistent buffers (which forward may
     rebuild before reading; those that carry state are named by harness.repro.buffer_probe instead).
     The tensors of all parts are digested in one pass over the cores (`_digest_tensors`)."""
-    param_names = {id(p): n for part in parts.values() if isinstance(part, torch.nn.Module)
-                   for n, p in part.named_parameters()}
-    tensors: _TensorLeaves = []
-    digests = {name: _part_leaves(part, param_names, saved_only, tensors) for name, part in parts.items()}
+    digests, tensors = _state_leaves(parts, saved_only)
     _digest_tensors(tensors)
     return digests
+
+
+class _StateHashLater(Later):
+    """A checkpoint's `state_hash` taken from the staged copies of its tensors (checkpoint/later.py):
+    the same value as `part_hashes(state_digests(parts, saved_only=True))` at the save, each
+    tensor that the save stages read once by its writer, not by the step loop."""
+
+    def __init__(self, parts: Mapping[str, Any]) -> None:
+        self._digests, self._tensors = _state_leaves(parts, saved_only=True)
+        self._fed: list[tuple[dict[str, str], str, _FedDigest]] = []
+        self._bound = False
+
+    def bind(self, stage: Stage) -> None:
+        now: _TensorLeaves = []
+        for out, path, t in self._tensors:
+            fed = _FedDigest(t)
+            if stage(t, fed):
+                self._fed.append((out, path, fed))
+            else:
+                now.append((out, path, t))
+        _digest_tensors(now)
+        self._tensors = []
+        self._bound = True
+
+    def value(self) -> dict[str, str]:
+        if not self._bound:
+            raise RuntimeError("the fingerprints' state hash was deferred and never bound to the snapshot's staging")
+        for out, path, fed in self._fed:
+            out[path] = fed.value()
+        return part_hashes(self._digests)
 
 
 def part_hashes(digests: Mapping[str, Mapping[str, str]]) -> dict[str, str]:
@@ -355,6 +417,10 @@ class FingerprintLog:
                 f"verify-resume CONFIG` to locate it, or set train.on_divergence = \"warn\" to continue")
 
     def state_dict(self) -> dict[str, Any]:
+        """The history, and the hash of the other parts' saved state now; in a background save
+        (`deferring`), the hash of their staged copies, on the writer's thread (`_StateHashLater`)."""
+        if defers():
+            return {"records": list(self.records), "state_hash": _StateHashLater(self._parts())}
         return {"records": list(self.records), "state_hash": part_hashes(state_digests(self._parts(), saved_only=True))}
 
     def restore_template(self) -> dict[str, Any]:

@@ -2,9 +2,11 @@
 
 A `Loop` save (harness/run/loop.py `save`) holds the step loop for: the finite-state check
 (`Trainer.check_finite_state`: a sum of every floating tensor, so a NaN/inf state never becomes a
-checkpoint), the snapshot's state dicts (`capture`; the `fingerprints` part's is the xxh3 hash of
-every other part, recorded so a resume can check the restored state), and the copy into the
-staging ring (`AsyncSaver.save`). ops/bench/scale.py times the copy alone against a torch copy;
+checkpoint), the snapshot's state dicts (`capture`) and the copy into the staging ring
+(`AsyncSaver.save`). The `fingerprints` part's state dict holds the xxh3 hash of every other part,
+recorded so a resume can check the restored state; in a background save the writer takes it from
+the staged copies (checkpoint/later.py), and the row "fingerprints hash, live" is what it costs
+where it is taken live (a synchronous save). ops/bench/scale.py times the copy alone against a torch copy;
 this script builds the quickstart GPT at `--d-model`/`--layers` with AdamW (the default: 302M
 parameters, 3.4 GiB of parameters and moments), trains one step on `--threads` threads, then in
 `--rounds` rounds times each part and a plain torch copy of the same tensors into preallocated
@@ -76,7 +78,7 @@ def main() -> None:
                     at += n
 
             row = {"finite check": timed(trainer.check_finite_state),
-                   "fingerprints state dict": timed(parts["fingerprints"].state_dict),
+                   "fingerprints hash, live": timed(parts["fingerprints"].state_dict),
                    "torch copy": timed(copy),
                    "AsyncSaver.save": timed(lambda r=r: saver.save(r + 1, parts))}
             saver.finish()
@@ -91,7 +93,7 @@ def main() -> None:
         for k, v in med.items():
             print(f"  {k:26s} {v:.3f} s  ({v / gib:.3f} s/GiB)")
         print(f"  a Loop save blocks for     {loop:.3f} s = {loop / med['torch copy']:.2f}x the torch copy "
-              f"(finite check + AsyncSaver.save, which includes the fingerprints' hash; load average "
+              f"(finite check + AsyncSaver.save; load average "
               f"{os.getloadavg()[0]:.1f})")
         trainer.close()
 

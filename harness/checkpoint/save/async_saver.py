@@ -57,7 +57,8 @@ from typing import Any, Literal
 import torch
 
 from harness.checkpoint.errors import CheckpointError, failed_save, still_committed
-from harness.checkpoint.format import Snapshot, capture
+from harness.checkpoint.format import Snapshot, capture, tensor_view
+from harness.checkpoint.later import Feed, deferring, later_values
 from harness.checkpoint.save.background import BackgroundJob
 from harness.checkpoint.save.commit import Committed, Committer
 from harness.checkpoint.save.saver import Saver, Submitted
@@ -180,6 +181,25 @@ def ring_order(tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> list[Entry]
     return [(file, name, tensors[file][name]) for file in sorted(tensors) for name in sorted(tensors[file])]
 
 
+def ring_feeds(snapshot: Snapshot, streamed: Mapping[str, Mapping[str, torch.Tensor]]
+               ) -> dict[tuple[str, str], list[Feed]]:
+    """Bind every `Later` value of `snapshot` (checkpoint/later.py): a tensor it reads that the
+    ring stages (`streamed`, file -> name -> tensor) is fed to it from the ring by the writer
+    (the result: (file, name) -> its readers); any other it reads now."""
+    where = {tensor_view(t): (file, name) for file, named in streamed.items() for name, t in named.items()}
+    feeds: dict[tuple[str, str], list[Feed]] = {}
+
+    def stage(t: torch.Tensor, feed: Feed) -> bool:
+        at = where.get(tensor_view(t)) if t.numel() else None  # an empty tensor has no piece to feed
+        if at is not None:
+            feeds.setdefault(at, []).append(feed)
+        return at is not None
+
+    for later in later_values(snapshot.parts):
+        later.bind(stage)
+    return feeds
+
+
 class AsyncSaver(Saver):
     """Snapshot-then-persist through the committer `commit`, at most one persist in flight.
 
@@ -245,13 +265,15 @@ class AsyncSaver(Saver):
                      persisting_step=self.job.step, waited_s=round(waited, 3))
             self.poll()
         t0 = time.perf_counter()
-        mine = self._mine(parts)
+        with deferring():
+            mine = self._mine(parts)
         streamed = {file: named for file, named in mine.tensors.items() if file != SHARDED}
         staged: dict[str, dict[str, torch.Tensor]] = {}
         copied: list[torch.cuda.Event] = []
         if SHARDED in mine.tensors:
             staged, copied = self.staging.take_buffers(self.job).stage({SHARDED: mine.tensors[SHARDED]})
-        snapshot = mine.with_tensors({**staged, **self.ring.begin(streamed, self._writer_alive)})
+        feeds = ring_feeds(mine, streamed)
+        snapshot = mine.with_tensors({**staged, **self.ring.begin(streamed, self._writer_alive, feeds)})
         self._next_warning = time.monotonic() + max(self.slow_floor_s, 2 * self._last_persist_s)
         # A ring that holds the whole snapshot is filled before the writer starts: the copy then has
         # the cores and the memory bandwidth to itself. A smaller one streams: the writer drains it

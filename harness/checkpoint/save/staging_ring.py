@@ -42,6 +42,7 @@ from functools import partial
 
 import torch
 
+from harness.checkpoint.later import Feed
 from harness.checkpoint.tensorfile import ChunkedTensors
 from harness.log import get_logger
 from harness.repro.on_cores import on_cores
@@ -151,13 +152,14 @@ class StagingRing:
             while self._tail < self._head and self._writer_alive():
                 self._room.wait(0.05)
 
-    def begin(self, tensors: Mapping[str, Mapping[str, torch.Tensor]],
-              writer_alive: Callable[[], bool]) -> dict[str, ChunkedTensors]:
+    def begin(self, tensors: Mapping[str, Mapping[str, torch.Tensor]], writer_alive: Callable[[], bool],
+              feeds: Mapping[tuple[str, str], Sequence[Feed]] | None = None) -> dict[str, ChunkedTensors]:
         """Start a save of the files `tensors` (file -> name -> live tensor), before its persist
         starts, once the save before it no longer holds the ring (`_wait_drained`): the memory ready
         for them, and the files as the persist writes them (their tensors' names, dtypes and shapes
         as meta tensors, their bytes from this ring, once `feed` copies them). `writer_alive`: this
-        save's writer (the class docstring)."""
+        save's writer (the class docstring). `feeds`: (file, name) -> what else reads that
+        tensor's staged bytes, on the writer's thread as it takes them (checkpoint/later.py)."""
         self._wait_drained()
         self.prepare(tensors)
         self._wait_allocated()
@@ -172,9 +174,10 @@ class StagingRing:
             self._released.clear()
         while not self._pieces.empty():  # what an aborted save left (its writer is gone)
             self._pieces.get_nowait()
+        readers = dict(feeds or {})
         return {file: ChunkedTensors({name: torch.empty(local(t).shape, dtype=t.dtype, device="meta")
                                       for name, t in named.items()},
-                                     partial(self.chunks, file))
+                                     partial(self.chunks, file, readers))
                 for file, named in tensors.items()}
 
     def feed(self, entries: Sequence[Entry]) -> None:
@@ -256,9 +259,11 @@ class StagingRing:
                     raise StagingAborted("the background save stopped before it wrote the snapshot")
                 self._room.wait(0.05)
 
-    def chunks(self, file: str, name: str) -> Iterator[memoryview]:
+    def chunks(self, file: str, feeds: Mapping[tuple[str, str], Sequence[Feed]], name: str) -> Iterator[memoryview]:
         """The bytes of tensor `name` of `file`, piece by piece, as `feed` copies them in (the
-        writer's side: it must ask for the tensors in the order they are fed)."""
+        writer's side: it must ask for the tensors in the order they are fed), each given first
+        to what `feeds` lists for the tensor (`begin`)."""
+        readers = feeds.get((file, name), ())
         while True:
             got = self._pieces.get()  # the memory exists once a piece does (`feed` allocated it)
             if got is None:
@@ -273,8 +278,13 @@ class StagingRing:
             at = start % memory.numel()
             array = memory[at:at + n].numpy()
             weakref.finalize(array, self._release, generation, start, start + n)
-            yield memoryview(array)  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on Python >= 3.12
-            del array
+            piece = memoryview(array)  # type: ignore[arg-type]  # numpy's stubs: ndarray.__buffer__ on Python >= 3.12
+            for reader in readers:
+                reader.update(piece)
+                if last:
+                    reader.finish()
+            yield piece
+            del array, piece
             if last:
                 return
 
