@@ -132,7 +132,8 @@ def test_scale_local_bench_reports_both_ranks_with_and_without_a_cap(tmp_path):
 
 def test_save_blocking_bench_times_every_part_of_a_loop_save():
     out = bench("save_blocking.py", "--d-model", "32", "--layers", "1", "--rounds", "1")
-    for part in ("finite check", "fingerprints hash, live", "torch copy", "AsyncSaver.save", "a Loop save blocks for"):
+    for part in ("finite check", "fingerprints hash, live", "torch copy", "AsyncSaver.save", "persist, after the save",
+                 "a Loop save blocks for"):
         assert part in out, part
 
 
