@@ -62,8 +62,8 @@ class TrainSection(Section):
         100, ge=0,
         description=(
             "Every N steps, hash every parameter, buffer and optimizer tensor into the step's fingerprint "
-            "(metrics.jsonl `state_hash`; 0 = only at checkpoints). Costs an xxh3 pass over the state (and a copy to the "
-            "CPU of the tensors on a GPU). The loss and batch hash are recorded every step regardless."
+            "(metrics.jsonl `state_hash`; 0 = only at checkpoints). Costs an xxh3 pass over the state (and a copy "
+            "to the CPU of the tensors on a GPU). The loss and batch hash are recorded every step regardless."
         ),
     )
     on_divergence: Literal["error", "warn"] = Field(

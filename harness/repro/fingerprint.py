@@ -21,7 +21,8 @@ A fingerprint record is a JSON object:
 `FingerprintLog` is the trainer's state part `fingerprints`: it keeps the history (the newest
 `HISTORY_LIMIT` records) in the checkpoint, plus the state hash of the parts at the moment of the
 save (in a background save, of the copies staged at that moment, digested by the writer instead
-of the step loop: `_StateHashLater`, checkpoint/later.py), without non-persistent buffers: a checkpoint does not restore them, and a cache that
+of the step loop: `_StateHashLater`, checkpoint/later.py), without non-persistent buffers: a
+checkpoint does not restore them, and a cache that
 forward rebuilds before reading it is no divergence (one that carries state is found by
 `harness.repro.buffer_probe` and named). After a resume (`watch`) it checks (1) that the restored
 parts hash to what was saved, and (2) each re-run step against the record the interrupted
