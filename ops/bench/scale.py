@@ -5,7 +5,9 @@ a baseline), reported as the median of the per-round ratios with their range.
 
 The state is `--sizes` GiB of float32 tensors of 16 MiB each (a 1024-wide model's MLP matrix), in
 two parts ("model" and "optim", a quarter and three quarters, as a model with AdamW's two
-moments), held as module buffers (what a trainer's parts are). The run dir is a temporary folder
+moments), held as module buffers (what a trainer's parts are), with the trainer's `fingerprints`
+part over them (the state hash a resume checks, which a background save's writer takes from the
+staged copy: harness/checkpoint/later.py). The run dir is a temporary folder
 on `--dir`'s file system. Per size:
 * blocking: the seconds `AsyncSaver.save` holds the step loop (its staging ring prepared ahead, as
   the step loop's `prepare` leaves it) against a plain `torch` copy of the same tensors into
@@ -56,6 +58,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -67,20 +70,22 @@ from harness.checkpoint.save.async_saver import AsyncSaver  # noqa: E402
 from harness.checkpoint.save.commit import Committer  # noqa: E402
 from harness.log import configure  # noqa: E402
 from harness.models.gpt import GPT, GPTConfig  # noqa: E402
+from harness.repro.fingerprint import FingerprintLog  # noqa: E402
 
 TENSOR = 4 << 20  # float32 elements: 16 MiB tensors
 GIB = 1 << 30
 
 
-def state_of(gib: float, device: str = "cpu") -> dict[str, torch.nn.Module]:
-    """`gib` GiB of random float32 buffers on `device`, a quarter in "model", the rest in "optim"."""
+def state_of(gib: float, device: str = "cpu") -> dict[str, Any]:
+    """`gib` GiB of random float32 buffers on `device`, a quarter in "model", the rest in "optim",
+    and a "fingerprints" part over both (as a trainer registers it)."""
     count = max(4, round(gib * GIB / (TENSOR * 4)))
-    parts = {"model": torch.nn.Module(), "optim": torch.nn.Module()}
+    modules = {"model": torch.nn.Module(), "optim": torch.nn.Module()}
     g = torch.Generator().manual_seed(0)
     for i in range(count):
-        part = parts["model"] if i < count // 4 else parts["optim"]
+        part = modules["model"] if i < count // 4 else modules["optim"]
         part.register_buffer(f"t{i:05d}", torch.rand(TENSOR, generator=g).to(device))
-    return parts
+    return {**modules, "fingerprints": FingerprintLog(lambda: modules, every=0)}
 
 
 def synchronize(device: str) -> None:
@@ -88,8 +93,13 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def tensors_of(parts: dict[str, torch.nn.Module]) -> list[torch.Tensor]:
-    return [t for part in parts.values() for t in part.buffers()]
+def modules_of(parts: dict[str, Any]) -> dict[str, torch.nn.Module]:
+    """The parts that hold the state's tensors (not the fingerprints over them)."""
+    return {name: part for name, part in parts.items() if isinstance(part, torch.nn.Module)}
+
+
+def tensors_of(parts: dict[str, Any]) -> list[torch.Tensor]:
+    return [t for part in modules_of(parts).values() for t in part.buffers()]
 
 
 def rss() -> int:
@@ -155,11 +165,11 @@ def torch_copy_s(tensors: list[torch.Tensor], into: torch.Tensor) -> float:
     return time.perf_counter() - t0
 
 
-def host_parts(parts: dict[str, torch.nn.Module], host: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+def host_parts(parts: dict[str, Any], host: torch.Tensor) -> dict[str, list[torch.Tensor]]:
     """Each part's tensors as host memory: themselves on a CPU, else their copies in `host` (in the
     layout `torch_copy_s` fills it)."""
     out, at = {}, 0
-    for name, part in parts.items():
+    for name, part in modules_of(parts).items():
         out[name] = []
         for t in part.buffers():
             out[name].append(t if not t.is_cuda else host[at:at + t.numel()])
