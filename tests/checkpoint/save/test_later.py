@@ -7,6 +7,7 @@ arm: test_async_save.py.)"""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
@@ -39,12 +40,14 @@ def saved_state_hash(store: CheckpointStore, step: int) -> dict[str, str]:
 def test_the_saved_state_hash_is_the_live_state_at_the_save_and_the_step_loop_never_hashes_it(
         tmp_path, monkeypatch, capacity):
     """With a ring under the state's size, each large tensor reaches the writer in several pieces
-    (PIECE_BYTES), all fed to its digest. The next step changes every tensor in place before the
-    writer runs; the saved hash is still the one of the state at the save."""
-    width = 2048 if capacity else 256  # 2 x 16 MiB weights + momentum: over the 64 MiB ring, pieces of 16 MiB
+    (PIECE_BYTES), all fed to its digest. The next step changes every tensor in place once `save`
+    returns (with a ring that holds the state, before the writer starts); the saved hash is still
+    the one of the state at the save."""
+    width = 4096 if capacity else 256  # a 64 MiB weight and its momentum: over the 64 MiB ring, 4 pieces each
     model, opt, fp = state(width)
     parts = {"model": model, "optim": opt, "fingerprints": fp}
-    assert capacity is None or model[0].weight.nbytes >= PIECE_BYTES
+    big = model[0].weight.nbytes
+    assert capacity is None or (big > PIECE_BYTES and 2 * big > capacity)  # streamed, in several pieces
     at_save = part_hashes(state_digests({"model": model, "optim": opt}, saved_only=True))
     store = CheckpointStore(str(tmp_path))
     saver = AsyncSaver(Committer(store), staging_bytes=capacity)
@@ -52,9 +55,13 @@ def test_the_saved_state_hash_is_the_live_state_at_the_save_and_the_step_loop_ne
     real_digest = fingerprint.tensor_digest
     monkeypatch.setattr(fingerprint, "tensor_digest",
                         lambda t: (read_on_the_step_loop.append(tuple(t.shape)), real_digest(t))[1])
-    persist = saver._persist
-    saver._persist = lambda *a: (opt.step(), persist(*a))  # the next step runs before the writer writes
+    gate = threading.Event()
+    if capacity is None:  # a streaming writer drains the ring while `save` copies: it cannot wait
+        persist = saver._persist
+        saver._persist = lambda *a: (gate.wait(30), persist(*a))[1]
     saver.save(1, parts)
+    opt.step()  # the next step
+    gate.set()
     saver.finish()
     assert read_on_the_step_loop == []  # every tensor of model and optim is staged: none hashed live
     assert part_hashes(state_digests({"model": model, "optim": opt}, saved_only=True)) != at_save
