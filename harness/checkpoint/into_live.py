@@ -11,8 +11,9 @@ Order of work, so that a checkpoint that does not fit changes nothing:
      state dict, an optimizer's per-parameter state),
    * a dtype or shape difference, or a reference to a tensor the file does not have.
 3. stream: each file is read once in offset order; a tensor with a live counterpart is read
-   straight into the live storage (`copy_` semantics, no second copy), others into a new tensor.
-   Peak extra memory is one tensor, and only when the live one is not a dense CPU tensor.
+   straight into the live storage (`copy_` semantics, no second copy), others into new tensors
+   (allocated up front, their pages faulted in by a second thread meanwhile: prefault.py). Peak
+   extra memory is one tensor, and only when the live one is not a dense CPU tensor.
 4. `target.load_state_dict(tree)` for each part in the targets' order; the tree holds the live
    tensors themselves, so a module's or optimizer's own copy is a no-op.
 
@@ -31,6 +32,7 @@ import torch
 
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import DROP, KeyPath, decode, path_str, tensor_refs, tensor_view
+from harness.checkpoint.prefault import Prefault
 from harness.checkpoint.shard_files import SHARDED
 from harness.checkpoint.tensorfile import Opened, Readable, TensorEntry, describe, read_tensor
 from optim.dtensor import is_dtensor
@@ -139,15 +141,21 @@ def restore_parts(doc: dict[str, Any], targets: Mapping[str, Any], skip: Collect
                 "and tensors), or train this setup in a new run dir (from Python, harness.checkpoint.load(..., "
                 "skip=[tensor paths]) keeps the live values of the named tensors)"
             )
-        for file, (f, _, fwhere) in files.items():
-            todo = sorted((s for ps in slots.values() for s in ps.values() if s.file == file),
-                          key=lambda s: s.stored.start)
-            read: dict[str, torch.Tensor] = {}  # entry name -> its value: a tied tensor is read once
-            for slot in todo:
-                if slot.stored.name in read:
-                    slot.value = _tie(slot.live, read[slot.stored.name])
-                else:
-                    slot.value = read[slot.stored.name] = _read_into(f, slot.stored, fwhere, slot.live)
+        order = _read_order(files, slots)
+        firsts: dict[tuple[str, str], _Slot] = {}  # a tied tensor's later paths take its first one's value
+        for slot in order:
+            firsts.setdefault((slot.file, slot.stored.name), slot)
+        fresh = {id(slot): i for i, slot in enumerate(s for s in firsts.values() if s.live is None)}
+        prefault = stack.enter_context(Prefault([torch.empty(s.stored.shape, dtype=s.stored.dtype)
+                                                 for s in firsts.values() if s.live is None]))
+        read: dict[tuple[str, str], torch.Tensor] = {}  # (file, entry name) -> its value: a tied tensor is read once
+        for slot in order:
+            key = (slot.file, slot.stored.name)
+            if key in read:
+                slot.value = _tie(slot.live, read[key])
+            else:
+                into = slot.live if slot.live is not None else prefault.take(fresh[id(slot)])
+                slot.value = read[key] = _read_into(files[slot.file][0], slot.stored, files[slot.file][2], into)
         if shard_dest:
             assert sharded is not None  # else the problems above named the sharded tensors, and were raised
             sharded.load(stack, shard_dest)
@@ -155,6 +163,14 @@ def restore_parts(doc: dict[str, Any], targets: Mapping[str, Any], skip: Collect
             check_streamed()
     for part in parts:
         _load_part(part, stored[part], targets[part], slots[part], kept[part], where)
+
+
+def _read_order(files: Mapping[str, Opened], slots: Mapping[str, Mapping[KeyPath, _Slot]]) -> list[_Slot]:
+    """The slots read from tensor files: file by file, in the order they were opened, each file's
+    in offset order (one forward pass over it)."""
+    return [slot for file in files
+            for slot in sorted((s for ps in slots.values() for s in ps.values() if s.file == file),
+                               key=lambda s: s.stored.start)]
 
 
 def _read_into(f: Readable, entry: TensorEntry, where: str, live: torch.Tensor | None) -> torch.Tensor:
