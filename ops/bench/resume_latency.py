@@ -20,8 +20,17 @@ raw read. Each resume also reports where its start went: the trainer's build (`b
 model's initial weights, the optimizer), the restore, the rest (imports, config, data), and its
 resident memory when ready to train (`rss_bytes`) against the checkpoint's size.
 
+`--back-memory-gib N`: before each timed resume and each raw read, a child process writes N GiB
+and exits. In a virtual machine whose host takes freed memory back (virtio-balloon free page
+reporting, as on the reference machine), the first write of a page the host took back costs
+3-5x a plain page fault, and how many a process meets depends on what ran before it: the copies
+this bench makes before each resume leave it memory the host must back anew, while a raw read
+reuses what the process before it freed. With N at least the resumed process's memory, both find
+memory the host has backed, and the ratio compares the code paths alone.
+
     python ops/bench/resume_latency.py --d-model 512 --layers 8
     python ops/bench/resume_latency.py --d-model 1024 --layers 28 --optim adamw --repeat 2   # 4 GiB of state
+    python ops/bench/resume_latency.py --d-model 1024 --layers 28 --optim adamw --repeat 2 --back-memory-gib 8
 """
 
 from __future__ import annotations
@@ -73,6 +82,13 @@ def evict(folder: Path) -> None:
             os.close(fd)
 
 
+def back_memory(gib: float) -> None:
+    """Have a child process write `gib` GiB of memory and exit (see `--back-memory-gib`)."""
+    if gib > 0:
+        subprocess.run([sys.executable, "-c", f"import torch; torch.ones({int(gib * 2**30)}, dtype=torch.uint8)"],
+                       check=True)
+
+
 def raw_read(folder: Path) -> float:
     t0 = time.perf_counter()
     for f in sorted(folder.iterdir()):
@@ -86,6 +102,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--optim", default="muon", help="optim.type (adamw: two moments per parameter)")
+    p.add_argument("--back-memory-gib", type=float, default=0.0,
+                   help="GiB a child process writes before each timed resume and raw read (see above)")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="resume-latency-"))
     try:
@@ -114,10 +132,12 @@ def main() -> None:
 
                 def read(prepare=prepare, raw_copy=raw_copy) -> float:
                     prepare(raw_copy)
+                    back_memory(args.back_memory_gib)
                     return raw_read(raw_copy)
 
                 def resume(prepare=prepare, folder=folder, copy=copy) -> dict:
                     prepare(folder)
+                    back_memory(args.back_memory_gib)
                     return train(copy, args)
 
                 if i % 2:
