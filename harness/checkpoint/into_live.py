@@ -145,9 +145,9 @@ def restore_parts(doc: dict[str, Any], targets: Mapping[str, Any], skip: Collect
         firsts: dict[tuple[str, str], _Slot] = {}  # a tied tensor's later paths take its first one's value
         for slot in order:
             firsts.setdefault((slot.file, slot.stored.name), slot)
-        fresh = {id(slot): i for i, slot in enumerate(s for s in firsts.values() if s.live is None)}
-        prefault = stack.enter_context(Prefault([torch.empty(s.stored.shape, dtype=s.stored.dtype)
-                                                 for s in firsts.values() if s.live is None]))
+        new = [s for s in firsts.values() if s.live is None]  # read into new tensors
+        prefault = stack.enter_context(Prefault([torch.empty(s.stored.shape, dtype=s.stored.dtype) for s in new]))
+        fresh = {id(s): i for i, s in enumerate(new)}
         read: dict[tuple[str, str], torch.Tensor] = {}  # (file, entry name) -> its value: a tied tensor is read once
         for slot in order:
             key = (slot.file, slot.stored.name)
