@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     )
     from harness.checkpoint.save.peer_copies import PEER as PEER, peer_jump as peer_jump
     from harness.checkpoint.save.saver import Saver as Saver
+    from harness.checkpoint.save.writer_cores import place_writers as place_writers
     from harness.checkpoint.store import CheckpointStore as CheckpointStore
     from harness.checkpoint.target import locate as locate, open_target as open_target
 
@@ -74,7 +75,7 @@ _EXPORTS = {"CheckpointCorrupt": "errors", "CheckpointError": "errors", "Snapsho
             "Committed": "save.commit",
             "LocalTier": "save.local_tier", "local_store": "save.local_tier", "not_mine": "save.local_tier",
             "LOCAL": "save.local_tier", "PERSISTENT": "save.local_tier", "PEER": "save.peer_copies",
-            "peer_jump": "save.peer_copies",
+            "peer_jump": "save.peer_copies", "place_writers": "save.writer_cores",
             "LocalRecovery": "save.local_recovery", "Coverage": "save.coverage"}
 
 __all__ = sorted([*_EXPORTS, "load"])

@@ -74,6 +74,16 @@ class CheckpointSection(Section):
             "writer has drained all but this much (harness/checkpoint/save/staging_ring.py)."
         ),
     )
+    writer_cores: Literal["auto", "any"] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] = Field(
+        "auto",
+        description=(
+            "The cores background checkpoint work (the persist, the local tier's peer copies, local-first uploads) "
+            "runs on (harness/checkpoint/save/writer_cores.py): \"auto\" = the cores this node's training threads "
+            "(train.cpu_threads x ranks per node) leave free, those taking the disk's interrupts first, and any core "
+            "when none is free; \"any\" = wherever the OS puts it; or a list of core numbers. The steps beside a "
+            "save slow down less when the writer keeps off the training thread's core."
+        ),
+    )
     when_busy: Literal["wait", "skip"] = Field(
         "wait",
         description=(

@@ -38,7 +38,7 @@ import fsspec.utils
 import psutil
 
 from harness import exit_codes
-from harness.checkpoint import PEER, PERSISTENT, CheckpointStore, LocalRecovery, LocalTier
+from harness.checkpoint import PEER, PERSISTENT, CheckpointStore, LocalRecovery, LocalTier, place_writers
 from harness.config import RunConfig
 from harness.errors import Unavailable, UserError
 from harness.health.trackers import open_trackers
@@ -54,13 +54,16 @@ from harness.run.loop import Loop
 from harness.run.resume import Resume
 from harness.run.trainer import process_device
 from harness.task import load_task, task_context
+from harness.topology import topology_from_env
 
 log = get_logger(__name__)
 
 
 def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = False,
           takeover: bool = False) -> int:
-    numerics.apply(cfg.train.cpu_threads)  # before any torch math: MKL's mode is fixed at its first use
+    # Before any torch math: MKL's mode is fixed at its first use.
+    threads = numerics.apply(cfg.train.cpu_threads)["cpu_threads"]
+    writers = place_writers(cfg.checkpoint.writer_cores, threads * topology_from_env().local_world_size)
     log_dir = Path(log_dir_for(cfg.run_dir, cfg.log_dir))
     if fsspec.utils.get_protocol(cfg.run_dir) == "memory":
         log.warning("run_dir is memory://: checkpoints and run.json live in this process only and are gone when it "
@@ -118,7 +121,8 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
                         build_s=started.build_s, restore_s=restore_s, rss_bytes=psutil.Process().memory_info().rss,
                         world_size=distributed.world(),
                         saved_world_size=resized.old_world if resized else None, exact_elastic=trainer.exact,
-                        exact_elastic_why=started.choice.exact_why)
+                        exact_elastic_why=started.choice.exact_why,
+                        writer_cores=sorted(writers) if writers is not None else None)
             if resized is not None:
                 events.emit("world_size_changed", **resized.event())
             if started.choice.changes:

@@ -22,7 +22,9 @@ on `--dir`'s file system. Per size:
 * step time during a background save: a real training step (the harness's GPT, forward, backward
   and AdamW, on `--step-threads` threads, 1 by default: a core left for the writer on this 2-core
   machine; Python-heavy, so a writer that held the GIL would show) timed while the save persists,
-  against a block of the same steps with no save in the same round; and the step-loop seconds a
+  against a block of the same steps with no save in the same round, with the writer placed as a
+  trainer places it (`checkpoint.writer_cores = "auto"`: the core the training thread leaves, the
+  disk's interrupts first) and with it on any core, both in each round; and the step-loop seconds a
   save's persist cost, summed over the steps beside it (each step's excess over the no-save median):
   a writer that is fast and a writer that slows the steps less over a longer persist compare there;
 * RSS: the peak resident memory sampled every 5 ms during a save, minus the resident memory before
@@ -68,6 +70,7 @@ from harness.checkpoint import CheckpointStore, load  # noqa: E402
 from harness.checkpoint.loading import Verify  # noqa: E402
 from harness.checkpoint.save.async_saver import AsyncSaver  # noqa: E402
 from harness.checkpoint.save.commit import Committer  # noqa: E402
+from harness.checkpoint.save.writer_cores import place_writers  # noqa: E402
 from harness.log import configure  # noqa: E402
 from harness.models.gpt import GPT, GPTConfig  # noqa: E402
 from harness.repro.fingerprint import FingerprintLog  # noqa: E402
@@ -373,27 +376,48 @@ def saves(parts, args: argparse.Namespace, root: Path, limit: torch.Tensor, gib:
 
 
 def steps_during_saves(parts, args: argparse.Namespace, root: Path) -> None:
-    """A training step while a save persists against the same step with no save, round by round."""
+    """A training step while a save persists against the same step with no save, round by round:
+    each round saves twice, once with the writer placed as a trainer places it
+    (`checkpoint.writer_cores = "auto"`) and once with it on any core, in alternating order."""
     threads = torch.get_num_threads()
     torch.set_num_threads(args.step_threads)
     step = TrainingStep(args.device)
     saves = Saves(parts, CheckpointStore(str(root / "steps"), keep_last=2), None)
-    ratios, counts, alone_all, during_all, lost = [], [], [], [], []
+    arms = {"auto": Arm(), "any": Arm()}
+    placed = None
     for r in range(args.rounds):
         alone = [step() for _ in range(args.alone_steps)]
-        saved = saves.save(r + 1, while_busy=step)
-        during = saved["during"] or [float("nan")]
-        ratios.append(statistics.median(during) / statistics.median(alone))
-        lost.append(sum(during) - len(during) * statistics.median(alone))
-        counts.append(len(saved["during"]))
-        alone_all += alone
-        during_all += saved["during"]
+        for name in sorted(arms, reverse=r % 2 == 1):
+            cores = place_writers(name, args.step_threads)
+            placed = cores if name == "auto" else placed
+            arms[name].add(alone, saves.save(2 * r + 1 + (name == "any"), while_busy=step)["during"])
+    place_writers("any", args.step_threads)
     saves.close()
     torch.set_num_threads(threads)
-    print(f"  step during a background save {statistics.median(during_all) * 1e3:.0f} ms vs "
-          f"{statistics.median(alone_all) * 1e3:.0f} ms without = {spread(ratios)} (goal <= 1.05x; "
-          f"{args.step_threads} training thread(s), {sum(counts)} steps during {args.rounds} saves); the step loop "
-          f"lost {statistics.median(lost):.2f} s per save ({min(lost):.2f}-{max(lost):.2f}) to the persist beside it")
+    for name, arm in arms.items():
+        where = "any core" if name == "any" else f"cores {sorted(placed)}" if placed else "any core (none free)"
+        print(f"  step during a background save, writer on {where} (writer_cores = {name}): "
+              f"{statistics.median(arm.during) * 1e3:.0f} ms vs {statistics.median(arm.alone) * 1e3:.0f} ms without = "
+              f"{spread(arm.ratios)} (goal <= 1.05x; {args.step_threads} training thread(s), {len(arm.during)} steps "
+              f"during {args.rounds} saves); the step loop lost {statistics.median(arm.lost):.2f} s per save "
+              f"({min(arm.lost):.2f}-{max(arm.lost):.2f}) to the persist beside it")
+
+
+class Arm:
+    """One way of placing the writer: per round, the steps beside its save against the round's steps alone."""
+
+    def __init__(self) -> None:
+        self.ratios: list[float] = []
+        self.lost: list[float] = []
+        self.alone: list[float] = []
+        self.during: list[float] = []
+
+    def add(self, alone: list[float], during: list[float]) -> None:
+        base = statistics.median(alone)
+        self.ratios.append(statistics.median(during or [float("nan")]) / base)
+        self.lost.append(sum(during) - len(during) * base)
+        self.alone += alone
+        self.during += during
 
 
 def restores(parts, args: argparse.Namespace, root: Path, limit: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ run that saved synchronously (so async and sync saves also agree end to end).
 test_resume_bitwise.py covers every optimizer arm with async saves on (the default).
 """
 
+import os
 import signal
 import time
 
@@ -69,3 +70,16 @@ def test_auto_interval_and_skipped_saves_do_not_change_the_numbers(tmp_path):
     assert not steps_of(intr, "checkpoint") & steps_of(intr, "checkpoint_skipped")
     harness(*args, check=True)
     assert_same_run(cont, intr, STEPS)
+
+
+def test_the_writer_held_on_its_own_cores_changes_no_number(tmp_path):
+    """`checkpoint.writer_cores` moves the background persist off the training thread's core; the
+    run it saves is bitwise the one saved from any core, and its `start` event names the cores."""
+    core = max(os.sched_getaffinity(0))
+    placed, anywhere = tmp_path / "placed", tmp_path / "anywhere"
+    for run, where in ((placed, f"[{core}]"), (anywhere, "any")):
+        harness("train", str(TINY), "--run-dir", str(run), "--set", "train.cpu_threads=1",
+                "--set", f"checkpoint.writer_cores={where}", check=True)
+    assert [e["writer_cores"] for e in events(placed) if e["event"] == "start"] == [[core]]
+    assert [e["writer_cores"] for e in events(anywhere) if e["event"] == "start"] == [None]
+    assert_same_run(anywhere, placed, STEPS)

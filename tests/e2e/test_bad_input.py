@@ -11,6 +11,8 @@ CASES = {
     "missing corpus file": (["--set", "data.url=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt' not found"),
     "unknown optimizer type": (["--set", "optim.type=adamx"], "unknown type 'adamx'"),
     "missing config file": (None, "does not exist"),
+    "a writer core not this process's": (["--set", "checkpoint.writer_cores=[4096]"],
+                                          "checkpoint.writer_cores names core(s) [4096] this process may not run on"),
 }
 
 

@@ -1,7 +1,8 @@
 """One job at a time in a background thread, its failure kept for the thread that owns it.
 
 The primitive under background saves (async_saver.py: the persist) and local-first uploads
-(local_first.py: the upload), so both wait, watch and report failures the same way:
+(local_first.py: the upload), so both wait, watch and report failures the same way, and run on
+the cores placed for checkpoint work (writer_cores.py):
 
     job = BackgroundJob("ckpt-persist", "the background save", failed=wrap)
     job.start(step, fn, *args)   # fn runs in a daemon thread; at most one job at a time
@@ -27,6 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from harness.checkpoint.save import writer_cores
 from harness.log import get_logger
 
 log = get_logger(__name__)
@@ -68,6 +70,7 @@ class BackgroundJob:
             self._thread.start()
 
     def _run(self, step: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        writer_cores.enter()  # checkpoint work keeps off the training thread's core (`checkpoint.writer_cores`)
         try:
             fn(*args)
         except BaseException as e:  # kept for the owner: a thread's exception is otherwise only printed
