@@ -44,8 +44,7 @@ if TYPE_CHECKING:
         sharded_parts as sharded_parts,
     )
     from harness.checkpoint.integrity import verify_target as verify_target
-    from harness.checkpoint.loading import Checkpoint as Checkpoint, Verify as Verify, fault_ahead as fault_ahead
-    from harness.checkpoint.prefault import FaultAhead as FaultAhead
+    from harness.checkpoint.loading import Checkpoint as Checkpoint, Verify as Verify
     from harness.checkpoint.prefetch import Prefetch as Prefetch
     from harness.checkpoint.save import SaveHooks as SaveHooks, SaveSettings as SaveSettings, open_saver as open_saver
     from harness.checkpoint.save.commit import Committed as Committed
@@ -70,7 +69,6 @@ if TYPE_CHECKING:
 # the supervisor watches its child's progress through discovery alone.
 _EXPORTS = {"CheckpointCorrupt": "errors", "CheckpointError": "errors", "Snapshot": "format", "capture": "format",
             "sharded_parts": "format", "WORLD_SIZE_KEY": "format", "Checkpoint": "loading", "Verify": "loading",
-            "fault_ahead": "loading", "FaultAhead": "prefault",
             "CheckpointRef": "discovery", "skipped": "discovery", "CheckpointStore": "store", "Prefetch": "prefetch",
             "locate": "target", "open_target": "target", "verify_target": "integrity",
             "open_saver": "save", "SaveSettings": "save", "SaveHooks": "save", "Saver": "save.saver",
@@ -86,20 +84,18 @@ __all__ = sorted([*_EXPORTS, "load"])
 def load(store: CheckpointStore, checkpoint: Checkpoint | CheckpointRef, targets: Mapping[str, Any], *,
          verify: Verify | None = None, skip: Collection[str] = (),
          kept_on_new_rank: Collection[str] = (), one_rank: bool = False,
-         shard_copies: Sequence[tuple[CheckpointStore, Checkpoint]] = (), ahead: FaultAhead | None = None
-         ) -> dict[str, Any]:
+         shard_copies: Sequence[tuple[CheckpointStore, Checkpoint]] = ()) -> dict[str, Any]:
     """Load `checkpoint` of `store` (a ref, or one opened already: `store.open`) into `targets`
     (name -> object with state_dict/load_state_dict) as this process's rank of its group: the one
     way a checkpoint is loaded (loading.py's `load`, which says what each rank reads and what
     `verify` re-hashes, `one_rank`: a local tier's copy, `shard_copies`: the copies of one step
-    whose shards it reads, `ahead`: new tensors made for it ahead, `fault_ahead`; None: `Verify.NO`).
-    Returns the saved meta."""
+    whose shards it reads; None: `Verify.NO`). Returns the saved meta."""
     from harness.checkpoint.loading import Verify, load as load_as
     from harness.parallel import distributed
 
     return load_as(store.loc, checkpoint, targets, rank=distributed.rank(), world=distributed.world(), skip=skip,
                    verify=Verify.NO if verify is None else verify, kept_on_new_rank=kept_on_new_rank,
-                   one_rank=one_rank, shard_copies=[(s.loc, c) for s, c in shard_copies], ahead=ahead)
+                   one_rank=one_rank, shard_copies=[(s.loc, c) for s, c in shard_copies])
 
 
 def __getattr__(name: str) -> Any:

@@ -12,8 +12,7 @@ Order of work, so that a checkpoint that does not fit changes nothing:
    * a dtype or shape difference, or a reference to a tensor the file does not have.
 3. stream: each file is read once in offset order; a tensor with a live counterpart is read
    straight into the live storage (`copy_` semantics, no second copy), others into new tensors
-   (allocated up front, their pages faulted in by a second thread meanwhile, or made ahead by a
-   resume while it built the trainer: prefault.py). Peak
+   (allocated up front, their pages faulted in by a second thread meanwhile: prefault.py). Peak
    extra memory is one tensor, and only when the live one is not a dense CPU tensor.
 4. `target.load_state_dict(tree)` for each part in the targets' order; the tree holds the live
    tensors themselves, so a module's or optimizer's own copy is a no-op.
@@ -33,7 +32,7 @@ import torch
 
 from harness.checkpoint.errors import CheckpointError
 from harness.checkpoint.format import DROP, KeyPath, decode, path_str, tensor_refs, tensor_view
-from harness.checkpoint.prefault import FaultAhead, NewTensors
+from harness.checkpoint.prefault import Prefault
 from harness.checkpoint.shard_files import SHARDED
 from harness.checkpoint.tensorfile import Opened, Readable, TensorEntry, describe, read_tensor
 from optim.dtensor import is_dtensor
@@ -99,14 +98,12 @@ class ShardedSource(Protocol):
 
 def restore_parts(doc: dict[str, Any], targets: Mapping[str, Any], skip: Collection[str], open_tensors: OpenTensors,
                   where: str, check_streamed: Callable[[], None] | None = None,
-                  sharded: ShardedSource | None = None, ahead: FaultAhead | None = None) -> None:
+                  sharded: ShardedSource | None = None) -> None:
     """Load `doc` (a parsed state.json) into `targets`; see the module docstring.
     `check_streamed` runs after step 3 with the files still open, and before a fit problem of
     step 2 is raised; what it raises stops the load before any `load_state_dict`. `sharded`:
     where the tensors of sharded parts come from (step 3 reads them into their live tensors,
-    which must exist: a sharded load has no "read into a new tensor"). `ahead`: tensors made
-    ahead for entries read into new memory (prefault.py), taken where they fit; the rest are
-    made here."""
+    which must exist: a sharded load has no "read into a new tensor")."""
     stored: dict[str, Any] = doc["parts"]
     missing = [p for p in targets if p not in stored and p not in skip]
     unexpected = [p for p in stored if p not in targets and p not in skip]
@@ -148,14 +145,16 @@ def restore_parts(doc: dict[str, Any], targets: Mapping[str, Any], skip: Collect
         firsts: dict[tuple[str, str], _Slot] = {}  # a tied tensor's later paths take its first one's value
         for slot in order:
             firsts.setdefault((slot.file, slot.stored.name), slot)
-        new = stack.enter_context(NewTensors([(s.file, s.stored) for s in firsts.values() if s.live is None], ahead))
+        new = [s for s in firsts.values() if s.live is None]  # read into new tensors
+        prefault = stack.enter_context(Prefault([torch.empty(s.stored.shape, dtype=s.stored.dtype) for s in new]))
+        fresh = {id(s): i for i, s in enumerate(new)}
         read: dict[tuple[str, str], torch.Tensor] = {}  # (file, entry name) -> its value: a tied tensor is read once
         for slot in order:
             key = (slot.file, slot.stored.name)
             if key in read:
                 slot.value = _tie(slot.live, read[key])
             else:
-                into = slot.live if slot.live is not None else new.take(slot.file, slot.stored)
+                into = slot.live if slot.live is not None else prefault.take(fresh[id(slot)])
                 slot.value = read[key] = _read_into(files[slot.file][0], slot.stored, files[slot.file][2], into)
         if shard_dest:
             assert sharded is not None  # else the problems above named the sharded tensors, and were raised

@@ -34,11 +34,10 @@ from enum import Enum
 from typing import TYPE_CHECKING, Any
 
 from harness.checkpoint.discovery import CheckpointRef, read_manifest, size_problem
-from harness.checkpoint.errors import CheckpointCorrupt, CheckpointError
+from harness.checkpoint.errors import CheckpointCorrupt
 from harness.checkpoint.format import WORLD_SIZE_KEY, parse_state, rank_state_file, tensor_refs
 from harness.checkpoint.into_live import OpenTensors, restore_parts
 from harness.checkpoint.manifest import STATE_FILE, FileRecord, Manifest
-from harness.checkpoint.prefault import FaultAhead
 from harness.checkpoint.shard_files import MAX_METADATA_BYTES, METADATA_FILE
 from harness.checkpoint.tensorfile import Opened, TensorEntry, read_header
 from harness.errors import StorageError
@@ -255,37 +254,10 @@ def open_tensors(loc: Location, stack: ExitStack, ref: CheckpointRef, rec: FileR
         raise CheckpointCorrupt(str(e)) from e
 
 
-def fault_ahead(loc: Location, checkpoint: Checkpoint, parts: Collection[str]) -> FaultAhead | None:
-    """New tensors for the stored tensors of `parts` (those a freshly built target holds none of:
-    a torch optimizer's state), faulting in from now on (prefault.py, `FaultAhead`), for a `load`
-    of `checkpoint` that follows (its `ahead`). Made from the tensor files' headers, read here
-    unchecked: the load reads and checks them itself, and takes a tensor made here only where its
-    own header agrees. None off local disk (there the download is slower than the faults), when
-    no such part is stored unsharded, or when a header cannot be read (the load reports that)."""
-    if not loc.is_local:
-        return None
-    names: dict[str, set[str]] = {}
-    for part in parts:
-        for file, name in tensor_refs(checkpoint.state["parts"].get(part, {})).values():
-            names.setdefault(file, set()).add(name)
-    entries: list[tuple[str, TensorEntry]] = []
-    for file in checkpoint.tensor_files:  # in the order the load reads them
-        if file not in names:
-            continue
-        path = f"{checkpoint.ref.path}/{file}"
-        try:
-            with open_read(loc, path) as f:
-                header = read_header(f, loc.fs.size(path), loc.url_of(path))
-        except (OSError, StorageError, CheckpointError):
-            return None
-        entries += [(file, e) for e in sorted(header.values(), key=lambda e: e.start) if e.name in names[file]]
-    return FaultAhead(entries) if entries else None
-
-
 def load(loc: Location, checkpoint: Checkpoint | CheckpointRef, targets: Mapping[str, Any], *, rank: int = 0,
          world: int = 1, skip: Collection[str] = (), verify: Verify = Verify.NO,
          kept_on_new_rank: Collection[str] = (), one_rank: bool = False,
-         shard_copies: Sequence[tuple[Location, Checkpoint]] = (), ahead: FaultAhead | None = None) -> dict[str, Any]:
+         shard_copies: Sequence[tuple[Location, Checkpoint]] = ()) -> dict[str, Any]:
     """Restore each target (name -> object with state_dict/load_state_dict) from `checkpoint`
     (a ref, or one opened already: `open_checkpoint`) as rank `rank` of a world of `world`
     (see into_live.py for the checks, the module docstring for `verify`); returns the saved meta.
@@ -298,7 +270,6 @@ def load(loc: Location, checkpoint: Checkpoint | CheckpointRef, targets: Mapping
     the freshly seeded RNG is kept). `one_rank`: the checkpoint is one rank's copy (the local
     tier's), holding its owner's per-rank parts alone: a rank other than its owner takes them as a
     rank new to the run would (checkpoint/save/coverage.py says when that is right).
-    `ahead`: new tensors made ahead for this load (`fault_ahead`).
     `shard_copies`: the local tier's copies of the same step whose shards, together, hold the
     sharded parts (a recovery at another world size or rank: every owner's copy); the sharded
     tensors are read from them instead of from `checkpoint` alone, unhashed (the caller verified
@@ -317,7 +288,7 @@ def load(loc: Location, checkpoint: Checkpoint | CheckpointRef, targets: Mapping
     files = _TensorFiles(loc, checkpoint, hashing=verify is Verify.WHILE)
     restore_parts(state, targets, skip, files.open,
                   where=f"checkpoint {ref.url}", check_streamed=files.check_streamed if files.hashing else None,
-                  sharded=_shards(loc, checkpoint, files.open, shard_copies), ahead=ahead)
+                  sharded=_shards(loc, checkpoint, files.open, shard_copies))
     meta: dict[str, Any] = state["meta"]
     return meta
 

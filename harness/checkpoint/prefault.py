@@ -13,10 +13,6 @@ Each tensor is either faulted in whole by the thread before the load reads into 
 the load first and then never touched by the thread: the two never write the same tensor at
 once, so the thread's zeros cannot land on bytes already read. Tensors under `MIN_BYTES` are
 left to the load (a handoff costs more than their faults).
-
-`FaultAhead` starts the same earlier: a resume knows which stored tensors its trainer will not
-hold (a torch optimizer makes its state at its first step) before it builds the trainer, and the
-build is seconds of one core's work (the model's initial weights), so the faults run beside it.
 """
 
 from __future__ import annotations
@@ -26,13 +22,10 @@ from collections.abc import Sequence
 
 import torch
 
-from harness.checkpoint.tensorfile import TensorEntry
-
 PAGE_BYTES = 4096  # the smallest page size of the hosts this runs on: one write faults each page in
 MIN_BYTES = 1 << 20
 
 _FREE, _FAULTING, _FAULTED, _TAKEN = range(4)
-_EMPTY = torch.empty(0)  # in place of a dropped tensor
 
 
 class Prefault:
@@ -74,11 +67,6 @@ class Prefault:
             self._state[i] = _TAKEN
         return self._tensors[i]
 
-    def drop(self, i: int) -> None:
-        """Let tensor i go (its memory freed) and the thread pass it over."""
-        self.take(i)
-        self._tensors[i] = _EMPTY
-
     def close(self) -> None:
         """Stop the thread and wait for it (at most one tensor's faults)."""
         with self._cond:
@@ -87,82 +75,6 @@ class Prefault:
             self._thread.join()
 
     def __enter__(self) -> Prefault:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class FaultAhead:
-    """New tensors for the stored `entries` ((file, entry) pairs, in the order a load reads them)
-    that a load will read into new memory, allocated and faulted in (a `Prefault`) from
-    construction: before the load is planned. `take(file, entry)` hands the load the tensor made
-    for that entry (the same shape and dtype), once; None when none was made for it (`taken`:
-    the bytes handed over). `keep`
-    drops the ones a load will not take. `close` (a context manager) stops the faulting; the
-    tensors not taken go with the object."""
-
-    def __init__(self, entries: Sequence[tuple[str, TensorEntry]]) -> None:
-        self._index = {(file, entry.name): (i, entry) for i, (file, entry) in enumerate(entries)}
-        self._prefault = Prefault([torch.empty(entry.shape, dtype=entry.dtype) for _, entry in entries])
-        self.taken = 0  # bytes handed to the load
-
-    @property
-    def faulted(self) -> int:
-        """Bytes faulted in so far (for tests and logs)."""
-        return self._prefault.faulted
-
-    def has(self, file: str, entry: TensorEntry) -> bool:
-        """Whether a tensor was made for `entry` of `file` as the load's header gives it."""
-        made = self._index.get((file, entry.name))
-        return made is not None and (made[1].shape, made[1].dtype) == (entry.shape, entry.dtype)
-
-    def take(self, file: str, entry: TensorEntry) -> torch.Tensor | None:
-        if not self.has(file, entry):
-            return None
-        i, _ = self._index.pop((file, entry.name))
-        made = self._prefault.take(i)
-        self.taken += made.nbytes
-        return made
-
-    def keep(self, wanted: Sequence[tuple[str, TensorEntry]]) -> None:
-        """Drop every tensor but those made for `wanted` ((file, entry) pairs a load reads into new
-        memory) that fit them: the load reads the others into live tensors, or not at all."""
-        fits = {(file, entry.name) for file, entry in wanted if self.has(file, entry)}
-        for key in [k for k in self._index if k not in fits]:
-            self._prefault.drop(self._index.pop(key)[0])
-
-    def close(self) -> None:
-        self._prefault.close()
-
-    def __enter__(self) -> FaultAhead:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-class NewTensors:
-    """The new tensors one load reads into, for the stored `entries` ((file, entry) pairs, in the
-    order it reads them): those `ahead` made where they fit, the rest made here and faulted in
-    beside the load (a `Prefault`). `take(file, entry)`, once per entry. A context manager."""
-
-    def __init__(self, entries: Sequence[tuple[str, TensorEntry]], ahead: FaultAhead | None) -> None:
-        self._ahead = ahead
-        if ahead is not None:
-            ahead.keep(entries)
-            entries = [(file, entry) for file, entry in entries if not ahead.has(file, entry)]
-        self._index = {(file, entry.name): i for i, (file, entry) in enumerate(entries)}
-        self._prefault = Prefault([torch.empty(entry.shape, dtype=entry.dtype) for _, entry in entries])
-
-    def take(self, file: str, entry: TensorEntry) -> torch.Tensor:
-        made = self._ahead.take(file, entry) if self._ahead is not None else None
-        return made if made is not None else self._prefault.take(self._index[(file, entry.name)])
-
-    def close(self) -> None:
-        self._prefault.close()
-
-    def __enter__(self) -> NewTensors:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -28,11 +28,9 @@ from harness.checkpoint import (
     CheckpointRef,
     CheckpointStore,
     Coverage,
-    FaultAhead,
     LocalRecovery,
     Prefetch,
     Verify,
-    fault_ahead,
     load,
     locate,
     skipped,
@@ -93,16 +91,14 @@ class Choice:
 class Started:
     """A trainer restored (`choice`: from where and how), the seconds spent reading, loading and
     verifying checkpoints (`restore_s`), the world-size change since the checkpoint (`resized`,
-    or None), the seconds spent building the trainer (`build_s`: the model's initial weights,
-    the optimizer; not in `restore_s`), and the bytes of optimizer state loaded into memory made
-    and faulted in while it was built (`ahead_bytes`, prefault.py)."""
+    or None), and the seconds spent building the trainer (`build_s`: the model's initial weights,
+    the optimizer; not in `restore_s`)."""
 
     trainer: Trainer
     choice: Choice
     restore_s: float
     resized: WorldChange | None
     build_s: float
-    ahead_bytes: int = 0
 
     @property
     def chosen(self) -> Candidate | None:
@@ -166,35 +162,27 @@ class Resume:
             choice = self.choose()
             if choice is None:
                 return None
-            # The disk reads the checkpoint while the trainer it loads into is built (prefetch.py), and
-            # the memory of the optimizer state it will load is faulted in meanwhile (prefault.py).
-            with self._prefetch(choice), self._fault_ahead(choice) as ahead:
+            # The disk reads the checkpoint while the trainer it loads into is built (prefetch.py).
+            with self._prefetch(choice):
                 t_build = time.perf_counter()
                 trainer = Trainer(choice.cfg, rank=self.rank, world_size=self.world, task=self.task, data=self.data,
                                   fresh=choice.candidate is None)
                 build_s = time.perf_counter() - t_build
                 try:
-                    resized = self.restore(trainer, choice, ahead)
+                    resized = self.restore(trainer, choice)
                 except PassedOver:
                     trainer.close()  # partly loaded: the next choice gets a trainer of its own
                     continue
                 except BaseException:
                     trainer.close()
                     raise
-            return Started(trainer, choice, self.restore_s, resized, build_s, ahead.taken if ahead else 0)
+            return Started(trainer, choice, self.restore_s, resized, build_s)
 
     @staticmethod
     def _prefetch(choice: Choice) -> contextlib.AbstractContextManager[object]:
         if choice.candidate is None or choice.checkpoint is None:
             return contextlib.nullcontext()
         return Prefetch(choice.candidate.store.loc, choice.candidate.ref, choice.checkpoint.tensor_files)
-
-    @staticmethod
-    def _fault_ahead(choice: Choice) -> contextlib.AbstractContextManager[FaultAhead | None]:
-        if choice.candidate is None or choice.checkpoint is None or choice.checkpoint.sharded:
-            return contextlib.nullcontext()  # a sharded load reads into the live state it makes first
-        return contextlib.nullcontext() if (ahead := fault_ahead(
-            choice.candidate.store.loc, choice.checkpoint, Trainer.EMPTY_WHEN_BUILT)) is None else ahead
 
     def choose(self) -> Choice | None:
         """The next candidate to load (candidates already chosen are not offered again), a fresh
@@ -250,9 +238,8 @@ class Resume:
         log.info("exact elastic mode", on=exact, why=why)
         return Choice(chosen, run_cfg, why, checkpoint, changes, tuple(shard_copies))
 
-    def restore(self, trainer: Trainer, choice: Choice, ahead: FaultAhead | None = None) -> WorldChange | None:
+    def restore(self, trainer: Trainer, choice: Choice) -> WorldChange | None:
         """Load `choice`'s checkpoint into `trainer` (built for it); the world-size change since it.
-        `ahead`: new tensors made for its optimizer state while the trainer was built.
         A local or peer copy was verified when chosen; a persistent one is verified while it loads
         (`Verify.WHILE`): found damaged, it is passed over (`PassedOver`)."""
         chosen = choice.candidate
@@ -266,7 +253,7 @@ class Resume:
             try:
                 load(chosen.store, choice.checkpoint, trainer.state.parts(),
                      verify=Verify.NO if local_copy else self.verify, kept_on_new_rank=trainer.state.kept_on_new_rank,
-                     one_rank=local_copy, shard_copies=list(choice.shard_copies), ahead=ahead)
+                     one_rank=local_copy, shard_copies=list(choice.shard_copies))
             except CheckpointCorrupt as e:
                 if self.verify is not Verify.WHILE and not local_copy:
                     raise

@@ -126,10 +126,6 @@ class StepModule(torch.nn.Module):
 class Trainer:
     """Builds the task's models, optimizer bundle, data stream, RNG and scaler; runs steps."""
 
-    # The parts a newly built trainer holds no tensors of: a torch optimizer makes its state at its
-    # first step (or at `materialize_optimizer_state`), so a resume loads it into new memory.
-    EMPTY_WHEN_BUILT = ("optim",)
-
     def __init__(self, cfg: RunConfig, *, rank: int = 0, world_size: int = 1, task: BoundTask | None = None,
                  data: TrainData | None = None, fresh: bool = False) -> None:
         """`task`: the run's task (default: `task.factory`'s, or the built-in language model);

@@ -41,8 +41,6 @@ def test_sigkill_during_a_background_persist_keeps_the_previous_checkpoint(tmp_p
     out = harness(*args, check=True)
     starts = [e for e in events(intr) if e["event"] == "start"]
     assert [s["resumed_from"] for s in starts] == [None, 4], out.stderr[-2000:]
-    # The resume made its optimizer state's memory while it built the trainer (prefault.py).
-    assert starts[0]["ahead_bytes"] == 0 and starts[1]["ahead_bytes"] > 0
     assert_same_run(cont, intr, STEPS)
 
 
