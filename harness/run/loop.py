@@ -270,7 +270,7 @@ class Loop:
         `checkpoint.when_busy = "skip"` a save due while the previous one persists is skipped,
         unless `must` or it is the final step. A state holding NaN/inf is never saved: that raises
         TrainingDiverged instead (every save goes through here: cadence, final, preemption)."""
-        self.trainer.check_finite_state()
+        checked = self._check_finite_state()
         step = self.trainer.step
         submitted = self.saver.save(step, self.trainer.state.parts(), meta=self.checkpoint_meta(),
                                     must=must or step >= self.cfg.train.steps)
@@ -278,12 +278,19 @@ class Loop:
             self.clock.saved(step)
             self.events.emit("checkpoint_skipped", step=step, reason="the previous save is still persisting")
             return
-        blocking = submitted.blocking_s
+        blocking = checked + submitted.blocking_s
         self.save_s += blocking
         self.last_saved = step
         self.clock.saved(step, blocking)
         self.events.emit("checkpoint", step=step, blocking_s=blocking, background=self.saver.background)
         self.events.emit("progress", step=step, train_s=self.train_s, save_s=self.save_s)
+
+    def _check_finite_state(self) -> float:
+        """`Trainer.check_finite_state` (raises on a NaN/inf state); its seconds, which the step loop
+        waits for as part of the save's blocking."""
+        t0 = time.perf_counter()
+        self.trainer.check_finite_state()
+        return time.perf_counter() - t0
 
     def local_due(self, step: int) -> bool:
         """Whether the local tier saves at `step`. An "auto" interval is measured on each rank, so
@@ -298,12 +305,13 @@ class Loop:
         saves are taken (in the background or in this thread), with the same finite-state check as
         `save`; its peer copy is exchanged in the background (checkpoint/save/local_tier.py)."""
         assert self.local_tier is not None and self.local_clock is not None  # called for a run with a local tier
-        self.trainer.check_finite_state()
+        checked = self._check_finite_state()
         step = self.trainer.step
         submitted = self.local_tier.save(step, self.trainer.state.parts(), self.checkpoint_meta())
-        self.local_clock.saved(step, submitted.blocking_s)
-        self.save_s += submitted.blocking_s
-        self.events.emit("local_checkpoint", step=step, blocking_s=submitted.blocking_s, bytes=submitted.nbytes,
+        blocking = checked + submitted.blocking_s
+        self.local_clock.saved(step, blocking)
+        self.save_s += blocking
+        self.events.emit("local_checkpoint", step=step, blocking_s=blocking, bytes=submitted.nbytes,
                          background=self.local_tier.background)
 
     def local_committed(self, done: Committed) -> None:
