@@ -2,9 +2,9 @@
 
 Why: a background save streams the state through memory and the disk while the steps go on. On
 this project's 2-core VM, with one training thread (`train.cpu_threads=1`), a step beside a save
-of 2 GiB took 1.11-1.19x its time alone while the writer's threads ran wherever the kernel put
-them, 1.02-1.05x with them held on the core that takes the disk's interrupts, and 1.21x with them
-held on the other core (docs/bench-scale.md, fifth pass). A disk's completions wake the writer on
+of 2 GiB took 1.03-1.19x its time alone while the writer's threads ran wherever the kernel put
+them, 1.02-1.05x with them held on the core that takes the disk's interrupts, and 1.21-1.25x with
+them held on the other core (docs/bench-scale.md, fifth pass). A disk's completions wake the writer on
 the core its interrupts go to (one core for a VM's single-queue disk; the submitting core for a
 multi-queue NVMe), and the training thread there is the one that gives way.
 
@@ -105,11 +105,6 @@ def place_writers(setting: str | list[int], training_threads: int) -> frozenset[
     the cores, or None for no placement."""
     global _placed
     _placed = choose(setting, training_threads)
-    return _placed
-
-
-def placed() -> frozenset[int] | None:
-    """The cores placed by the last `place`, or None."""
     return _placed
 
 
