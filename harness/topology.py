@@ -24,6 +24,12 @@ class Topology:
     local_world_size: int = 1
 
 
+def process_cores() -> list[int]:
+    """The cores the calling thread may run on, in order: the process's own, unless the thread was
+    held on fewer (checkpoint/save/writer_cores.py)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def topology_from_env(env: Mapping[str, str] | None = None) -> Topology:
     """The topology torchrun (or SLURM through ops/slurm/train.sbatch) put in the environment."""
     env = os.environ if env is None else env

@@ -9,13 +9,13 @@ threads run it in parallel.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
 
+from harness.topology import process_cores
 from optim.dtensor import local
 
 T = TypeVar("T")
@@ -27,7 +27,7 @@ MIN_BYTES = 64 << 20
 
 def cores() -> int:
     """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return len(process_cores())
 
 
 def host_bytes(tensors: Sequence[torch.Tensor]) -> int:

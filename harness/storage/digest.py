@@ -20,6 +20,8 @@ from typing import Protocol
 
 import blake3
 
+from harness.topology import process_cores
+
 DEFAULT_ALGORITHM = "blake3"
 
 # Whether this process is a fork of one that may have hashed over every core. BLAKE3's threads
@@ -46,8 +48,7 @@ def hash_threads() -> int:
     hashes on its own thread (above)."""
     if _forked:
         return 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores - 1)
+    return max(1, len(process_cores()) - 1)
 
 
 class Hasher(Protocol):

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from harness.errors import UserError
 from harness.log import get_logger
+from harness.topology import process_cores
 
 log = get_logger(__name__)
 
@@ -38,11 +39,6 @@ INTERRUPTS = Path("/proc/interrupts")
 
 _placed: frozenset[int] | None = None
 _warned = False
-
-
-def allowed_cores() -> list[int]:
-    """The cores this process may run on, in order."""
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 def device_interrupts(text: str) -> dict[int, int]:
@@ -84,7 +80,7 @@ def _read_interrupts() -> dict[int, int]:
 
 def choose(setting: str | list[int], training_threads: int) -> frozenset[int] | None:
     """The cores `setting` (`checkpoint.writer_cores`) names for this process; see the contract."""
-    cores = allowed_cores()
+    cores = process_cores()
     placeable = hasattr(os, "sched_setaffinity")  # Linux
     if setting == "any" or (setting == "auto" and not placeable):
         return None

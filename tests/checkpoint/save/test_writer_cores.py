@@ -13,6 +13,7 @@ import pytest
 from harness.checkpoint.save import writer_cores
 from harness.checkpoint.save.background import BackgroundJob
 from harness.errors import UserError
+from harness.topology import process_cores
 
 # This project's VM: the disk's completions (virtio1-req.0) all on CPU1.
 INTERRUPTS = """\
@@ -49,7 +50,7 @@ def test_free_cores_are_those_the_training_threads_leave_most_interrupted_first(
 
 
 def test_auto_reads_the_machines_interrupts(tmp_path, monkeypatch):
-    cores = writer_cores.allowed_cores()
+    cores = process_cores()
     table = tmp_path / "interrupts"
     table.write_text(" ".join(f"CPU{c}" for c in cores) + "\n 36: " + " ".join(
         "7" if c == cores[0] else "0" for c in cores) + " virtio1-req.0\n")
@@ -78,7 +79,7 @@ def where_a_job_runs() -> tuple[set[int], set[int]]:
 
 
 def test_a_job_and_the_threads_it_starts_run_on_the_placed_cores():
-    cores = writer_cores.allowed_cores()
+    cores = process_cores()
     last = cores[-1]
     assert writer_cores.place_writers([last], 1) == {last}
     assert where_a_job_runs() == ({last}, {last})
@@ -88,14 +89,14 @@ def test_a_job_and_the_threads_it_starts_run_on_the_placed_cores():
 
 
 def test_a_core_this_process_may_not_use_is_refused_naming_it():
-    cores = writer_cores.allowed_cores()
+    cores = process_cores()
     with pytest.raises(UserError, match=re.escape(f"writer_cores names core(s) [4096] this process may not run on "
                                                   f"(it may run on {cores})")):
         writer_cores.place_writers([cores[0], 4096], 1)
 
 
 def test_a_refused_placement_warns_and_the_job_still_runs(monkeypatch):
-    writer_cores.place_writers(writer_cores.allowed_cores(), 1)
+    writer_cores.place_writers(process_cores(), 1)
 
     def refuse(_pid: int, _cores: object) -> None:
         raise OSError(22, "Invalid argument")
