@@ -3,7 +3,8 @@
 torchrun, or SLURM through ops/slurm/train.sbatch, sets RANK, WORLD_SIZE and LOCAL_RANK; a plain
 `harness train` is rank 0 of 1. Reading it needs no torch, so the commands that only decide
 (`harness train --max-restarts` as a supervisor) start without it; joining the group is
-harness/parallel/distributed.py.
+harness/parallel/distributed.py. `process_cores` is where on the machine: the cores a thread may
+run on.
 """
 
 from __future__ import annotations
