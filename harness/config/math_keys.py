@@ -16,7 +16,7 @@ from harness.config_layers import flatten
 # checked as the data identity instead (harness/data/identity.py, harness/data/sources.py).
 FREE_FIELDS = ("run_dir", "log_dir", "checkpoint", "health", "log", "debug", "data.num_workers", "data.storage_options",
                "data.sources", "data.eval_sources", "data.hash_check", "train.eval_every", "train.eval_batches",
-               "train.log_every", "train.device", "train.cpu_threads",
+               "train.log_every", "train.device", "train.cpu_threads", "train.host_heap",
                "train.fingerprint_every", "train.on_divergence", "train.unregistered_state",
                # Anomaly handling changes the numbers only at an anomaly, and what it did then (the
                # skipped batches) is checkpointed state: a resume repeats it under any of these.

@@ -50,6 +50,15 @@ class TrainSection(Section):
             "warns: some kernels split their sums by it."
         ),
     )
+    host_heap: Literal["keep", "system"] = Field(
+        "keep",
+        description=(
+            "keep = the host memory the process frees stays in it for its next allocations (glibc: no block "
+            "mapped on its own, the heap never cut back), so a step does not fault in again the gradients and "
+            "optimizer temporaries the step before it freed; the RSS stays at its peak. system = the C library's "
+            "defaults (freed memory goes back to the kernel). harness/process/host_heap.py"
+        ),
+    )
     eval_every: int = Field(
         0, ge=0,
         description=(

@@ -44,6 +44,7 @@ from harness.errors import Unavailable, UserError
 from harness.health.trackers import open_trackers
 from harness.log import get_logger
 from harness.parallel import distributed
+from harness.process import host_heap
 from harness.records.events import EVENTS_FILE, EventLog
 from harness.records.metrics import MetricsLog
 from harness.records.run_files import METRICS_FILE, existing_run, log_dir_for, write_run_json
@@ -63,6 +64,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
           takeover: bool = False) -> int:
     # Before any torch math: MKL's mode is fixed at its first use.
     threads = numerics.apply(cfg.train.cpu_threads)["cpu_threads"]
+    heap = host_heap.apply(cfg.train.host_heap)
     writers = place_writers(cfg.checkpoint.writer_cores, threads * topology_from_env().local_world_size)
     log_dir = Path(log_dir_for(cfg.run_dir, cfg.log_dir))
     if fsspec.utils.get_protocol(cfg.run_dir) == "memory":
@@ -122,7 +124,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
                         world_size=distributed.world(),
                         saved_world_size=resized.old_world if resized else None, exact_elastic=trainer.exact,
                         exact_elastic_why=started.choice.exact_why,
-                        writer_cores=sorted(writers) if writers is not None else None)
+                        writer_cores=sorted(writers) if writers is not None else None, host_heap=heap)
             if resized is not None:
                 events.emit("world_size_changed", **resized.event())
             if started.choice.changes:

@@ -72,14 +72,16 @@ def test_auto_interval_and_skipped_saves_do_not_change_the_numbers(tmp_path):
     assert_same_run(cont, intr, STEPS)
 
 
-def test_the_writer_held_on_its_own_cores_changes_no_number(tmp_path):
-    """`checkpoint.writer_cores` moves the background persist off the training thread's core; the
-    run it saves is bitwise the one saved from any core, and its `start` event names the cores."""
+def test_where_the_process_puts_its_writer_and_its_freed_memory_changes_no_number(tmp_path):
+    """`checkpoint.writer_cores` moves the background persist off the training thread's core and
+    `train.host_heap` keeps the memory a step frees for the next: a run with both is bitwise the
+    run with neither, and its `start` event names the writer's cores and the heap it kept."""
     core = max(os.sched_getaffinity(0))
     placed, anywhere = tmp_path / "placed", tmp_path / "anywhere"
-    for run, where in ((placed, f"[{core}]"), (anywhere, "any")):
+    for run, where, heap in ((placed, f"[{core}]", "keep"), (anywhere, "any", "system")):
         harness("train", str(TINY), "--run-dir", str(run), "--set", "train.cpu_threads=1",
-                "--set", f"checkpoint.writer_cores={where}", check=True)
-    assert [e["writer_cores"] for e in events(placed) if e["event"] == "start"] == [[core]]
-    assert [e["writer_cores"] for e in events(anywhere) if e["event"] == "start"] == [None]
+                "--set", f"checkpoint.writer_cores={where}", "--set", f"train.host_heap={heap}", check=True)
+    started = {run: [e for e in events(run) if e["event"] == "start"] for run in (placed, anywhere)}
+    assert [(e["writer_cores"], e["host_heap"]) for e in started[placed]] == [([core], "keep")]
+    assert [(e["writer_cores"], e["host_heap"]) for e in started[anywhere]] == [(None, "system")]
     assert_same_run(anywhere, placed, STEPS)
