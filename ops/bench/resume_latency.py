@@ -31,6 +31,7 @@ memory the host has backed, and the ratio compares the code paths alone.
     python ops/bench/resume_latency.py --d-model 512 --layers 8
     python ops/bench/resume_latency.py --d-model 1024 --layers 28 --optim adamw --repeat 2   # 4 GiB of state
     python ops/bench/resume_latency.py --d-model 1024 --layers 28 --optim adamw --repeat 2 --back-memory-gib 8
+    python ops/bench/resume_latency.py --d-model 1024 --layers 28 --optim adamw --repeat 2 --set train.host_heap=system
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def train(run_dir: Path, args: argparse.Namespace, *extra: str) -> dict:
            "--set", f"model.args.d_model={args.d_model}", "--set", f"model.args.n_layer={args.layers}",
            "--set", "model.args.n_head=8", "--set", "data.batch_size=2", "--set", "train.eval_every=0",
            "--set", "debug.crash_at_step=2", "--set", "debug.crash_once=true", "--set", f"optim.type={args.optim}",
-           *([] if args.optim == "muon" else ["--set", "optim.lr_muon=null"]), *extra]
+           *([] if args.optim == "muon" else ["--set", "optim.lr_muon=null"]),
+           *(a for kv in args.set for a in ("--set", kv)), *extra]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     starts = [e for e in _lines(run_dir / "events.jsonl") if e.get("event") == "start" and e["time"] >= t0]
@@ -104,6 +106,8 @@ def main() -> None:
     p.add_argument("--optim", default="muon", help="optim.type (adamw: two moments per parameter)")
     p.add_argument("--back-memory-gib", type=float, default=0.0,
                    help="GiB a child process writes before each timed resume and raw read (see above)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config setting of every run (repeatable), e.g. train.host_heap=system")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="resume-latency-"))
     try:
