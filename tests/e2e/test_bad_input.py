@@ -13,7 +13,8 @@ CASES = {
     "missing config file": (None, "does not exist"),
     "a writer core not this process's": (["--set", "checkpoint.writer_cores=[4096]"],
                                           "checkpoint.writer_cores names core(s) [4096] this process may not run on"),
-    "an unknown host heap": (["--set", "train.host_heap=forever"], "train.host_heap: Input should be 'keep' or 'system'"),
+    "an unknown host heap": (["--set", "train.host_heap=forever"],
+                             "train.host_heap: Input should be 'keep' or 'system'"),
 }
 
 
