@@ -141,7 +141,7 @@ def verify_files(loc: Location, ref: CheckpointRef) -> list[str]:
             continue
         # One pass over each file: its header or contents are checked through the hashing
         # reader (a second read of the header was a second GET of a whole block on S3).
-        with HashingReader(open_read(loc, path), rec.algorithm) as reader:
+        with HashingReader(open_read(loc, path, prefetch=True), rec.algorithm) as reader:
             try:
                 _check_content(reader, rec, where)
                 content_problem = None

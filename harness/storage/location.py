@@ -31,6 +31,7 @@ from typing import Any
 from harness.errors import StorageError
 from harness.storage.digest import DEFAULT_ALGORITHM, new_hasher
 from harness.storage.filesystem import open_filesystem
+from harness.storage.read_ahead import ReadAhead
 
 # Bytes given to the hash and not hashed yet, at most (`BackgroundHash`): the memory they hold
 # beyond the caller's own (a message a peer copy received, a GPU tensor's host copy). Tensor
@@ -198,13 +199,11 @@ def _write(loc: Location, path: str, chunks: Iterable[memoryview | bytes],
 def open_read(loc: Location, path: str, prefetch: bool = False) -> Any:
     """A binary reader with `seek` and `readinto` (the filesystem's file: a Python file on local
     disk, else fsspec's, which has no type information); unbuffered on local disk (large reads go
-    straight into the destination tensor). `prefetch` advises the kernel that the file will be
-    read (`POSIX_FADV_WILLNEED`): Linux starts reading its first read-ahead window (the device's
-    `read_ahead_kb`, 8 MiB on the reference machine) into the page cache at once, not the whole
-    file; the reads that follow keep the kernel's own read-ahead going."""
+    straight into the destination tensor). `prefetch`: the file is read front to back, and on
+    local disk the kernel is kept reading it ahead of the reads (`ReadAhead`, read_ahead.py)."""
     f = loc.fs.open(path, "rb")
     if loc.is_local and prefetch and hasattr(os, "posix_fadvise"):
-        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+        return ReadAhead(f)
     return f
 
 
@@ -269,7 +268,7 @@ class HashingReader:
 def hash_file(loc: Location, path: str, algorithm: str = DEFAULT_ALGORITHM) -> tuple[int, str]:
     """(size, digest hex under `algorithm`) of the file's actual bytes; the next chunk is read
     while the last one is hashed (see `HashingReader`)."""
-    with HashingReader(open_read(loc, path), algorithm) as reader:
+    with HashingReader(open_read(loc, path, prefetch=True), algorithm) as reader:
         return reader.finish()
 
 
