@@ -50,7 +50,7 @@ def _hash_and_count(loc: Location, path: str, itemsize: int, eod_id: int) -> tup
     dtype = np.dtype(f"<u{itemsize}")
     count = 0
     part = b""  # a token cut by a short read
-    with HashingReader(open_read(loc, path)) as reader:
+    with HashingReader(open_read(loc, path, prefetch=True)) as reader:
         # Fresh bytes per chunk: the hash runs in a thread over the very buffers read.
         while chunk := reader.read(_CHUNK):
             data = part + chunk if part else chunk

@@ -101,7 +101,7 @@ def _load_file(loc: Location, name: str, targets: dict[str, torch.Tensor], loade
     where = loc.url_of(path)
     try:
         size = loc.fs.size(path)
-        with HashingReader(open_read(loc, path), DIGEST) as f:
+        with HashingReader(open_read(loc, path, prefetch=True), DIGEST) as f:
             entries = read_header(f, size, where)
             unknown = sorted(set(entries) - set(targets))
             if unknown:
