@@ -7,7 +7,7 @@ every step (the gradients, which `zero_grad(set_to_none=True)` frees, and the op
 temporaries), so each step faulted them in again, pages the kernel zeroes and, on a VM that
 reports its free pages to the host, pages the host must back again. On this project's 2-core VM,
 a 302M-parameter GPT with AdamW on one thread took 487,000-498,000 minor faults and 2.81 s a step;
-with the memory kept, 0 faults and 2.20 s, and a step beside a background save went from 1.07x
+with the memory kept, 0 faults and 2.20 s, and a step beside a background save went from 1.09x
 a step without one to 1.02x (docs/bench-scale.md, sixth pass).
 
 Contract:
