@@ -46,10 +46,12 @@ def run(run_dir: Path, args: argparse.Namespace, setting: str) -> dict:
            "--set", "model.args.n_head=8", "--set", "model.args.dropout=0.0", "--set", "data.batch_size=2",
            "--set", f"data.seq_len={args.seq_len}",
            "--set", "optim.type=adamw", "--set", "optim.lr_muon=null"]
-    with subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) as proc:
-        _, status, usage = os.wait4(proc.pid, 0)
-        if os.waitstatus_to_exitcode(status):
-            raise SystemExit(f"{setting}: harness train failed: {proc.stderr.read()[-2000:]}")
+    # Its stderr to a file, not a pipe: nothing reads a pipe while wait4 waits (a full one would stall the run).
+    stderr = run_dir.with_suffix(".stderr")
+    with stderr.open("w") as err, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err) as proc:
+        _, status, usage = os.wait4(proc.pid, 0)  # the child's own rusage: its peak RSS
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"{setting}: harness train failed: {stderr.read_text()[-2000:]}")
     events, metrics = lines(run_dir / "events.jsonl"), lines(run_dir / "metrics.jsonl")
     start = next(e for e in events if e["event"] == "start")
     saves = {e["step"]: e for e in events if e["event"] == "checkpoint"}
