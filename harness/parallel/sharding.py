@@ -65,6 +65,19 @@ def shard_model(model: torch.nn.Module, cfg: ParallelSection, device: torch.devi
     return units
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Every FSDP unit of `model` back on its sharded parameters. A forward without a backward
+    (an evaluation, exact elastic mode's probe) leaves the root unit's parameters unsharded,
+    registered in the module as plain tensors, until something reshards them: exact elastic
+    mode, which reads the sharded parameters (`model.parameters()`) before the next forward,
+    and a checkpoint loaded into them need them sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """A scalar result of sharded math (a DTensor) as a plain tensor; collective for DTensors."""
     return t.full_tensor() if is_dtensor(t) else t

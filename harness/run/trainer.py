@@ -31,7 +31,7 @@ from harness.health.anomaly import Anomaly, detect
 from harness.log import get_logger
 from harness.models.init_from import load_initial_weights
 from harness.parallel import distributed, exact, exact_fsdp
-from harness.parallel.sharding import full_value, materialize_optimizer_state, shard_model
+from harness.parallel.sharding import full_value, materialize_optimizer_state, reshard, shard_model
 from harness.repro import numerics
 from harness.repro.buffer_probe import BufferProbe, non_persistent_buffers, updated_buffers
 from harness.repro.completeness import check_buffers, check_registered
@@ -179,6 +179,8 @@ class Trainer:
             with micro_batch_streams(self.cfg.train.seed, 0) as use_streams, self._autocast():
                 use_streams(0)
                 updated = updated_buffers(self.model, lambda: step(inputs, self._info(0)))
+            if self.sharded:
+                reshard(self.model)
             self.exact, self.exact_why = with_buffers(setting, (True, self.exact_why), updated)
             self.cfg = with_mode(self.cfg, self.exact)
             self.batch_size, self.grad_accum = batch_shape(self.cfg, self.world_size)
@@ -560,6 +562,8 @@ class Trainer:
         batches = eval_batches(self.data.eval, self.batch_size, self.cfg.train.eval_batches, self.data.collate)
         with self._autocast():
             metrics = self.task.evaluate(self.model, (to_device(b.inputs, self.device) for b in batches))
+        if self.sharded:
+            reshard(self.model)
         self.model.train()
         return metrics
 
