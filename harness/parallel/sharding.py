@@ -17,6 +17,7 @@ On CPU (gloo: the tests) the policy is not applied.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 
@@ -76,6 +77,13 @@ def reshard(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+def holds_dtensors(part: Any) -> bool:
+    """Whether a state part (a module, or an object with `state_dict`) holds sharded tensors (a
+    task's EMA of FSDP's parameters): then every rank writes its own shards of it, as of the model."""
+    tensors = part.parameters() if isinstance(part, torch.nn.Module) else part.state_dict().values()
+    return any(is_dtensor(t) for t in tensors)
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from harness.health.anomaly import Anomaly, detect
 from harness.log import get_logger
 from harness.models.init_from import load_initial_weights
 from harness.parallel import distributed, exact, exact_fsdp
-from harness.parallel.sharding import full_value, materialize_optimizer_state, reshard, shard_model
+from harness.parallel.sharding import full_value, holds_dtensors, materialize_optimizer_state, reshard, shard_model
 from harness.repro import numerics
 from harness.repro.buffer_probe import BufferProbe, non_persistent_buffers, updated_buffers
 from harness.repro.completeness import check_buffers, check_registered
@@ -45,7 +45,7 @@ from harness.run.state import TrainerCounters, TrainState
 from harness.task import BoundTask, StepInfo, load_task, task_context
 from optim.build import build_bundle
 from optim.bundle import MultiOpt
-from optim.dtensor import is_dtensor, local
+from optim.dtensor import local
 from optim.errors import OptimError
 
 if TYPE_CHECKING:
@@ -123,14 +123,12 @@ class Trainer:
         self.context = task_context(cfg, rank, world_size, self.device)
         self.data = data if data is not None else self.task.data(self.context)
         setting = cfg.parallel.exact_elastic
-        # harness/parallel/exact.py: the step does not depend on W
         self.exact, self.exact_why = decide(cfg, world_size, self.device.type, is_iterator_source(self.data.train),
                                             saved=saved_exact)
         self.cfg = with_mode(cfg, self.exact)
         self.batch_size, self.grad_accum = batch_shape(self.cfg, world_size)
         self._apply_numerics()
-        cfg = self.cfg
-        seed_everything(cfg.train.seed)
+        seed_everything(self.cfg.train.seed)
         self.model = self.task.models(self.context).to(self.device)
         self.hf_config = self._hf_config()
         self.initialised_from = self._load_initial_weights(fresh)
@@ -149,10 +147,10 @@ class Trainer:
         self.state = TrainState()
         self.fingerprints = FingerprintLog(
             lambda: {k: v for k, v in self.state.parts().items() if k != "fingerprints"},
-            cfg.train.fingerprint_every, cfg.train.on_divergence)
+            self.cfg.train.fingerprint_every, self.cfg.train.on_divergence)
         self._bundles: dict[tuple[str, ...], MultiOpt] = {}  # `_stepping`'s
         self._register_state()
-        check_registered({"trainer": self}, self.state.parts(), cfg.train.unregistered_state)
+        check_registered({"trainer": self}, self.state.parts(), self.cfg.train.unregistered_state)
         # Non-persistent buffers are judged by watching this process's first forward.
         self._buffer_probe = BufferProbe(self.model) if non_persistent_buffers(self.model) else None
 
@@ -168,9 +166,8 @@ class Trainer:
         numerics.warn_of_open_residual(self.device.type)
 
     def _decide_on_buffers(self, step: StepModule, setting: bool | str) -> None:
-        """Exact elastic mode kept, refused or turned off (`exact_mode.with_buffers`, for the
-        user's `setting`) once one forward of the step's first canonical micro-batch, drawing
-        from a stream of its own, shows the buffers the model's forward updates; logged."""
+        """Exact elastic mode kept, refused or turned off (`exact_mode.with_buffers`, the user's
+        `setting`) by the buffers one forward of the first micro-batch (own stream) updates; logged."""
         updated = []
         if self.exact:
             batch = next(eval_batches(self.data.train, self.batch_size, 1, self.data.collate))
@@ -182,8 +179,7 @@ class Trainer:
             if self.sharded:
                 reshard(self.model)
             self.exact, self.exact_why = with_buffers(setting, (True, self.exact_why), updated)
-            self.cfg = with_mode(self.cfg, self.exact)
-            self.batch_size, self.grad_accum = batch_shape(self.cfg, self.world_size)
+            self.cfg = with_mode(self.cfg, self.exact)  # the batch shape stays: global_batch / batch_size / W
         log.info("exact elastic mode", on=self.exact, why=self.exact_why, **({"buffers": updated} if updated else {}))
 
     def _hf_config(self) -> dict[str, Any] | None:
@@ -282,7 +278,7 @@ class Trainer:
         state.register("scaler", self.scaler)
         state.register("trainer", self.counters)
         for name, part in self.task.state().items():  # the task's extra state: an EMA, a counter
-            state.register(name, part, sharded=self.sharded and _holds_dtensors(part))
+            state.register(name, part, sharded=self.sharded and holds_dtensors(part))
         state.register("rng", RNGState(), per_rank=True, kept_on_new_rank=True)
         state.register("fingerprints", self.fingerprints)
 
@@ -570,9 +566,3 @@ class Trainer:
     def close(self) -> None:
         self.stream.close()
 
-
-def _holds_dtensors(part: Any) -> bool:
-    """Whether a task's state part holds sharded tensors (an EMA of FSDP's parameters): then every
-    rank writes its own shards of it, as of the model."""
-    tensors = part.parameters() if isinstance(part, torch.nn.Module) else part.state_dict().values()
-    return any(is_dtensor(t) for t in tensors)
