@@ -169,13 +169,18 @@ class Trainer:
         """Exact elastic mode kept, refused or turned off (`exact_mode.with_buffers`, the user's
         `setting`) by the buffers one forward of the first micro-batch (own stream) updates; logged."""
         updated = []
+        if self.exact and is_iterator_source(self.data.train):
+            raise UserError("parallel.exact_elastic needs a map-style dataset (the harness's own order cuts the "
+                            "canonical micro-batches); a data.factory iterator cannot: set exact_elastic = false")
         if self.exact:
-            batch = next(eval_batches(self.data.train, self.batch_size, 1, self.data.collate))
-            inputs = to_device(batch.inputs, self.device, copy=True)
+            def forward() -> None:
+                batch = next(eval_batches(self.data.train, self.batch_size, 1, self.data.collate))
+                step(to_device(batch.inputs, self.device, copy=True), self._info(0))
+
             self.model.train()
             with micro_batch_streams(self.cfg.train.seed, 0) as use_streams, self._autocast():
                 use_streams(0)
-                updated = updated_buffers(self.model, lambda: step(inputs, self._info(0)))
+                updated = updated_buffers(self.model, forward)
             if self.sharded:
                 reshard(self.model)
             self.exact, self.exact_why = with_buffers(setting, (True, self.exact_why), updated)
@@ -290,9 +295,6 @@ class Trainer:
             return BatchStream(data.train, self.batch_size * (self.grad_accum if self.exact else 1), cfg.train.seed,
                                rank=self.rank, world_size=self.world_size, num_workers=cfg.data.num_workers,
                                pin_memory=self.device.type == "cuda", contiguous=self.exact, collate=data.collate)
-        if self.exact:
-            raise UserError("parallel.exact_elastic needs a map-style dataset (the harness's own order cuts the "
-                            "canonical micro-batches); a data.factory iterator cannot: set exact_elastic = false")
         if cfg.data.num_workers:
             raise UserError(f"data.num_workers = {cfg.data.num_workers} with a data.factory iterator: the harness "
                             "reads an iterator in the training process, so its state_dict matches the batches "

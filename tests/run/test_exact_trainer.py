@@ -52,6 +52,11 @@ def test_exact_elastic_true_is_refused_naming_the_buffers():
         Trainer(gpt("batch_norm_gpt", "true"))
 
 
+def test_an_iterator_as_the_training_data_is_refused_before_any_probe():
+    with pytest.raises(UserError, match=r"^parallel.exact_elastic needs a map-style dataset"):
+        Trainer(gpt("batch_norm_gpt", "true", 'data.factory="tests.data.user_datasets:build_walk"'))
+
+
 def test_the_probe_forward_leaves_the_generators_and_the_buffers_as_they_were():
     """A model with a buffer its forward rebuilds (not state) stays in exact mode; the probe
     forward it took (dropout on, the cache written) left every generator and buffer as a trainer
