@@ -57,7 +57,7 @@ class HostBlock:
         self.pinned = pinned and self._pin()
         if not self.pinned:
             self.tensor.zero_()  # fault the pages in now, not during a save (registering does it for pinned ones)
-        self._finalizer = weakref.finalize(self, _give_back, self.registered, self._mapping)
+        self._finalizer = weakref.finalize(self, _give_back, self.registered, self._mapping, _unregister)
 
     def _pin(self) -> bool:
         assert self.tensor is not None
@@ -79,9 +79,9 @@ class HostBlock:
         self._finalizer()
 
 
-def _give_back(registered: list[int], mapping: mmap.mmap) -> None:
+def _give_back(registered: list[int], mapping: mmap.mmap, unregister: Callable[[int], None]) -> None:
     for address in registered:
-        _unregister(address)
+        unregister(address)
     registered.clear()
     try:
         mapping.close()

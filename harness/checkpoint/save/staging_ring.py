@@ -42,7 +42,7 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 
 import psutil
@@ -69,6 +69,12 @@ def default_host_budget() -> int:
     """The host memory a ring of unset capacity may take: half of what the host has available
     now, shared by the node's ranks (each stages its own state)."""
     return psutil.virtual_memory().available // 2 // max(1, topology_from_env().local_world_size)
+
+
+def on_gpu(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether a tensor of `tensors` (a DTensor's: its local shard) lives on a GPU: then the ring
+    is pinned and its copies asynchronous."""
+    return any(local(t).is_cuda for t in tensors)
 
 
 def staged_bytes(tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> int:
@@ -146,7 +152,7 @@ class StagingRing:
         self._wait_allocated()
         nbytes = staged_bytes(tensors)
         size = self.size_for(nbytes)
-        pin = any(local(t).is_cuda for named in tensors.values() for t in named.values())
+        pin = on_gpu(t for named in tensors.values() for t in named.values())
         if self._memory is not None and self._memory.numel() >= size:
             return
         if self.capacity is None and size < nbytes:
@@ -211,7 +217,7 @@ class StagingRing:
         stopped (`writer_alive()` false) before making room. The writer is told to stop if this
         raises."""
         try:
-            if self._whole and not any(local(t).is_cuda for _, _, t in entries):
+            if self._whole and not on_gpu(t for _, _, t in entries):
                 self._feed_whole(entries)
             else:
                 for file, name, tensor in entries:
