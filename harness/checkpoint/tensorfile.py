@@ -12,7 +12,9 @@ Why not `safetensors.torch.save` / `safe_open`:
   copies into the live one: the mapped pages count in RSS and every tensor is copied twice.
   `read_tensor(..., out=live)` reads the bytes straight into the live tensor's storage with
   `readinto`, so resuming needs no memory beyond what the live state already holds, and the same
-  code reads from local disk, `memory://` or S3 (fsspec file objects).
+  code reads from local disk, `memory://` or S3 (fsspec file objects). A live tensor on a GPU is
+  read into through a few lent pinned pieces, each copied to the device asynchronously while the
+  next is read (host_memory.py), not whole into fresh pageable memory and a blocking copy.
 
 Tensor order in a file is by name, and the header carries no metadata or timestamp, so the same
 tensors always give the same bytes. The reader validates everything before trusting it: header
