@@ -12,7 +12,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from harness.config import load_config
-from harness.repro.finite import first_nonfinite
 from harness.run.trainer import Trainer, TrainingDiverged
 from procs import TINY
 
@@ -47,6 +46,8 @@ def test_the_check_moves_no_tensor_and_waits_once_however_many_tensors(tmp_path)
 
 
 def test_every_device_reduces_its_own_tensors_to_one_flag():
+    from harness.repro.finite import first_nonfinite
+
     named = [("a", torch.ones(3)), ("b", torch.ones(2, dtype=torch.float64)), ("c", torch.tensor(4.0))]
     with Counted() as counted:
         assert first_nonfinite(named) is None
