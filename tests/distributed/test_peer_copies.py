@@ -19,7 +19,7 @@ import torch
 from harness.checkpoint.format import WORLD_SIZE_KEY
 from harness.checkpoint.manifest import MANIFEST_FILE
 from harness.checkpoint.save.local_recovery import LocalRecovery
-from harness.checkpoint.save.peer_copies import peer_store
+from harness.checkpoint.save.node_folders import peer_store
 from harness.config import LocalTierSection
 from harness.records.run_id import RUN_ID_KEY
 from launch import Ranks, run, tail, train_args
