@@ -61,7 +61,7 @@ def main() -> None:
         result["same_model"] = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                                       loaded.state_dict().values(), strict=True))
         # A resume from step 2 (an older tier): the local checkpoints and peer copies past it go.
-        after = LocalTier(section, RUN, resumed_step=2)
+        LocalTier(section, RUN, resumed_step=2)  # deletes what is past step 2 in every folder here
         result["kept"] = sorted({ref.step for folder in folders(section, RUN) for ref in folder.store.list()})
         if rank == 0:
             damaged = Path(tier.store.ref(2).path) / "model.safetensors"
