@@ -99,8 +99,8 @@ def abandoned(meta: Mapping[str, Any], step: int, starts: Sequence[int]) -> str 
 class LocalTier:
     """Saves the live state into the local tier of run `run_id` (when: the loop's clock for this tier).
 
-    `resumed_step`: the step the state was restored from (0 when fresh); local checkpoints past it
-    are deleted now (module docstring), peer copies past it too. `per_rank`, `sharded`: as
+    `resumed_step`: the step the state was restored from (0 when fresh); the copies past it in every
+    folder of the run on this node are deleted now (module docstring). `per_rank`, `sharded`: as
     `Saver`'s. With peer copies (`peer_jump`) every rank makes it at the same point;
     `peer_delay_s`: `PeerCopies`' `delay_s`; `start`: which start of the run this process is (run.json's
     `starts`), recorded in every checkpoint's meta (None: not recorded). It saves in the caller's
