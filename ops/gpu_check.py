@@ -49,6 +49,7 @@ import torch  # noqa: E402
 from gpu_probes import Result, verdict  # noqa: E402
 
 from compare import bitwise_differences, losses_of  # noqa: E402
+from harness.repro import numerics  # noqa: E402
 from launch import Ranks, kill_all, run, start, tail, torchrun, wait_step  # noqa: E402
 from procs import ENV, TINY, assert_same_run, events, harness  # noqa: E402
 
@@ -118,6 +119,7 @@ def same_run(a: Path, b: Path, steps: int, what: str) -> list[str]:
 def interrupted(cmd: list[str] | Ranks, run_dir: Path, step: int, committed: int, log: Path,
                 env: dict[str, str]) -> None:
     """Start `cmd`, SIGKILL it (every process) once `step` is logged and `committed` committed."""
+    log.parent.mkdir(parents=True, exist_ok=True)
     proc = start(cmd, log, env)
     try:
         wait_step(proc, run_dir, step, log, committed=committed)
@@ -169,6 +171,7 @@ def cpu_host_checkpoint(ctx: Context) -> Result:
 
 def torchrun_cpu(ctx: Context) -> Result:
     work, sets = ctx.work / "torchrun-cpu", ["--set", "train.device=cpu", "--set", "optim.type=muon"]
+    work.mkdir(parents=True, exist_ok=True)
     codes = {}
     for name, env in (("gpu-host", cuda_env()), ("no-gpu", cuda_env(""))):
         codes[name] = run(torchrun("train", str(TINY), "--run-dir", str(work / name), *sets), work / f"{name}.log",
@@ -313,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
         print("FAIL preflight: no CUDA device visible", flush=True)
         return 1
     work = args.work or Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    work.mkdir(parents=True, exist_ok=True)
+    numerics.prepare_environment()  # as the harness's CLI does first: the in-process checks run its code
     ctx = Context(device, gpus, work, args.state_mib, args.staging_mib, args.model_args)
     results = [run_check(check, ctx) for check in args.checks]
     print("figures:")
