@@ -8,7 +8,7 @@ instead. A key counts as given when its value differs from its default: a key at
 changes nothing in any mode, and a saved config, dumped whole, names every key. What only a
 running process knows (the world size, the device, whether a data factory returns an iterator)
 is checked where it is used (harness/run/trainer.py, harness/run/session.py). [optim] is
-optim/config.py's, checked there.
+optim/config.py's: each optim.type takes only its own keys.
 """
 
 from __future__ import annotations
