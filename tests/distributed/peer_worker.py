@@ -36,7 +36,7 @@ RUN = "run-a"
 def main() -> None:
     tmp = Path(sys.argv[1])
     peer_copies.CHUNK_BYTES = 64
-    with distributed.process_group():
+    with distributed.process_group("cpu"):
         rank = distributed.rank()
         section = LocalTierSection(dir=str(tmp / f"node{rank}"), every_steps=2, keep=2, peer_jump=1)
         tier = LocalTier(section, RUN, resumed_step=0)

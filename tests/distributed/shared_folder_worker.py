@@ -60,7 +60,7 @@ def main() -> None:
         return real(outgoing, incoming)
 
     local_recovery.transfer = counting
-    with distributed.process_group():
+    with distributed.process_group("cpu"):
         rank = distributed.rank()
         section = LocalTierSection(dir=str(tmp / f"node{min(rank, 1)}"), every_steps=2, keep=2, peer_jump=1)
         tier = LocalTier(section, RUN, resumed_step=0)
