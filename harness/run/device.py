@@ -8,22 +8,12 @@ from typing import Any
 import torch
 
 from harness.config import RunConfig
-from harness.errors import UserError
-
-
-def resolve_device(name: str) -> torch.device:
-    """`train.device` ("auto", "cpu", "cuda") as a torch device; raises UserError for CUDA where
-    none is visible."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("train.device = 'cuda' but no CUDA device is visible; use 'cpu' or 'auto'")
-    return torch.device(name)
+from harness.parallel import distributed
 
 
 def process_device(cfg: RunConfig, world_size: int) -> torch.device:
     """`train.device` of this process; in a group on CUDA, this rank's own device."""
-    device = resolve_device(cfg.train.device)
+    device = distributed.resolve_device(cfg.train.device)
     if device.type == "cuda" and world_size > 1:
         return torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, set by the process group
     return device

@@ -42,7 +42,7 @@ from harness.data.sources import TrainData, identity_changes
 from harness.errors import UserError
 from harness.log import get_logger
 from harness.parallel import distributed
-from harness.run.device import process_device, resolve_device
+from harness.run.device import process_device
 from harness.run.elastic import WorldChange, after_load
 from harness.run.environment import warn_if_changed
 from harness.run.exact_mode import AUTO, saved_mode
@@ -372,5 +372,5 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: 
     if changed:
         log.warning("resuming with a changed config; the new values apply from the first resumed step, bitwise "
                     "equality is not promised", changes={k: f"{a!r} -> {b!r}" for k, (a, b) in changed.items()})
-    warn_if_changed(meta.get("environment", {}), resolve_device(cfg.train.device))
+    warn_if_changed(meta.get("environment", {}), distributed.resolve_device(cfg.train.device))
     return changed

@@ -36,7 +36,7 @@ from harness.repro import numerics
 from harness.repro.buffer_probe import BufferProbe, non_persistent_buffers, updated_buffers
 from harness.repro.completeness import check_buffers, check_registered
 from harness.repro.fingerprint import FingerprintLog
-from harness.repro.on_cores import host_bytes, on_cores
+from harness.repro.finite import first_nonfinite
 from harness.repro.rng import RNGState, micro_batch_streams, seed_everything
 from harness.repro.splitmix import derive_seed
 from harness.run.device import compile_options, process_device
@@ -106,9 +106,8 @@ class Trainer:
         `data`: its data, when the caller opened them already (with the same `task`). `fresh`: a
         start at step 0, whose model then loads `model.init_from` (when set; `initialised_from`
         records what was read); a trainer a checkpoint is restored into never reads it.
-        `saved_exact`: the exact elastic mode of the checkpoint to be restored (None: a fresh
-        start); the trainer decides the mode (harness/run/exact_mode.py: `exact`, `exact_why`,
-        and `cfg` holding it as a bool), the model's buffers judged once it is built.
+        `saved_exact`: the mode of the checkpoint to be restored (None: a fresh start); the trainer
+        decides its own (exact_mode.py: `exact`, `exact_why`, `cfg`), buffers judged once built.
 
         The order of the steps is part of the numbers: the run seed before the models draw their
         initial weights (the same on every rank), whole weights loaded before sharding, the
@@ -169,16 +168,13 @@ class Trainer:
         """Exact elastic mode kept, refused or turned off (`exact_mode.with_buffers`, the user's
         `setting`) by the buffers one forward of the first micro-batch (own stream) updates; logged."""
         updated = []
-        if self.exact and is_iterator_source(self.data.train):
-            raise UserError("parallel.exact_elastic needs a map-style dataset (the harness's own order cuts the "
-                            "canonical micro-batches); a data.factory iterator cannot: set exact_elastic = false")
-        if self.exact:
+        if self.exact and not is_iterator_source(self.data.train):  # an iterator is refused: _open_stream
             def forward() -> None:
                 batch = next(eval_batches(self.data.train, self.batch_size, 1, self.data.collate))
                 step(to_device(batch.inputs, self.device, copy=True), self._info(0))
 
             self.model.train()
-            with micro_batch_streams(self.cfg.train.seed, 0) as use_streams, self._autocast():
+            with micro_batch_streams(self.cfg.train.seed, 0, self.device) as use_streams, self._autocast():
                 use_streams(0)
                 updated = updated_buffers(self.model, forward)
             if self.sharded:
@@ -284,7 +280,7 @@ class Trainer:
         state.register("trainer", self.counters)
         for name, part in self.task.state().items():  # the task's extra state: an EMA, a counter
             state.register(name, part, sharded=self.sharded and holds_dtensors(part))
-        state.register("rng", RNGState(), per_rank=True, kept_on_new_rank=True)
+        state.register("rng", RNGState(self.device), per_rank=True, kept_on_new_rank=True)
         state.register("fingerprints", self.fingerprints)
 
     def _open_stream(self) -> BatchStream | IteratorStream:
@@ -295,6 +291,9 @@ class Trainer:
             return BatchStream(data.train, self.batch_size * (self.grad_accum if self.exact else 1), cfg.train.seed,
                                rank=self.rank, world_size=self.world_size, num_workers=cfg.data.num_workers,
                                pin_memory=self.device.type == "cuda", contiguous=self.exact, collate=data.collate)
+        if self.exact:
+            raise UserError("parallel.exact_elastic needs a map-style dataset (the harness's own order cuts the "
+                            "canonical micro-batches); a data.factory iterator cannot: set exact_elastic = false")
         if cfg.data.num_workers:
             raise UserError(f"data.num_workers = {cfg.data.num_workers} with a data.factory iterator: the harness "
                             "reads an iterator in the training process, so its state_dict matches the batches "
@@ -428,16 +427,14 @@ class Trainer:
         losses = []
         names: list[tuple[str, ...] | None] = []
         first = self.rank * self.grad_accum
-        with micro_batch_streams(self.cfg.train.seed, self.step + 1) as use_streams:
+        with micro_batch_streams(self.cfg.train.seed, self.step + 1, self.device) as use_streams:
             for k, piece in enumerate(split_batch(block.inputs, self.batch_size)):
                 # A fresh copy of each micro-batch: the same shape and alignment whichever block it came in.
                 piece = to_device(piece, self.device, copy=True)
                 use_streams(first + k)
                 loss = self._forward(piece, k, names)
                 self.scaler.scale(loss / micro_batches).backward()
-                flat, got = exact.flat_gradients(params, take)
-                tree.push(flat)
-                used |= got
+                tree.push(exact.flat_gradients(params, used, take))
                 losses.append(loss.detach())
         block_losses = torch.stack(losses)
         block_losses = debug_hooks.poisoned(self.cfg.debug, self.rank, batch_no, block_losses)
@@ -493,7 +490,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None and (owned is None or id(p) in owned)]
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip is not None else math.inf
         if self.exact:  # in an order no sharding changes
-            return exact.clip_gradients(params, max_norm, self.world_size)
+            return exact.clip_gradients(params, max_norm, self.world_size, device=self.device, sharded=self.sharded)
         return float(full_value(torch.nn.utils.clip_grad_norm_(params, max_norm)))
 
     def _skip_rolled_back_batches(self) -> float:
@@ -529,22 +526,14 @@ class Trainer:
 
     def check_finite_state(self) -> None:
         """Raise TrainingDiverged, on every rank, when a parameter, buffer or optimizer tensor holds
-        NaN/inf: called before every save, so a poisoned state never becomes a checkpoint.
-
-        Cheap: one float32 sum per tensor (a NaN/inf element makes it non-finite; one fused
-        reduction, about 60x faster on a CPU than `isfinite().all()`), spread over the cores for a
-        large state (the step loop waits for this pass: repro/on_cores.py), and one host sync. Only
-        when a sum is not finite (or overflowed) is each tensor checked exactly, to name it."""
+        NaN/inf: called before every save, so a poisoned state never becomes a checkpoint. One
+        reduction per tensor where it lies and one host sync (repro/finite.py)."""
         named = [(f"model/{n}", t) for n, t in (*self.model.named_parameters(), *self.model.named_buffers())]
         for opt_name, opt in self.optim.optimizers.items():
             names = {id(p): n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"], strict=True)}
             named += [(f"optim/{opt_name}/{names.get(id(p), '?')}/{k}", v)
                       for p, st in opt.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)]
-        named = [(n, local(t).detach()) for n, t in named if t.is_floating_point() and t.numel()]
-        sums = on_cores(lambda leaf: leaf[1].sum(dtype=torch.float32).to(self.device), named,
-                        host_bytes([t for _, t in named]), each_uses=torch.get_num_threads())
-        suspect = bool(named) and not bool(torch.stack(sums).isfinite().all())
-        bad = next((n for n, t in named if not bool(t.isfinite().all())), None) if suspect else None
+        bad = first_nonfinite([(n, local(t).detach()) for n, t in named if t.is_floating_point() and t.numel()])
         # Agreed across this trainer's ranks only: a one-process trainer may live in a rank of a group.
         if distributed.all_ok(bad is None) if self.world_size > 1 else bad is None:
             return
