@@ -13,7 +13,7 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {"Adafactor2D": "adafactor", "Lion": "lion", "Muon": "muon", "MultiOpt": "bundle",
-            "MultiSched": "bundle", "OLion": "olion", "OptimConfig": "config", "build_bundle": "build",
+            "MultiSched": "schedulers", "OLion": "olion", "OptimConfig": "config", "build_bundle": "build",
             "newton_schulz": "newton_schulz", "parse_optim_config": "config"}
 
 __all__ = sorted(_EXPORTS)

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 from optim.build import build_bundle
-from optim.bundle import MultiOpt, MultiSched
+from optim.bundle import MultiOpt
 from optim.config import parse_optim_config
 from optim.errors import OptimError
+from optim.schedulers import MultiSched
 
 
 @pytest.fixture
