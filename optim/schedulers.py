@@ -108,10 +108,29 @@ class _GroupsOf:
         """Nothing to step: a schedule's replay moves only the groups' values."""
 
 
-def _as_built(sched: LRScheduler) -> LRScheduler:
-    """A copy of `sched` over a stand-in of its optimizer's groups (`_GroupsOf`)."""
-    optimizer = sched.optimizer
-    return copy.deepcopy(sched, memo={id(optimizer): _GroupsOf(optimizer)})
+def _data_copy(value: Any) -> Any:  # any attribute of a scheduler
+    """`value` with its containers and tensors copied; anything else (a function, a callable
+    object, a number) is the same object: a copy never copies a task that a lambda is bound to."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_data_copy(v) for v in value)
+    if isinstance(value, dict):
+        out = copy.copy(value)  # its own type (a Counter's milestones), each entry set anew
+        for k, v in value.items():
+            out[k] = _data_copy(v)
+        return out
+    return value
+
+
+def _as_built(sched: LRScheduler, groups: _GroupsOf) -> LRScheduler:
+    """A copy of `sched` stepping `groups` (a stand-in of its optimizer), its parts copied too."""
+    replica = copy.copy(sched)
+    for key, value in vars(sched).items():
+        vars(replica)[key] = (groups if key == "optimizer" else
+                              [_as_built(part, groups) for part in value] if key == "_schedulers" else
+                              _data_copy(value))
+    return replica
 
 
 class MultiSched:
@@ -131,7 +150,8 @@ class MultiSched:
         self.hyperparameter_changes: Changes = {}
         self._notes: list[str] = []
         # Copies as built, before any load: what a changed setting replays from (module docstring).
-        self._built = {name: _as_built(s) for name, s in self.schedulers.items() if not isinstance(s, ScheduledLR)}
+        self._built = {name: _as_built(s, _GroupsOf(s.optimizer)) for name, s in self.schedulers.items()
+                       if not isinstance(s, ScheduledLR)}
 
     @property
     def driven(self) -> dict[str, set[str]]:
@@ -201,7 +221,8 @@ class MultiSched:
             for group, lr in zip(sched.optimizer.param_groups, sched.get_last_lr(), strict=True):
                 group["lr"] = lr
             return
-        replica = copy.deepcopy(self._built[name])
+        built = self._built[name]
+        replica = _as_built(built, _GroupsOf(built.optimizer))  # the copy as built stays for a later load
         with warnings.catch_warnings():  # its stand-in optimizer never steps: torch's order warning
             warnings.simplefilter("ignore", UserWarning)
             for _ in range(replay_to - _steps_taken(replica.state_dict())):

@@ -78,6 +78,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
     # Opened once, here: a dataset that is not there (a url naming no prepared dataset) is refused before any write.
     data = task.data(task_context(cfg, distributed.rank(), world, process_device(cfg, world)))
     store = open_store(cfg)
+    new_dir = new_local_dir(cfg.run_dir)
     try:
         distributed.on_rank0(store.acquire_lease, takeover=takeover)  # rank 0 is the run dir's one writer
     except OSError as e:
@@ -159,6 +160,22 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             trainer.close()
     finally:
         store.release_lease()
+        remove_if_empty(new_dir)  # a start refused before it wrote anything leaves no empty run dir behind
+
+
+def new_local_dir(run_dir: str) -> Path | None:
+    """`run_dir` when it is a local folder that does not exist yet (this start creates it), else None."""
+    if fsspec.utils.get_protocol(run_dir) != "file":
+        return None
+    path = Path(run_dir.removeprefix("file://"))
+    return None if path.exists() else path
+
+
+def remove_if_empty(path: Path | None) -> None:
+    """Remove folder `path` if it is there and empty."""
+    if path is not None:
+        with contextlib.suppress(OSError):
+            path.rmdir()
 
 
 def exit_reason(error: BaseException) -> tuple[str, int]:

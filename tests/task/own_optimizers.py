@@ -15,9 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.lr_scheduler import CosineAnnealingLR, LambdaLR, LRScheduler, StepLR
 
-from optim import Muon
-from optim.bundle import MultiOpt
-from optim.schedulers import MultiSched
+from optim import MultiOpt, MultiSched, Muon
 from tests.task.bad_tasks import Points
 
 
