@@ -373,8 +373,9 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: 
         changed.pop("parallel.exact_elastic", None)
     changed.update(identity_changes(meta.get("data"), data_identity))
     if changed and not allow_config_change:
-        raise UserError(f"the config changes the math of the run in {cfg.run_dir}: {old_and_new(changed)} (checkpoint "
-                        f"-> now); restore them, use a new --run-dir, or pass --allow-config-change")
+        raise UserError(f"the config changes the math of the run in {cfg.run_dir}: {', '.join(changed)} differ "
+                        f"from the checkpoint (checkpoint -> now: {old_and_new(changed)}); restore them, use a new "
+                        "--run-dir, or pass --allow-config-change")
     if changed:
         log.warning("resuming with a changed config; the new values apply from the first resumed step, bitwise "
                     "equality is not promised", changes={k: f"{a!r} -> {b!r}" for k, (a, b) in changed.items()})
@@ -382,11 +383,13 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: 
     return changed
 
 
-def old_and_new(changes: dict[str, tuple[Any, Any]], width: int = 80) -> str:
-    """`key old -> new, ...`, each value's repr cut to `width` characters."""
+def old_and_new(changes: dict[str, tuple[Any, Any]], width: int = 120) -> str:
+    """`key old -> new, ...`, each value's repr at most `width` characters: a longer one keeps its
+    two ends (where two paths or digests differ, as often as not)."""
     def short(value: Any) -> str:
         text = repr(value)
-        return text if len(text) <= width else text[:width - 3] + "..."
+        half = (width - 3) // 2
+        return text if len(text) <= width else f"{text[:half]}...{text[-half:]}"
     return ", ".join(f"{key} {short(old)} -> {short(new)}" for key, (old, new) in changes.items())
 
 
@@ -404,9 +407,9 @@ def check_built(changes: dict[str, tuple[Any, Any]], run_dir: str,
     two values: a setting the config or the task's code changed is never silently the checkpoint's
     nor silently the new one."""
     if changes and not allow_config_change:
-        raise UserError(f"the optimizers built for the run in {run_dir} differ from the checkpoint's: "
-                        f"{old_and_new(changes)} (checkpoint -> now); restore the config or task code they were "
-                        "built from, use a new --run-dir, or pass --allow-config-change")
+        raise UserError(f"the optimizers built for the run in {run_dir} differ from the checkpoint's (checkpoint -> "
+                        f"now: {old_and_new(changes)}); restore the config or task code they were built from, use a "
+                        "new --run-dir, or pass --allow-config-change")
     if changes:
         log.warning("the optimizers are built otherwise than the checkpoint's; the built values apply from the first "
                     "resumed step", changes={k: f"{a!r} -> {b!r}" for k, (a, b) in changes.items()})

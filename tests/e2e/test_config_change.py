@@ -91,7 +91,7 @@ def test_a_changed_lr_is_refused_naming_the_old_and_the_new_value(tmp_path):
     harness("train", str(TINY), "--run-dir", str(run), "--set", "train.steps=4", *SYNC, check=True)
     refused = harness("train", str(TINY), "--run-dir", str(run), "--set", "train.steps=4", "--set", "optim.lr=1e-4")
     assert_one_line_error(refused, "the config changes the math of the run in")
-    assert "optim.lr 0.003 -> 0.0001 (checkpoint -> now)" in refused.stderr
+    assert "optim.lr differ from the checkpoint (checkpoint -> now: optim.lr 0.003 -> 0.0001)" in refused.stderr
 
 
 def test_a_saved_config_keeps_reading_as_it_ran_after_its_arm_lost_the_keys_it_ignored():
