@@ -4,7 +4,7 @@ part, parameters `teacher.*` and `student.*`), the student trained on the teache
 outputs, an exponential moving average of the student's weights kept as extra state (saved,
 verified and restored with the rest), updated after every optimizer step.
 
-    PYTHONPATH=examples harness train examples/distillation.toml
+    harness train examples/distillation.toml
 
 The inputs are generated from each sample's index (no download). The EMA is the task's own state:
 `state()` registers it, so a kill loses none of it; left out of `state()`, the harness's

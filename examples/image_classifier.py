@@ -2,7 +2,7 @@
 of 16x16 images generated from each sample's index (no download), with dropout, trained by the
 `[optim]` config's AdamW, evaluated for loss and accuracy.
 
-    PYTHONPATH=examples harness train examples/image_classifier.toml
+    harness train examples/image_classifier.toml
 
 Each image shows one of four shapes (a horizontal bar, a vertical bar, a diagonal, a square) at a
 random place, with noise; its label is the shape. Sample `i` is a pure function of (seed, i): the

@@ -7,7 +7,7 @@ checkpoint stores that tensor once and restores the tie).
 
 Run it from the repository root:
 
-    PYTHONPATH=examples harness train examples/tied_lm.toml
+    harness train examples/tied_lm.toml
 """
 
 from __future__ import annotations

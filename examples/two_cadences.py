@@ -3,7 +3,7 @@ harness as a task with a whole step (docs/tasks.md): a small GAN on 2-D points d
 of eight Gaussians. The critic steps at every step (Adam, a torch StepLR); the generator at every
 `generator_every`-th step (Adam, a torch LambdaLR warm-up), on the critic as it then is.
 
-    PYTHONPATH=examples harness train examples/two_cadences.toml
+    harness train examples/two_cadences.toml
 
 The step decides by `info.step` which optimizer steps and returns that in `StepLoss`; the harness
 does the backward, accumulation, reductions, clipping and non-finite checks over the optimizer

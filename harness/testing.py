@@ -90,7 +90,8 @@ class Task:
             parts["data"] = self.data
         if self.scaler is not None:
             parts["scaler"] = self.scaler
-        parts["rng"] = RNGState()
+        # The GPU stream saved is the one of the model's device: the one its dropout draws from.
+        parts["rng"] = RNGState(next((p.device for p in self.model.parameters()), torch.device("cpu")))
         return parts
 
     def run_step(self) -> tuple[float, Any]:

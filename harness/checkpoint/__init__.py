@@ -51,13 +51,12 @@ if TYPE_CHECKING:
     from harness.checkpoint.save.coverage import Coverage as Coverage
     from harness.checkpoint.save.local_recovery import LocalRecovery as LocalRecovery
     from harness.checkpoint.save.local_tier import (
-        LOCAL as LOCAL,
         PERSISTENT as PERSISTENT,
         LocalTier as LocalTier,
-        local_store as local_store,
         not_mine as not_mine,
     )
-    from harness.checkpoint.save.peer_copies import PEER as PEER, peer_jump as peer_jump
+    from harness.checkpoint.save.node_folders import LOCAL as LOCAL, PEER as PEER, local_store as local_store
+    from harness.checkpoint.save.peer_copies import peer_jump as peer_jump
     from harness.checkpoint.save.saver import Saver as Saver
     from harness.checkpoint.save.writer_cores import place_writers as place_writers
     from harness.checkpoint.store import CheckpointStore as CheckpointStore
@@ -73,8 +72,8 @@ _EXPORTS = {"CheckpointCorrupt": "errors", "CheckpointError": "errors", "Snapsho
             "locate": "target", "open_target": "target", "verify_target": "integrity",
             "open_saver": "save", "SaveSettings": "save", "SaveHooks": "save", "Saver": "save.saver",
             "Committed": "save.commit",
-            "LocalTier": "save.local_tier", "local_store": "save.local_tier", "not_mine": "save.local_tier",
-            "LOCAL": "save.local_tier", "PERSISTENT": "save.local_tier", "PEER": "save.peer_copies",
+            "LocalTier": "save.local_tier", "local_store": "save.node_folders", "not_mine": "save.local_tier",
+            "LOCAL": "save.node_folders", "PERSISTENT": "save.local_tier", "PEER": "save.node_folders",
             "peer_jump": "save.peer_copies", "place_writers": "save.writer_cores",
             "LocalRecovery": "save.local_recovery", "Coverage": "save.coverage"}
 

@@ -12,7 +12,9 @@ Why not `safetensors.torch.save` / `safe_open`:
   copies into the live one: the mapped pages count in RSS and every tensor is copied twice.
   `read_tensor(..., out=live)` reads the bytes straight into the live tensor's storage with
   `readinto`, so resuming needs no memory beyond what the live state already holds, and the same
-  code reads from local disk, `memory://` or S3 (fsspec file objects).
+  code reads from local disk, `memory://` or S3 (fsspec file objects). A live tensor on a GPU is
+  read into through a few lent pinned pieces, each copied to the device asynchronously while the
+  next is read (host_memory.py), not whole into fresh pageable memory and a blocking copy.
 
 Tensor order in a file is by name, and the header carries no metadata or timestamp, so the same
 tensors always give the same bytes. The reader validates everything before trusting it: header
@@ -26,6 +28,7 @@ import json
 import math
 import struct
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -33,6 +36,7 @@ from typing import Any, Protocol
 import torch
 
 from harness.checkpoint.errors import CheckpointError
+from harness.checkpoint.host_memory import LentPieces, copies_done
 
 if sys.byteorder != "little":  # the format is little-endian; tensors are written as they lie in memory
     raise ImportError("harness.checkpoint supports little-endian hosts only")
@@ -229,23 +233,58 @@ def _entry(name: str, spec: dict[str, Any], base: int) -> TensorEntry:
 
 
 def read_tensor(f: Readable, entry: TensorEntry, where: str, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Read one tensor; into `out`'s storage when it is a dense CPU tensor (no extra memory),
-    otherwise into a new tensor that is then copied into `out` (if given). Returns the result."""
-    direct = (out is not None and out.device.type == "cpu" and out.is_contiguous() and not out.is_conj()
-              and not out.is_neg())
+    """Read one tensor; into `out`'s storage when it is a dense CPU tensor (no extra memory), into
+    a dense GPU tensor through pinned pieces (`_read_into_device`), otherwise into a new tensor that
+    is then copied into `out` (if given). Returns the result."""
+    dense = out is not None and out.is_contiguous() and not out.is_conj() and not out.is_neg()
+    if out is not None and dense and out.is_cuda:
+        _read_into_device(f, entry, where, out.detach())
+        return out
+    direct = out is not None and dense and out.device.type == "cpu"
     buf = out.detach() if out is not None and direct else torch.empty(entry.shape, dtype=entry.dtype)
     if entry.end > entry.start:
         f.seek(entry.start)
-        view = memoryview(buf.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]  # as in tensor_bytes
-        pos = 0
-        while pos < len(view):
-            got = f.readinto(view[pos:pos + PIECE_BYTES])
-            if not got:
-                raise CheckpointError(f"{where}: file ended inside tensor {entry.name!r}; it is truncated")
-            pos += got
+        _fill(f, memoryview(buf.reshape(-1).view(torch.uint8).numpy()), entry, where)  # type: ignore[arg-type]
     if out is None:
         return buf
     if not direct:
         with torch.no_grad():
             out.copy_(buf)
     return out
+
+
+def _fill(f: Readable, view: memoryview, entry: TensorEntry, where: str) -> None:
+    """Read `len(view)` bytes of `entry` from `f` into `view`, in pieces of `PIECE_BYTES` at most."""
+    pos = 0
+    while pos < len(view):
+        got = f.readinto(view[pos:pos + PIECE_BYTES])
+        if not got:
+            raise CheckpointError(f"{where}: file ended inside tensor {entry.name!r}; it is truncated")
+        pos += got
+
+
+_device_pieces: LentPieces | None = None
+_device_pieces_made = threading.Lock()
+
+
+def _read_into_device(f: Readable, entry: TensorEntry, where: str, out: torch.Tensor) -> None:
+    """`entry` read into the dense GPU tensor `out` piece by piece: each piece read into pinned host
+    memory, then copied to the device asynchronously on the current stream (what uses `out` next
+    runs after the copies), while the next piece is read. A piece is read into again only once its
+    copy is done and nothing holds it (a hash behind the reads: host_memory.LentPieces). Before,
+    a tensor was read whole into fresh pageable memory and copied by a blocking copy."""
+    global _device_pieces
+    with _device_pieces_made:
+        if _device_pieces is None:
+            _device_pieces = LentPieces(4, PIECE_BYTES, pinned=True)
+        pieces = _device_pieces
+    flat = out.reshape(-1).view(torch.uint8)
+    stream = torch.cuda.current_stream(out.device)
+    if entry.end > entry.start:
+        f.seek(entry.start)
+    for at in range(0, flat.numel(), PIECE_BYTES):
+        view, piece, copied = pieces.borrow(min(PIECE_BYTES, flat.numel() - at))
+        _fill(f, view, entry, where)
+        flat[at:at + len(view)].copy_(piece, non_blocking=True)
+        copied(copies_done(stream))
+        del view, piece  # the piece is lent again once the reader's hash lets go of it too

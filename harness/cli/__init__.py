@@ -7,8 +7,8 @@ Every command module exposes `register(subparsers)`, which adds its parser and s
 `func(args) -> int` (the exit code); arguments several commands share are declared once, in
 `harness.cli.args`. Command modules are imported only after `numerics.prepare_environment()`,
 so the reproducibility settings that must precede torch's import hold for every command. A
-command line that names its command imports that command's module only: `harness status`
-and `harness report` start without torch (a second, not three CPU-seconds of imports).
+command line that names its command imports that command's module only: `harness status`,
+`harness report` and `harness config` start without torch (a second, not three CPU-seconds of imports).
 
 A `UserError` anywhere becomes one line on stderr and exit code 2, an `Unavailable` (storage
 outage past its retry deadline) one line and exit code 69; anything else is a bug and keeps its
@@ -50,6 +50,7 @@ COMMAND_MODULES = (
     "harness.cli.train",
     "harness.cli.ckpt",
     "harness.cli.data",
+    "harness.cli.config",
     "harness.cli.supervise",
     "harness.cli.report",
     "harness.cli.status",

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from harness.run.session import train
 
     try:
-        with process_group():  # under torchrun with WORLD_SIZE > 1; otherwise nothing
+        with process_group(cfg.train.device):  # under torchrun with WORLD_SIZE > 1; otherwise nothing
             return train(cfg, resume=args.resume, allow_config_change=args.allow_config_change,
                          takeover=args.takeover)
     except OSError as e:

@@ -70,8 +70,9 @@ class CheckpointSection(Section):
         None,
         description=(
             "With async_save, the host memory a background save stages the tensor files through, in MiB (at least "
-            "64; unset: as large as the state). With less than the state the step loop waits at a save until the "
-            "writer has drained all but this much (harness/checkpoint/save/staging_ring.py)."
+            "64; unset: as large as the state, up to half the memory the host has available, shared by its ranks; "
+            "pinned for a GPU's state). With less than the state the step loop waits at a save until the writer has "
+            "drained all but this much (harness/checkpoint/save/staging_ring.py)."
         ),
     )
     writer_cores: Literal["auto", "any"] | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)] = Field(

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from harness.config.section import Section
+from harness.config.section import CodeSection, Section
 
 
 class DataSource(Section):
@@ -22,7 +22,7 @@ class DataSource(Section):
     )
 
 
-class DataSection(Section):
+class DataSection(CodeSection):
     """The token stream: byte-level tokens from a text file at any fsspec URL, or prepared
     token shards (`sources`)."""
 

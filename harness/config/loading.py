@@ -9,20 +9,29 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from harness.config.effects import ignored_keys
 from harness.config.run import RunConfig
-from harness.config_layers import Layers, read_layers
+from harness.config_layers import COMMAND_LINE, Layers, read_layers
 from harness.errors import UserError
 from optim.config import ARMS, arms_taking
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> RunConfig:
     """Read a TOML file (following `extends` and `unset`), apply `--set` overrides, validate
-    (harness/config_layers.py)."""
+    (harness/config_layers.py), and refuse a key the config would ignore (effects.py). Each
+    section naming user code learns the folder of the file that named it (CodeSection)."""
     layers = read_layers(Path(path), overrides)
     try:
-        return RunConfig.model_validate(layers.raw)
+        cfg = RunConfig.model_validate(layers.raw)
     except ValidationError as e:
         raise UserError(_describe(e, layers)) from None
+    ignored = ignored_keys(cfg)
+    if ignored:
+        raise UserError("; ".join(f"{layers.source(key)}: {why}" for key, why in ignored.items()))
+    for name in ("task", "model", "data"):
+        origin = layers.source(f"{name}.factory")
+        getattr(cfg, name).set_code_folder((layers.path if origin == COMMAND_LINE else Path(origin)).resolve().parent)
+    return cfg
 
 
 def _describe(e: ValidationError, layers: Layers) -> str:

@@ -7,14 +7,14 @@ from typing import Any
 
 from pydantic import Field
 
-from harness.config.section import Section
+from harness.config.section import CodeSection
 
 # The built-in GPT (harness/models/gpt.py), named by its path so that reading a config imports no
 # model code (and no torch).
 DEFAULT_FACTORY = "harness.models.gpt:build_gpt"
 
 
-class ModelSection(Section):
+class ModelSection(CodeSection):
     """The model: a factory import path and the keyword arguments it is called with."""
 
     factory: str = Field(

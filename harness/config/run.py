@@ -1,6 +1,7 @@
 """RunConfig: the root of the config, a section per table; [optim] is optim/config.py's OptimConfig
-(a union discriminated on `type`). Validators across sections check what one section alone cannot
-(the model's seq_len against the samples'; a task factory against the built-in model's keys).
+(a union discriminated on `type`). A validator across sections checks what one section alone
+cannot (the model's seq_len against the samples'); keys that take effect only beside others are
+effects.py's.
 `model_args` is what the model factory is called with."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from harness.config.model import ModelSection
 from harness.config.monitoring import DebugSection, HealthSection, LogSection
 from harness.config.parallel import ParallelSection
 from harness.config.section import Section
-from harness.config.task import LANGUAGE_MODEL_KEYS, TaskSection
+from harness.config.task import TaskSection
 from harness.config.train import TrainSection
 from optim.config import OptimConfig, parse_optim_config
 
@@ -30,19 +31,21 @@ class RunConfig(Section):
     log_dir: str | None = Field(
         None, description="Local folder for events.jsonl/metrics.jsonl; unset = run_dir when local, else runs/<name>."
     )
-    task: TaskSection = Field(default_factory=TaskSection)
-    model: ModelSection = Field(default_factory=ModelSection)
-    data: DataSection = Field(default_factory=DataSection)
+    task: TaskSection = Field(default_factory=TaskSection, description="[task]: your own training task.")
+    model: ModelSection = Field(default_factory=ModelSection, description="[model]: the built-in task's model.")
+    data: DataSection = Field(default_factory=DataSection, description="[data]: what the run trains on, the batch.")
     optim: OptimConfig = Field(
         default_factory=lambda: _default_optim(),
         description="Optimizer bundle; `type` selects the arm (default adamw).",
     )
-    train: TrainSection = Field(default_factory=TrainSection)
-    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
-    parallel: ParallelSection = Field(default_factory=ParallelSection)
-    health: HealthSection = Field(default_factory=HealthSection)
-    log: LogSection = Field(default_factory=LogSection)
-    debug: DebugSection = Field(default_factory=DebugSection)
+    train: TrainSection = Field(default_factory=TrainSection, description="[train]: the step loop.")
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection,
+                                          description="[checkpoint]: when and where checkpoints are written.")
+    parallel: ParallelSection = Field(default_factory=ParallelSection,
+                                      description="[parallel]: how a model is spread over the ranks.")
+    health: HealthSection = Field(default_factory=HealthSection, description="[health]: the hang watchdog.")
+    log: LogSection = Field(default_factory=LogSection, description="[log]: experiment trackers.")
+    debug: DebugSection = Field(default_factory=DebugSection, description="[debug]: fault hooks for tests.")
 
     @model_validator(mode="after")
     def _model_fits_the_samples(self) -> RunConfig:
@@ -50,21 +53,6 @@ class RunConfig(Section):
         if isinstance(longest, int) and longest < self.data.seq_len:
             raise ValueError(f"model.args.seq_len = {longest} is shorter than data.seq_len = {self.data.seq_len}: "
                              "remove model.args.seq_len (the model then follows data.seq_len) or raise it")
-        return self
-
-    @model_validator(mode="after")
-    def _task_or_language_model(self) -> RunConfig:
-        if self.task.factory is None:
-            return self
-        for section, keys in LANGUAGE_MODEL_KEYS.items():
-            # A key set to its default changes nothing (and a saved config, dumped whole, sets them all).
-            part = getattr(self, section)
-            defaults = type(part)()
-            given = sorted(k for k in part.model_fields_set & set(keys) if getattr(part, k) != getattr(defaults, k))
-            if given:
-                raise ValueError(f"{section}.{given[0]} is a setting of the built-in language model, which "
-                                 f"task.factory = {self.task.factory!r} replaces: remove it (the task builds its own "
-                                 "models and data; pass what it needs in task.args)")
         return self
 
 

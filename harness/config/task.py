@@ -8,10 +8,10 @@ from typing import Any
 
 from pydantic import Field
 
-from harness.config.section import Section
+from harness.config.section import CodeSection
 
 # The built-in language-model task's keys: with a task factory they would be ignored, so setting
-# them then is refused (harness/config/run.py) rather than dropped in silence.
+# them then is refused (harness/config/effects.py) rather than dropped in silence.
 LANGUAGE_MODEL_KEYS = {
     "model": ("factory", "args"),
     "data": ("url", "sources", "eval_sources", "factory", "args", "hash_check", "seq_len", "eval_fraction",
@@ -19,7 +19,7 @@ LANGUAGE_MODEL_KEYS = {
 }
 
 
-class TaskSection(Section):
+class TaskSection(CodeSection):
     """Your own training task (docs/tasks.md); unset: the built-in language model of [model] and [data]."""
 
     factory: str | None = Field(

@@ -44,6 +44,7 @@ and a resume on another identity is refused, as for token shards). `data.factory
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,12 +59,13 @@ _WHAT_TO_YIELD = "each next() must give (x, y) or (x, y, sample_id): int64 tenso
 
 
 def build_user_data(factory: str, args: dict[str, Any], seq_len: int, seed: int, rank: int = 0,
-                    world_size: int = 1) -> tuple[Any, SampleSource]:
-    """Call the factory and check the shape of what it returns (UserError naming the problem):
-    (train, eval), eval map-style, train map-style or a stateful iterator (`is_iterator_source`);
-    the factory's own exception (a wrong signature, bad data.args) too, as a model factory's."""
-    result = call_factory(load_factory(factory, "data factory", EXAMPLE), factory, "data factory", "data.args", args,
-                          {**args, "seq_len": seq_len, "seed": seed, "rank": rank, "world_size": world_size})
+                    world_size: int = 1, folder: Path | None = None) -> tuple[Any, SampleSource]:
+    """Call the factory (its module looked for in `folder` too: load_factory) and check the shape
+    of what it returns (UserError naming the problem): (train, eval), eval map-style, train
+    map-style or a stateful iterator (`is_iterator_source`); the factory's own exception (a wrong
+    signature, bad data.args) too, as a model factory's."""
+    result = call_factory(load_factory(factory, "data factory", EXAMPLE, folder), factory, "data factory", "data.args",
+                          args, {**args, "seq_len": seq_len, "seed": seed, "rank": rank, "world_size": world_size})
     return checked_sources(result, f"data factory {factory!r}", "__getitem__(i) -> (x, y)")
 
 

@@ -74,7 +74,8 @@ def open_data(data_cfg: Any, seed: int, rank: int = 0, world_size: int = 1) -> T
     factory is told: the harness's own sources are split by the stream). Raises UserError for
     missing or inconsistent datasets."""
     if data_cfg.factory is not None:
-        train, held_out = build_user_data(data_cfg.factory, data_cfg.args, data_cfg.seq_len, seed, rank, world_size)
+        train, held_out = build_user_data(data_cfg.factory, data_cfg.args, data_cfg.seq_len, seed, rank, world_size,
+                                          data_cfg.code_folder)
         identity = getattr(train, "identity", None)
         return TrainData(train, held_out, getattr(train, "vocab_size", None),
                          {"factory": identity()} if identity is not None else None,

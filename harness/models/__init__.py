@@ -2,13 +2,16 @@
 factory for transformers causal LMs, `harness.models.hf:causal_lm`, imported only when named).
 
 A model factory is a callable `factory(args: dict) -> nn.Module`, named in the config by an
-import path "package.module:attribute" (the attribute may be dotted, e.g. "mod:Class.build").
+import path "package.module:attribute" (the attribute may be dotted, e.g. "mod:Class.build"),
+looked for on sys.path and then beside the config file that named it.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from harness.config import DEFAULT_FACTORY
@@ -37,20 +40,28 @@ def call_factory(factory: Callable[[dict[str, Any]], Any], path: str, kind: str,
                         "traceback)") from None
 
 
-def load_factory(path: str, kind: str = "model factory", example: str = DEFAULT_FACTORY) -> Callable[..., Any]:
-    """Import and return the callable at "package.module:attribute". Raises UserError saying
-    which part of the path is wrong; `kind` and `example` name the setting in the message."""
+def load_factory(path: str, kind: str = "model factory", example: str = DEFAULT_FACTORY,
+                 folder: Path | None = None) -> Callable[..., Any]:
+    """Import and return the callable at "package.module:attribute". `folder` (the folder of the
+    config file that named it, CodeSection.code_folder) is added to the end of sys.path first,
+    and stays there (the module may import its neighbours later; loader workers fork with it):
+    a module beside its config is found without PYTHONPATH, and an installed module of the same
+    name still wins. Raises UserError saying which part of the path is wrong; `kind` and
+    `example` name the setting in the message."""
     module_name, sep, attribute = path.partition(":")
     if not sep or not module_name or not attribute:
         raise UserError(
             f"{kind} {path!r} is not of the form 'package.module:function' (e.g. {example!r})"
         )
+    if folder is not None and str(folder) not in sys.path:
+        sys.path.append(str(folder))
     try:
         target: Any = importlib.import_module(module_name)
     except ImportError as e:
+        beside = f"beside the config file (in {folder}), " if folder is not None else ""
         raise UserError(
             f"{kind} {path!r}: cannot import module {module_name!r} ({e}); "
-            "check the spelling and that the package is installed or on PYTHONPATH"
+            f"check the spelling and that the module is {beside}installed or on PYTHONPATH"
         ) from e
     for name in attribute.split("."):
         try:

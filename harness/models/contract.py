@@ -11,6 +11,7 @@ error naming the rule instead of a traceback from deep inside the trainer (docs/
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -20,9 +21,10 @@ from harness.errors import UserError
 from harness.models import call_factory, load_factory
 
 
-def build_model(path: str, args: dict[str, Any]) -> nn.Module:
-    """Call the factory at `path` with `args` and check what it returns (see the module docstring)."""
-    model = call_factory(load_factory(path), path, "model factory", "model.args", args, dict(args))
+def build_model(path: str, args: dict[str, Any], folder: Path | None = None) -> nn.Module:
+    """Call the factory at `path` (its module looked for in `folder` too: load_factory) with `args`
+    and check what it returns (see the module docstring)."""
+    model = call_factory(load_factory(path, folder=folder), path, "model factory", "model.args", args, dict(args))
     if not isinstance(model, nn.Module):
         raise UserError(f"model factory {path!r} returned a {type(model).__name__}, not a torch.nn.Module; "
                         "it must build and return the model (docs/models.md)")

@@ -2,7 +2,10 @@
 
 `harness train` under `torchrun --nproc-per-node N --no-python harness train CONFIG` (or any
 launcher that sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT) joins a process
-group when WORLD_SIZE > 1: gloo on CPU, NCCL on CUDA with the device LOCAL_RANK. Without one
+group when WORLD_SIZE > 1, its backend chosen by the device the process trains on (`train.device`
+resolved once, `resolve_device`), not by whether a GPU is visible: NCCL on CUDA with the device
+LOCAL_RANK (a node with more ranks than visible GPUs is refused before any rank joins), gloo on the
+CPU, a GPU host's included (`train.device = "cpu"` there hands NCCL no CPU tensor). Without one
 (a plain `harness train`, or WORLD_SIZE=1) there is no process group, and every helper below is
 the identity or a no-op, so a single-process run executes exactly the code it did before.
 
@@ -45,9 +48,35 @@ log = get_logger(__name__)
 T = TypeVar("T")
 
 
+def resolve_device(name: str) -> torch.device:
+    """`train.device` (auto, cpu, cuda) as the device type this process trains on: auto is CUDA
+    where a GPU is visible. The one place the name is resolved (the process group's backend and
+    the trainer's device follow it)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise UserError("train.device = 'cuda' but no CUDA device is visible; use 'cpu' or 'auto'")
+    return torch.device(name)
+
+
+def claim_gpu(topo: Topology) -> torch.device:
+    """This rank's GPU, its local rank's, made the current device; refused (one line) where the
+    node has more ranks than visible GPUs: NCCL needs a device per rank."""
+    visible = torch.cuda.device_count()
+    if topo.local_world_size > visible:
+        shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise UserError(f"{topo.local_world_size} ranks on this node train on CUDA but it shows {visible} GPU(s)"
+                        f"{f' (CUDA_VISIBLE_DEVICES={shown})' if shown is not None else ''}: start at most "
+                        f"{visible} per node (torchrun --nproc-per-node {visible}), or train on the CPU with "
+                        "train.device = 'cpu'")
+    torch.cuda.set_device(topo.local_rank)
+    return torch.device("cuda", topo.local_rank)
+
+
 @contextmanager
-def process_group() -> Iterator[Topology]:
-    """Join the process group for the duration of the block when WORLD_SIZE > 1.
+def process_group(train_device: str) -> Iterator[Topology]:
+    """Join the process group for the duration of the block when WORLD_SIZE > 1, over the backend
+    of `train_device` (`train.device`: auto, cpu or cuda; see the module docstring).
 
     On a normal exit the ranks meet at a barrier before the group is destroyed, so no rank
     tears down while another still needs it; on an error exit there is no barrier (the other
@@ -58,9 +87,8 @@ def process_group() -> Iterator[Topology]:
     if topo.world_size <= 1:
         yield topo
         return
-    if torch.cuda.is_available():
-        torch.cuda.set_device(topo.local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", topo.local_rank))
+    if resolve_device(train_device).type == "cuda":
+        dist.init_process_group("nccl", device_id=claim_gpu(topo))
     else:
         dist.init_process_group("gloo")
     process_end.group_joined()  # the process must now end through process_end.end (see there)

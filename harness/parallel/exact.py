@@ -36,7 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from optim.dtensor import is_dtensor, local_grad
+from optim.dtensor import local_grad
 
 
 class SumTree:
@@ -107,18 +107,22 @@ def reduce_blocks(block_sum: torch.Tensor, world_size: int) -> torch.Tensor:
     return whole[:n]
 
 
-def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, world_size: int) -> float:
+def clip_gradients(params: list[torch.nn.Parameter], max_norm: float, world_size: int, *, device: torch.device,
+                   sharded: bool) -> float:
     """The global norm of the summed gradients, in an order no sharding changes, then every
     gradient scaled by min(1, max_norm / (norm + 1e-6)) as torch's clip_grad_norm_ does. Each
     gradient row's sum of squares is taken in float64 (a square of a float32 is exact there)
     left to right (a cumulative sum: one order whatever the thread count or the number of rows
     beside it); the rows of every rank (FSDP: each its own shards' rows, all-gathered) are
     added exactly rounded (math.fsum), so the norm depends on the gradient values alone.
-    Collective where the gradients are sharded."""
+    Collective when `sharded` (the gradients are FSDP's shards: the same on every rank, so every
+    rank gathers, one without gradients too), on `device`, the rank's training device (NCCL
+    gathers only GPU tensors)."""
     rows = [_row_squares(local_grad(p)) for p in params]
-    values = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.float64)
-    if world_size > 1 and any(is_dtensor(p.grad) for p in params):
-        bound = sum(p.shape[0] if p.dim() else 1 for p in params)  # no rank holds more rows than all
+    values = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.float64, device=device)
+    if world_size > 1 and sharded:
+        # No rank holds more rows than all: the bound is the same on every rank holding the same parameters.
+        bound = sum((p.shape[0] if p.dim() else 1) for p in params)
         padded = torch.nn.functional.pad(values, (0, bound - values.numel()))  # zeros add nothing to the sum
         gathered = [torch.empty_like(padded) for _ in range(world_size)]
         dist.all_gather(gathered, padded)

@@ -13,7 +13,7 @@ finished and committed everything (a core dump of such a process: ~AsyncBarrierW
 the main thread in Py_FinalizeEx; pytorch/pytorch#179291 is the same abort). A busy machine,
 where the worker thread waits for a core, makes it likely: it was seen in 1 of 4 test suites.
 
-Contract: `process_group()` (harness/parallel/distributed.py) calls `group_joined()` when it joins one.
+Contract: `process_group(train_device)` (harness/parallel/distributed.py) calls `group_joined()` when it joins one.
 `end(code)` is how a command's process finishes: without a group it returns `code` (a normal
 exit); after one it does what a normal exit does up to finalization (waits for non-daemon
 threads, runs the atexit handlers, flushes stdout and stderr) and leaves with `os._exit(code)`.

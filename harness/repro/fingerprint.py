@@ -14,9 +14,10 @@ A fingerprint record is a JSON object:
   *live* state, not its state dict: a module's parameters and all buffers, an optimizer's per-parameter
   state (`optimizer.state`) and group hyper-parameters, and for any other part its `state_dict()`.
   Hashing the live optimizer state is deliberate: a buffer that the state dict leaves out still
-  changes the hash. It costs one pass over every tensor (and a copy to the CPU of one that is
-  on a GPU), hence the interval. The per-tensor digests of the newest hashed step stay in memory
-  (`FingerprintLog.tensors`) so a divergence can name the tensor.
+  changes the hash. It costs one pass over every tensor (a GPU's tensors copied to the host in
+  64 MiB batches through pinned memory: checkpoint/device_reads.py), hence the interval. The
+  per-tensor digests of the newest hashed step stay in memory (`FingerprintLog.tensors`) so a
+  divergence can name the tensor.
 
 `FingerprintLog` is the trainer's state part `fingerprints`: it keeps the history (the newest
 `HISTORY_LIMIT` records) in the checkpoint, plus the state hash of the parts at the moment of the
@@ -44,6 +45,7 @@ from typing import Any
 import torch
 import xxhash
 
+from harness.checkpoint.device_reads import device_bytes
 from harness.checkpoint.later import Later, Stage, defers
 from harness.checkpoint.tensorfile import tensor_bytes
 from harness.errors import UserError
@@ -147,12 +149,23 @@ def _leaves(node: Any, prefix: str, out: dict[str, str], tensors: _TensorLeaves)
 
 
 def _digest_tensors(tensors: _TensorLeaves) -> None:
-    """Each listed tensor's digest into its `out` at its path, on every core for a large state
-    (on_cores.py: xxhash releases the GIL; a save's step loop waits for this pass)."""
-    nbytes = host_bytes([t for _, _, t in tensors])
-    for (out, path, _), value in zip(tensors, on_cores(lambda leaf: tensor_digest(leaf[2]), tensors, nbytes),
-                                     strict=True):
-        out[path] = value
+    """Each listed tensor's digest into its `out` at its path: host tensors on every core for a
+    large state (on_cores.py: xxhash releases the GIL; a save's step loop waits for this pass), a
+    GPU's through two pinned pieces, one device-to-host copy per 64 MiB batch of its tensors
+    (checkpoint/device_reads.py)."""
+    by_device: dict[torch.device, _TensorLeaves] = {}
+    for leaf in tensors:
+        by_device.setdefault(local(leaf[2]).device, []).append(leaf)
+    for device, leaves in by_device.items():
+        if device.type == "cpu":
+            values = on_cores(lambda leaf: tensor_digest(leaf[2]), leaves, host_bytes([t for _, _, t in leaves]))
+        else:
+            hashers = [_tensor_hasher(t) for _, _, t in leaves]
+            for index, piece in device_bytes([local(t) for _, _, t in leaves]):
+                hashers[index].update(piece)
+            values = [h.hexdigest() for h in hashers]
+        for (out, path, _), value in zip(leaves, values, strict=True):
+            out[path] = value
 
 
 def _optimizers(part: Any) -> dict[str, torch.optim.Optimizer] | None:

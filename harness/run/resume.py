@@ -44,7 +44,7 @@ from harness.parallel import distributed
 from harness.run.elastic import WorldChange, after_load
 from harness.run.environment import warn_if_changed
 from harness.run.exact_mode import AUTO, decide, saved_mode, with_mode
-from harness.run.trainer import Trainer, process_device, resolve_device
+from harness.run.trainer import Trainer, process_device
 from harness.storage.location import folder_name
 from harness.task import BoundTask, load_task, task_context
 
@@ -379,7 +379,7 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: 
     if changed:
         log.warning("resuming with a changed config; the new values apply from the first resumed step, bitwise "
                     "equality is not promised", changes={k: f"{a!r} -> {b!r}" for k, (a, b) in changed.items()})
-    warn_if_changed(meta.get("environment", {}), resolve_device(cfg.train.device))
+    warn_if_changed(meta.get("environment", {}), distributed.resolve_device(cfg.train.device))
     return changed
 
 

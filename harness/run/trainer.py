@@ -36,7 +36,7 @@ from harness.repro import numerics
 from harness.repro.buffer_probe import BufferProbe, non_persistent_buffers
 from harness.repro.completeness import check_buffers, check_registered
 from harness.repro.fingerprint import FingerprintLog
-from harness.repro.on_cores import host_bytes, on_cores
+from harness.repro.finite import first_nonfinite
 from harness.repro.rng import RNGState, micro_batch_streams, seed_everything
 from harness.repro.splitmix import derive_seed
 from harness.run.exact_mode import AUTO, decide, with_mode
@@ -80,17 +80,9 @@ class StepResult:
     fingerprint: dict[str, Any] | None = None  # harness.repro.fingerprint record of this step
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("train.device = 'cuda' but no CUDA device is visible; use 'cpu' or 'auto'")
-    return torch.device(name)
-
-
 def process_device(cfg: RunConfig, world_size: int) -> torch.device:
     """`train.device` of this process; in a group on CUDA, this rank's own device."""
-    device = resolve_device(cfg.train.device)
+    device = distributed.resolve_device(cfg.train.device)
     if device.type == "cuda" and world_size > 1:
         return torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, set by the process group
     return device
@@ -283,7 +275,7 @@ class Trainer:
         state.register("trainer", self.counters)
         for name, part in self.task.state().items():  # the task's extra state: an EMA, a counter
             state.register(name, part, sharded=self.sharded and _holds_dtensors(part))
-        state.register("rng", RNGState(), per_rank=True, kept_on_new_rank=True)
+        state.register("rng", RNGState(self.device), per_rank=True, kept_on_new_rank=True)
         state.register("fingerprints", self.fingerprints)
 
     def _open_stream(self) -> BatchStream | IteratorStream:
@@ -429,7 +421,7 @@ class Trainer:
         losses = []
         names: list[tuple[str, ...] | None] = []
         first = self.rank * self.grad_accum
-        with micro_batch_streams(self.cfg.train.seed, self.step + 1) as use_streams:
+        with micro_batch_streams(self.cfg.train.seed, self.step + 1, self.device) as use_streams:
             for k, piece in enumerate(split_batch(block.inputs, self.batch_size)):
                 # A fresh copy of each micro-batch: the same shape and alignment whichever block it came in.
                 piece = to_device(piece, self.device, copy=True)
@@ -490,7 +482,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.grad is not None and (owned is None or id(p) in owned)]
         max_norm = self.cfg.train.grad_clip if self.cfg.train.grad_clip is not None else math.inf
         if self.exact:  # in an order no sharding changes
-            return exact.clip_gradients(params, max_norm, self.world_size)
+            return exact.clip_gradients(params, max_norm, self.world_size, device=self.device, sharded=self.sharded)
         return float(full_value(torch.nn.utils.clip_grad_norm_(params, max_norm)))
 
     def _skip_rolled_back_batches(self) -> float:
@@ -526,22 +518,14 @@ class Trainer:
 
     def check_finite_state(self) -> None:
         """Raise TrainingDiverged, on every rank, when a parameter, buffer or optimizer tensor holds
-        NaN/inf: called before every save, so a poisoned state never becomes a checkpoint.
-
-        Cheap: one float32 sum per tensor (a NaN/inf element makes it non-finite; one fused
-        reduction, about 60x faster on a CPU than `isfinite().all()`), spread over the cores for a
-        large state (the step loop waits for this pass: repro/on_cores.py), and one host sync. Only
-        when a sum is not finite (or overflowed) is each tensor checked exactly, to name it."""
+        NaN/inf: called before every save, so a poisoned state never becomes a checkpoint. One
+        reduction per tensor where it lies and one host sync (repro/finite.py)."""
         named = [(f"model/{n}", t) for n, t in (*self.model.named_parameters(), *self.model.named_buffers())]
         for opt_name, opt in self.optim.optimizers.items():
             names = {id(p): n for g in opt.param_groups for n, p in zip(g["param_names"], g["params"], strict=True)}
             named += [(f"optim/{opt_name}/{names.get(id(p), '?')}/{k}", v)
                       for p, st in opt.state.items() for k, v in st.items() if isinstance(v, torch.Tensor)]
-        named = [(n, local(t).detach()) for n, t in named if t.is_floating_point() and t.numel()]
-        sums = on_cores(lambda leaf: leaf[1].sum(dtype=torch.float32).to(self.device), named,
-                        host_bytes([t for _, t in named]), each_uses=torch.get_num_threads())
-        suspect = bool(named) and not bool(torch.stack(sums).isfinite().all())
-        bad = next((n for n, t in named if not bool(t.isfinite().all())), None) if suspect else None
+        bad = first_nonfinite([(n, local(t).detach()) for n, t in named if t.is_floating_point() and t.numel()])
         # Agreed across this trainer's ranks only: a one-process trainer may live in a rank of a group.
         if distributed.all_ok(bad is None) if self.world_size > 1 else bad is None:
             return

@@ -43,7 +43,7 @@ class LanguageModel:
                 raise UserError(
                     f"model.args.vocab_size = {factory_args['vocab_size']} does not cover the data's vocabulary "
                     f"({vocab} ids): raise it to at least {vocab}, or leave it unset")
-        return build_model(self.cfg.model.factory, factory_args)
+        return build_model(self.cfg.model.factory, factory_args, self.cfg.model.code_folder)
 
     def loss(self, model: Any, batch: Any) -> torch.Tensor:
         x, y = batch

@@ -19,8 +19,8 @@ def load_task(cfg: RunConfig) -> BoundTask:
     path = cfg.task.factory
     if path is None:
         return BoundTask(LanguageModel(cfg), NAME)
-    task = call_factory(load_factory(path, "task factory", EXAMPLE), path, "task factory", "task.args",
-                        cfg.task.args, dict(cfg.task.args))
+    task = call_factory(load_factory(path, "task factory", EXAMPLE, cfg.task.code_folder), path, "task factory",
+                        "task.args", cfg.task.args, dict(cfg.task.args))
     return BoundTask(task, path)
 
 

@@ -132,7 +132,7 @@ class Bench:
 def run(args: argparse.Namespace) -> dict:
     configure("warning")  # one "checkpoint committed" line per save would drown the table
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory(dir=args.dir) as tmp, distributed.process_group():
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp, distributed.process_group(args.device):
         b = Bench(args, Path(distributed.broadcast_object(tmp)))  # every rank writes into rank 0's folder
         for _ in range(3):  # warm up: allocator, optimizer state, page cache, first-time buffers
             b.step()

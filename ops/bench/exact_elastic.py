@@ -67,7 +67,7 @@ def worker(args: argparse.Namespace) -> int:
     from harness.repro import numerics
 
     numerics.prepare_environment()
-    with distributed.process_group() as topo, tempfile.TemporaryDirectory() as tmp:
+    with distributed.process_group("cpu") as topo, tempfile.TemporaryDirectory() as tmp:
         sent = Counter(topo.world_size)
         sent.wrap_collectives()
         rows = []

@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--dir", default="/dev/shm")
     args = p.parse_args()
     configure("warning")
-    with distributed.process_group():
+    with distributed.process_group("cpu"):
         rank = distributed.rank()
         for gib in (float(s) for s in args.sizes.split(",")):
             parts = state_of(gib)

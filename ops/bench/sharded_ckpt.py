@@ -96,7 +96,7 @@ def worker(size_mib: int, repeat: int, base: Path) -> None:
     from harness.parallel import distributed
     from harness.parallel.sharding import materialize_optimizer_state, shard_model
 
-    with distributed.process_group() as topo:
+    with distributed.process_group("cpu") as topo:
         width = 1024
         layers = max(1, round(size_mib * 2**20 / 3 / (width * width * 4)))
         torch.manual_seed(0)

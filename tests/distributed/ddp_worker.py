@@ -36,7 +36,7 @@ def check_collectives(rank: int) -> None:
 
 def main() -> None:
     overrides = ["optim.type=muon", "model.args.dropout=0.0", "run_dir='unused'"]
-    with distributed.process_group() as topo:
+    with distributed.process_group("cpu") as topo:
         assert topo.world_size == 2 and distributed.is_distributed()
         check_collectives(topo.rank)
         cfg = load_config(TINY, overrides)

@@ -44,7 +44,7 @@ def main() -> None:
     ckpt, strategy, out, *overrides = sys.argv[1:]
     run_dir = ckpt.rsplit("/checkpoints/", 1)[0]
     cfg = load_config(TINY, [f"run_dir='{run_dir}'", f"parallel.strategy='{strategy}'", *overrides])
-    with distributed.process_group():
+    with distributed.process_group("cpu"):
         started = Resume(cfg, CheckpointStore(run_dir), ckpt, allow_config_change=True).start()
         trainer, ref = started.trainer, started.chosen.ref
         state = gathered(trainer)

@@ -25,7 +25,7 @@ from harness.process import process_end
 
 def main() -> None:
     tmp = Path(sys.argv[1])
-    with distributed.process_group():
+    with distributed.process_group("cpu"):
         rank = distributed.rank()
         section = LocalTierSection(dir=str(tmp / f"node{rank}"), every_steps=2, keep=2, peer_jump=1)
         tier = LocalTier(section, "run-a", resumed_step=0, peer_delay_s=2.0)

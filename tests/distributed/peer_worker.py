@@ -24,6 +24,7 @@ from harness.checkpoint.save import peer_copies
 from harness.checkpoint.save.coverage import Coverage
 from harness.checkpoint.save.local_recovery import LocalRecovery
 from harness.checkpoint.save.local_tier import LocalTier
+from harness.checkpoint.save.node_folders import folders
 from harness.checkpoint.save.peer_copies import Incoming, Outgoing, transfer
 from harness.config import LocalTierSection
 from harness.parallel import distributed
@@ -35,7 +36,7 @@ RUN = "run-a"
 def main() -> None:
     tmp = Path(sys.argv[1])
     peer_copies.CHUNK_BYTES = 64
-    with distributed.process_group():
+    with distributed.process_group("cpu"):
         rank = distributed.rank()
         section = LocalTierSection(dir=str(tmp / f"node{rank}"), every_steps=2, keep=2, peer_jump=1)
         tier = LocalTier(section, RUN, resumed_step=0)
@@ -60,8 +61,8 @@ def main() -> None:
         result["same_model"] = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                                       loaded.state_dict().values(), strict=True))
         # A resume from step 2 (an older tier): the local checkpoints and peer copies past it go.
-        after = LocalTier(section, RUN, resumed_step=2)
-        result["kept"] = sorted({ref.step for store in [after.store, *after.peers.stores()] for ref in store.list()})
+        LocalTier(section, RUN, resumed_step=2)  # deletes what is past step 2 in every folder here
+        result["kept"] = sorted({ref.step for folder in folders(section, RUN) for ref in folder.store.list()})
         if rank == 0:
             damaged = Path(tier.store.ref(2).path) / "model.safetensors"
             data = bytearray(damaged.read_bytes())

@@ -43,8 +43,9 @@ def test_group_sigkill_resumes_from_the_local_tier_bitwise(tmp_path, continuous)
 
 
 def test_ranks_agree_on_a_step_every_rank_holds(tmp_path, continuous):
-    """Rank 1's newest local checkpoint is damaged (a flipped byte): rank 1 rejects it (reported in
-    rank 0's events) and both ranks resume from the older step they share."""
+    """Rank 1's newest local checkpoint is damaged (a flipped byte): it is rejected (by whichever
+    of the two ranks sharing the folder verified it; reported in rank 0's events) and both ranks
+    resume from the older step they share."""
     run_dir, run_folder, args, log = killed_group(tmp_path)
     rank1 = run_folder / "rank-00001"
     held = steps_of(rank1)
@@ -55,7 +56,7 @@ def test_ranks_agree_on_a_step_every_rank_holds(tmp_path, continuous):
     last_start = events(run_dir, "start")[-1]
     assert (last_start["resumed_from"], last_start["resumed_tier"]) == (held[0], "local")
     (rejected,) = events(run_dir, "checkpoint_rejected")
-    assert (rejected["rank"], rejected["step"]) == (1, held[-1]) and "model.safetensors" in rejected["problem"]
+    assert (rejected["owner"], rejected["step"]) == (1, held[-1]) and "model.safetensors" in rejected["problem"]
     assert_same_run(continuous, run_dir, STEPS)
 
 

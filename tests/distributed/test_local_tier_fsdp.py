@@ -67,9 +67,9 @@ def test_group_sigkill_resumes_from_each_ranks_local_shards_bitwise(tmp_path, fs
 
 
 def test_a_damaged_local_shard_is_skipped_for_the_persistent_tier_bitwise(tmp_path, fsdp_run, killed):
-    """One byte of rank 1's newest local shards flipped: rank 1 rejects that step (reported in rank
-    0's events), the only other local step both hold (2) is older than persistent 4, so both ranks
-    resume from the persistent tier."""
+    """One byte of rank 1's newest local shards flipped: that copy is rejected (by whichever rank
+    sharing the folder verified it; reported in rank 0's events), the only other local step both
+    hold (2) is older than persistent 4, so both ranks resume from the persistent tier."""
     arm, continuous = fsdp_run
     run_dir, run_folder, args, log = copy_of(killed, tmp_path, arm)
     flip_byte(local_step(run_folder, 1, 6) / "shards-00001.safetensors", at=-3, mask=0x01)
@@ -77,7 +77,7 @@ def test_a_damaged_local_shard_is_skipped_for_the_persistent_tier_bitwise(tmp_pa
     last_start = events(run_dir, "start")[-1]
     assert (last_start["resumed_from"], last_start["resumed_tier"]) == (4, "persistent")
     (rejected,) = events(run_dir, "checkpoint_rejected")
-    assert (rejected["rank"], rejected["step"]) == (1, 6) and "shards-00001.safetensors" in rejected["problem"]
+    assert (rejected["owner"], rejected["step"]) == (1, 6) and "shards-00001.safetensors" in rejected["problem"]
     assert_same_run(continuous, run_dir, STEPS)
 
 

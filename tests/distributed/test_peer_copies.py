@@ -19,7 +19,7 @@ import torch
 from harness.checkpoint.format import WORLD_SIZE_KEY
 from harness.checkpoint.manifest import MANIFEST_FILE
 from harness.checkpoint.save.local_recovery import LocalRecovery
-from harness.checkpoint.save.peer_copies import peer_store
+from harness.checkpoint.save.node_folders import peer_store
 from harness.config import LocalTierSection
 from harness.records.run_id import RUN_ID_KEY
 from launch import Ranks, run, tail, train_args
@@ -93,6 +93,27 @@ def test_three_ranks_recover_a_lost_nodes_part_and_refuse_a_copy_damaged_on_the_
     # Rank 1 got back step 4 only (its step 2 went with its node).
     assert [result["kept"] for result in results] == [[2], [], [2]]
     assert "model.safetensors" in results[1]["damaged"] and results[1]["inbox"] == []
+
+
+def test_ranks_sharing_a_nodes_folder_verify_each_copy_once_and_receive_it_once(tmp_path):
+    """tests/distributed/shared_folder_worker.py: ranks 1 and 2 share node 1's folder. Recovering
+    with every copy there, each rank loads its own step 4 and node 1's damaged copy of rank 0's is
+    verified by one of its ranks (reported once, not by both). With node 1's folder gone, rank 0's
+    step 4 serves both its ranks: it crosses to node 1 once, and both load it from the same folder."""
+    log = tmp_path / "worker.log"
+    assert run(Ranks((str(tmp_path),), 3, str(Path(__file__).with_name("shared_folder_worker.py"))), log) == 0, \
+        tail(log)
+    results = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in range(3)]
+    for rank, result in enumerate(results):
+        own = result["own"]
+        assert (own["step"], own["owner"], own["tier"], own["same_model"], own["received"]) == (4, rank, "local",
+                                                                                               True, [])
+        (reported,) = own["rejected"]  # every rank has the same list
+        assert reported[0] in (1, 2) and reported[1:] == [0, 4], own["rejected"]
+        lost = result["node_lost"]
+        assert (lost["step"], lost["owner"], lost["tier"], lost["same_model"]) == (4, 0, "peer", True), lost
+    assert [result["node_lost"]["received"] for result in results] == [[], [0], []]
+    assert results[1]["node_lost"]["url"] == results[2]["node_lost"]["url"]
 
 
 def test_the_exchange_runs_while_training_goes_on_and_the_last_one_is_waited_for(tmp_path):

@@ -32,6 +32,10 @@ STEPS = 16
 
 
 FSDP = ["--set", "parallel.strategy='fsdp'"]
+NO_PEERS = ["--set", "checkpoint.local.peer_jump=0"]
+# Steps slowed (not part of the math) while a test waits for peer copies after step 7: persistent 8
+# must not be committed before the kill on a loaded machine.
+SLOW = ["--set", "debug.step_sleep_s=0.3"]
 
 
 def reference(tmp_path_factory, name: str, *extra: str) -> Path:
@@ -68,6 +72,14 @@ def lose_all(procs: list, run_dir: Path, after: int, log: Path, starts: int) -> 
             kill_tree(proc.pid)
         for proc in procs:
             proc.wait(60)
+
+
+def wait_held(copies: list[tuple[Path, str]], step: int, log: Path) -> None:
+    """Wait until each (node's local folder, folder of the run in it) holds `step`."""
+    deadline = time.monotonic() + 60
+    while not all(step in steps_in(next(local.iterdir()) / name) for local, name in copies):
+        assert time.monotonic() < deadline, tail(log)
+        time.sleep(0.05)
 
 
 def one_process(run_dir: Path, local: Path, log: Path, *extra: str):
@@ -135,10 +147,7 @@ def test_fsdp_two_to_one_to_two_reads_the_shards_of_both_copies_bitwise(tmp_path
     nodes = agents(run_dir, [node0, node1], logs, *FSDP, config=SPOT)
     try:
         wait_step(nodes[0], run_dir, 7, logs[0])
-        deadline = time.monotonic() + 60
-        while 6 not in steps_in(next(node0.iterdir()) / "peer-of-rank-00001"):
-            assert time.monotonic() < deadline, tail(logs[0])
-            time.sleep(0.05)
+        wait_held([(node0, "peer-of-rank-00001")], 6, logs[0])
     finally:
         lose_all(nodes, run_dir, 7, logs[0], starts=1)
     shutil.rmtree(node1)
@@ -186,10 +195,7 @@ def test_fsdp_four_to_two_reads_the_lost_nodes_shards_from_its_peer_copies_bitwi
     nodes = agents(run_dir, locals_, logs, *FSDP, config=SPOT, nproc=2)
     try:
         wait_step(nodes[0], run_dir, 7, logs[0])
-        deadline = time.monotonic() + 60
-        while not all(6 in steps_in(next(locals_[0].iterdir()) / f"peer-of-rank-{r:05d}") for r in (2, 3)):
-            assert time.monotonic() < deadline, tail(logs[0])
-            time.sleep(0.05)
+        wait_held([(locals_[0], "peer-of-rank-00002"), (locals_[0], "peer-of-rank-00003")], 6, logs[0])
     finally:
         lose_all(nodes, run_dir, 7, logs[0], starts=1)
     shutil.rmtree(locals_[1])
@@ -199,6 +205,71 @@ def test_fsdp_four_to_two_reads_the_lost_nodes_shards_from_its_peer_copies_bitwi
     assert (start_b["resumed_from"], start_b["resumed_tier"], start_b["world_size"], start_b["saved_world_size"]) \
         == (6, "peer", 2, 4), start_b
     assert_bitwise(uninterrupted_fsdp, run_dir)
+
+
+def test_fsdp_four_nodes_to_two_losing_nodes_1_and_3_reads_the_copies_a_node_wrote_under_its_old_rank(
+        tmp_path, uninterrupted_fsdp):
+    """FSDP, four nodes of one rank (world 4; rank r's peer copies go to rank r + 1): all die after
+    step 7, once node 0 holds its peer copy of rank 3's step 6 and node 2 of rank 1's, and nodes 1
+    and 3 are gone with their disks. Nodes 0 and 2 go on as ranks 0 and 1 of world 2: rank 2's
+    shards of step 6 survive in the folder node 2 wrote them in as rank 2, so step 6 is whole (two
+    own copies, two peer copies; each rank sends the other the two it lacks), not persistent 4."""
+    run_dir = tmp_path / "run"
+    locals_ = [tmp_path / f"node{node}-local" for node in range(4)]
+    logs = [tmp_path / f"node{node}.log" for node in range(4)]
+    nodes = agents(run_dir, locals_, logs, *FSDP, *SLOW, config=SPOT)
+    try:
+        wait_step(nodes[0], run_dir, 7, logs[0])
+        wait_held([(locals_[0], "peer-of-rank-00003"), (locals_[2], "peer-of-rank-00001")], 6, logs[0])
+    finally:
+        lose_all(nodes, run_dir, 7, logs[0], starts=1)
+    for lost in (1, 3):
+        shutil.rmtree(locals_[lost])
+    survivors = [0, 2]
+    for node in agents(run_dir, [locals_[n] for n in survivors], [logs[n] for n in survivors], *FSDP, config=SPOT):
+        assert node.wait(300) == 0, tail(logs[0]) + tail(logs[2])
+    start_b = resumed(run_dir)
+    assert (start_b["resumed_from"], start_b["resumed_tier"], start_b["world_size"], start_b["saved_world_size"]) \
+        == (6, "peer", 2, 4), start_b
+    assert not events(run_dir, "checkpoint_rejected", missing_ok=True)
+    assert_bitwise(uninterrupted_fsdp, run_dir)
+
+
+@pytest.mark.parametrize("arm", ["ddp", "fsdp"])
+def test_losing_node_0_then_a_regrow_read_the_copies_node_1_wrote_under_its_other_rank_bitwise(tmp_path, arm,
+                                                                                                request):
+    """World 2; both die after step 7 and node 0 is gone with its disk. Node 1 goes on alone, as
+    rank 0, from step 6 (not persistent 4): DDP with peer copies off (as when its copy of rank 0's
+    step 6 was still on the way) from the copy it wrote as rank 1; FSDP from the union of that
+    copy's shards and its peer copy of rank 0's. It dies after step 11; node 0 comes back with an
+    empty disk and node 1 is rank 1 again: the newest step is 10 (not persistent 8), which node 1
+    wrote as rank 0 of world 1, and node 0 receives it. Bitwise the uninterrupted world-2 run."""
+    run_dir = tmp_path / "run"
+    node0, node1 = tmp_path / "node0-local", tmp_path / "node1-local"
+    logs = [tmp_path / "node0.log", tmp_path / "node1.log"]
+    extra = NO_PEERS if arm == "ddp" else FSDP
+    nodes = agents(run_dir, [node0, node1], logs, *extra, *SLOW, config=SPOT)
+    try:
+        wait_step(nodes[0], run_dir, 7, logs[0])
+        if arm == "fsdp":
+            wait_held([(node1, "peer-of-rank-00000")], 6, logs[0])
+    finally:
+        lose_all(nodes, run_dir, 7, logs[0], starts=1)
+    shutil.rmtree(node0)
+
+    alone = tmp_path / "alone.log"
+    lose_all([one_process(run_dir, node1, alone, *extra)], run_dir, 11, alone, starts=2)
+    start_b = resumed(run_dir)
+    assert (start_b["resumed_from"], start_b["resumed_tier"], start_b["world_size"], start_b["saved_world_size"]) \
+        == (6, "peer", 1, 2), start_b
+
+    for node in agents(run_dir, [node0, node1], logs, *extra, config=SPOT):
+        assert node.wait(300) == 0, tail(logs[0]) + tail(logs[1])
+    start_c = resumed(run_dir)
+    assert (start_c["resumed_from"], start_c["resumed_tier"], start_c["world_size"], start_c["saved_world_size"]) \
+        == (10, "peer", 2, 1), start_c
+    assert not events(run_dir, "checkpoint_rejected", missing_ok=True)
+    assert_bitwise(request.getfixturevalue("uninterrupted" if arm == "ddp" else "uninterrupted_fsdp"), run_dir)
 
 
 def test_outside_exact_mode_a_shrink_resumes_from_the_local_tier_within_the_elastic_promise(tmp_path):

@@ -184,7 +184,7 @@ def refusals() -> list[str]:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    with distributed.process_group() as topo:  # joined as `harness train` joins, so it ends as that does
+    with distributed.process_group("cpu") as topo:  # joined as `harness train` joins, so it ends as that does
         torch.use_deterministic_algorithms(True)
         report = {variant: run_arm(variant) for variant in [*ARMS, "muon@hsdp", "adafactor@hsdp", "olion@rounds"]}
         report["refused"] = refusals()

@@ -1,6 +1,6 @@
 """Exact elastic mode in one process: the summation tree (harness/parallel/exact.py), the exact world sizes
-and the configs refused (harness/config/batch.py), the per-micro-batch streams (harness/repro/rng.py). The
-runs across world sizes: tests/distributed/test_exact_elastic.py."""
+and the configs refused (harness/config/batch.py), the per-micro-batch streams (harness/repro/rng.py), the
+clipping norm's gather. The runs across world sizes: tests/distributed/test_exact_elastic.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import torch
 
 from harness.config import exact_world_sizes, load_config
 from harness.errors import UserError
+from harness.parallel import exact
 from harness.parallel.exact import SumTree
 from harness.repro.rng import micro_batch_streams
+from helpers import FakeGpus
 from procs import ROOT, assert_one_line_error, harness
 
 EXACT = ROOT / "tests" / "data" / "exact.toml"
@@ -73,17 +75,53 @@ def test_micro_batch_streams_depend_on_step_and_index_only_and_restore_the_proce
     torch.manual_seed(7)
     random.seed(7)
     before = torch.get_rng_state(), random.getstate()
-    with micro_batch_streams(1, 3) as use:
+    with micro_batch_streams(1, 3, torch.device("cpu")) as use:
         use(2)
         first = torch.rand(4), random.random()
     assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
     torch.rand(100)  # the process's own streams moved on: the micro-batch's must not care
-    with micro_batch_streams(1, 3) as use:
+    with micro_batch_streams(1, 3, torch.device("cpu")) as use:
         use(1)
         torch.rand(50)  # nor what an earlier micro-batch of the block drew
         use(2)
         again = torch.rand(4), random.random()
-    with micro_batch_streams(1, 3) as use:
+    with micro_batch_streams(1, 3, torch.device("cpu")) as use:
         use(1)
         other = torch.rand(4)
     assert torch.equal(first[0], again[0]) and first[1] == again[1] and not torch.equal(first[0], other)
+
+
+def test_micro_batch_streams_restore_the_ranks_own_gpu_stream(monkeypatch):
+    """On a GPU the block puts back the stream of the rank's device (the one its dropout draws
+    from), whatever another device's generator holds; faked GPUs (tests/helpers.py)."""
+    gpus = FakeGpus(monkeypatch, 2)
+    gpus.set(torch.full((16,), 33, dtype=torch.uint8), 1)
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: [gpus.set(torch.full((16,), seed % 256,
+                                                                                  dtype=torch.uint8), i)
+                                                                       for i in range(2)])
+    with micro_batch_streams(1, 3, torch.device("cuda", 1)) as use:
+        use(0)
+        assert not torch.equal(gpus.states[1], torch.full((16,), 33, dtype=torch.uint8))
+    assert torch.equal(gpus.states[1], torch.full((16,), 33, dtype=torch.uint8))
+
+
+def test_every_rank_gathers_the_clipping_rows_on_its_training_device_with_or_without_gradients(monkeypatch):
+    """Under FSDP each rank's gradient rows meet in one all-gather: every rank enters it (a rank
+    holding no gradient too: one left out would hold the others there), its vector float64 on the
+    rank's training device (NCCL gathers only GPU tensors) and of the same length on every rank."""
+    calls = []
+
+    def all_gather(out, t):
+        calls.append((t.device, t.dtype, t.numel()))
+        for o in out:
+            o.copy_(t)
+
+    monkeypatch.setattr(exact.dist, "all_gather", all_gather)
+    device = torch.device("cpu")
+    assert exact.clip_gradients([], 1.0, 2, device=device, sharded=True) == 0.0
+    p = torch.nn.Parameter(torch.zeros(3, 2))
+    p.grad = torch.full((3, 2), 2.0)
+    assert exact.clip_gradients([p], 100.0, 2, device=device, sharded=True) == pytest.approx((2 * 24) ** 0.5)
+    assert calls == [(device, torch.float64, 0), (device, torch.float64, 3)]
+    exact.clip_gradients([p], 100.0, 2, device=device, sharded=False)  # replicated gradients: no gather
+    assert len(calls) == 2

@@ -40,8 +40,9 @@ def test_a_task_that_breaks_the_contract_is_one_line_naming_what(tmp_path, facto
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("model.args={n_layer=2}", "model.args is a setting of the built-in language model"),
-    ("data.seq_len=32", "data.seq_len is a setting of the built-in language model"),
+    ("model.args={n_layer=2}", "model.args = { n_layer = 2 } takes effect only with the built-in language model "
+                               '(task.factory unset), but task.factory = "tests.task.bad_tasks:build" builds its own'),
+    ("data.seq_len=32", "data.seq_len = 32 takes effect only with the built-in language model"),
 ])
 def test_a_language_model_key_beside_a_task_factory_is_refused_naming_it(tmp_path, setting, message):
     assert_one_line_error(train(tmp_path, setting), message)

@@ -58,6 +58,7 @@ import torch
 
 from harness.checkpoint.errors import CheckpointError, failed_save, still_committed
 from harness.checkpoint.format import Snapshot, capture, tensor_view
+from harness.checkpoint.host_memory import HostBlock, copies_done
 from harness.checkpoint.later import Feed, deferring, later_values
 from harness.checkpoint.save.background import BackgroundJob
 from harness.checkpoint.save.commit import Committed, Committer
@@ -88,14 +89,20 @@ class StagingBuffers:
     """CPU copies of a snapshot's tensors, kept across saves and keyed by (file, tensor name).
 
     `stage(tensors)` (file -> name -> tensor) copies every tensor into its buffer and returns the
-    buffers in the same layout plus the CUDA events the copies finish at (empty for CPU state). A buffer is pinned
-    when its source lives on a GPU (so the device-to-host copy can run asynchronously) and is
-    reallocated only when the source's shape or dtype changed; buffers of tensors that no longer
-    exist are dropped.
+    buffers in the same layout plus the CUDA events the copies finish at (empty for CPU state). The
+    buffers are views of one `HostBlock` (checkpoint/host_memory.py) of exactly their total size,
+    pinned when a source lives on a GPU (so the device-to-host copies run asynchronously); it is
+    made anew, the old one given back, only when the tensors' names, shapes or dtypes changed.
+    Torch's pinned allocator would have rounded each buffer up to a power of two and kept every
+    block it ever made, each new one a cudaHostAlloc at a save.
     """
+
+    ALIGN = 64  # each buffer's first byte: aligned for any dtype's view
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self._layout: tuple[object, ...] | None = None
+        self._block: HostBlock | None = None
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
     @property
@@ -107,19 +114,15 @@ class StagingBuffers:
 
     def stage(self, tensors: Mapping[str, Mapping[str, torch.Tensor]]
               ) -> tuple[dict[str, dict[str, torch.Tensor]], list[torch.cuda.Event]]:
+        sources = {(file, name): local(whole) for file, named in tensors.items() for name, whole in named.items()}
+        self._fit(sources)
         staged: dict[str, dict[str, torch.Tensor]] = {}
         on_gpu: dict[torch.device, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        wanted = set()
         for file, named in tensors.items():
             out = staged.setdefault(file, {})
             for name, whole in named.items():
-                key = (file, name)
-                wanted.add(key)
-                src = local(whole)  # a DTensor's own shard: each rank stages only what it holds
-                buf = self._buffers.get(key)
-                if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-                    buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=src.is_cuda)
-                    self._buffers[key] = buf
+                src = sources[(file, name)]  # a DTensor's own shard: each rank stages only what it holds
+                buf = self._buffers[(file, name)]
                 # A DTensor's buffer keeps its spec (mesh, placements, global shape), on the CPU:
                 # `DTensor.from_local` would move it back to the mesh's device (as DCP's own
                 # staging does, the local tensor is swapped, never moved). `type(whole)` is DTensor,
@@ -131,10 +134,28 @@ class StagingBuffers:
                     on_gpu.setdefault(src.device, []).append((buf, src))
                 else:
                     buf.copy_(src.detach())
-        for key in self._buffers.keys() - wanted:
-            del self._buffers[key]
         events = [self._copy_from_gpu(device, pairs) for device, pairs in on_gpu.items()]
         return staged, events
+
+    def _fit(self, sources: Mapping[tuple[str, str], torch.Tensor]) -> None:
+        """Buffers for `sources`: the current ones when names, shapes and dtypes are the same, else
+        views of a new block (the persist that read the old one has ended: `Staging.take_buffers`)."""
+        pinned = any(src.is_cuda for src in sources.values())
+        layout = (pinned, *((key, tuple(src.shape), src.dtype) for key, src in sources.items()))
+        if layout == self._layout:
+            return
+        starts, total = {}, 0
+        for key, src in sources.items():
+            starts[key] = total
+            total += -(-src.numel() * src.element_size() // self.ALIGN) * self.ALIGN
+        if self._block is not None:
+            self._block.release()
+        self._block = HostBlock(total, pinned=pinned)
+        memory = self._block.tensor
+        assert memory is not None
+        self._buffers = {key: memory[starts[key]:starts[key] + src.numel() * src.element_size()]
+                         .view(src.dtype).view(src.shape) for key, src in sources.items()}
+        self._layout = layout
 
     def _copy_from_gpu(self, device: torch.device, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.cuda.Event:
         side = self._streams.get(device)
@@ -146,8 +167,7 @@ class StagingBuffers:
             for buf, src in pairs:
                 buf.copy_(src.detach(), non_blocking=True)
                 src.record_stream(side)  # the allocator must not reuse src's memory before the copy ran
-        done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
-        done.record(side)
+        done = copies_done(side)  # the persist waits on it asleep
         main.wait_event(done)  # the next step's in-place updates run after the copies
         return done
 

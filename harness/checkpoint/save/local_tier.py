@@ -55,21 +55,15 @@ from typing import Any
 from harness.checkpoint.format import WORLD_SIZE_KEY
 from harness.checkpoint.save.async_saver import AsyncSaver
 from harness.checkpoint.save.commit import Committed, Committer
+from harness.checkpoint.save.node_folders import folders, local_store
 from harness.checkpoint.save.peer_copies import PeerCopies, peer_jump
 from harness.checkpoint.save.saver import Saver, SaverArgs, Submitted
-from harness.checkpoint.store import CheckpointStore
 from harness.config import LocalTierSection
 from harness.parallel import distributed
 from harness.records.run_id import RUN_ID_KEY
 
-LOCAL = "local"
 PERSISTENT = "persistent"
 START_KEY = "start"  # meta: which start of the run wrote the checkpoint (an index into run.json's `starts`)
-
-
-def local_store(section: LocalTierSection, run_id: str, rank: int) -> CheckpointStore:
-    """The local tier's store of rank `rank` of the run `run_id` (`DIR/<run id>/rank-NNNNN`)."""
-    return CheckpointStore(f"{section.dir.rstrip('/')}/{run_id}/rank-{rank:05d}", keep_last=section.keep)
 
 
 def not_mine(state: Mapping[str, Any], run_id: str, owner: int) -> str | None:
@@ -105,8 +99,8 @@ def abandoned(meta: Mapping[str, Any], step: int, starts: Sequence[int]) -> str 
 class LocalTier:
     """Saves the live state into the local tier of run `run_id` (when: the loop's clock for this tier).
 
-    `resumed_step`: the step the state was restored from (0 when fresh); local checkpoints past it
-    are deleted now (module docstring), peer copies past it too. `per_rank`, `sharded`: as
+    `resumed_step`: the step the state was restored from (0 when fresh); the copies past it in every
+    folder of the run on this node are deleted now (module docstring). `per_rank`, `sharded`: as
     `Saver`'s. With peer copies (`peer_jump`) every rank makes it at the same point;
     `peer_delay_s`: `PeerCopies`' `delay_s`; `start`: which start of the run this process is (run.json's
     `starts`), recorded in every checkpoint's meta (None: not recorded). It saves in the caller's
@@ -115,7 +109,7 @@ class LocalTier:
     def __init__(self, section: LocalTierSection, run_id: str, resumed_step: int,
                  per_rank: Collection[str] = (), sharded: Collection[str] = (), peer_delay_s: float = 0.0,
                  start: int | None = None) -> None:
-        self.run_id, self.start = run_id, start
+        self.section, self.run_id, self.start = section, run_id, start
         self.per_rank, self.sharded = per_rank, sharded
         self.store = local_store(section, run_id, distributed.rank())
         jump = peer_jump(section, distributed.world())
@@ -160,13 +154,16 @@ class LocalTier:
         self.saver.prepare(parts)
 
     def drop_after(self, step: int) -> None:
-        """Delete the local checkpoints and peer copies past `step`: the live state went back to `step`
-        (once the save and the exchange in flight are over: they may be writing or reading one of them)."""
+        """Delete the copies past `step` in every folder of the run on this node (its own, its peer
+        copies, those it wrote or received under an earlier rank or jump): the live state went
+        back to `step` (once the save and the exchange in flight are over: they may be writing or
+        reading one of them). Ranks sharing the folder delete the same ones: what is gone already
+        is no error (`CheckpointStore.delete`)."""
         self.finish()
-        for store in [self.store, *(self.peers.stores() if self.peers else [])]:
-            for ref in store.list():
+        for folder in folders(self.section, self.run_id):
+            for ref in folder.store.list():
                 if ref.step > step:
-                    store.delete(ref)
+                    folder.store.delete(ref)
 
     def save(self, step: int, parts: Mapping[str, Any], meta: Mapping[str, Any]) -> Submitted:
         """Save `parts` as `step` in this rank's local folder, its meta stamped with the run id, the

@@ -35,10 +35,8 @@ checkpoint/save/local_recovery.py: it sees committed copies only.
 from __future__ import annotations
 
 import functools
-import re
 import time
 from collections.abc import Generator, Iterator
-from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -49,17 +47,16 @@ from harness.checkpoint.discovery import CheckpointRef
 from harness.checkpoint.errors import CheckpointCorrupt
 from harness.checkpoint.manifest import MAX_MANIFEST_BYTES, FileRecord, parse_manifest
 from harness.checkpoint.save.background import BackgroundJob
+from harness.checkpoint.save.node_folders import peer_store
 from harness.checkpoint.store import CheckpointStore
 from harness.config import LocalTierSection
 from harness.log import get_logger
 from harness.parallel import distributed
-from harness.storage.location import folder_name, open_location, open_read
+from harness.storage.location import open_read
 from harness.topology import topology_from_env
 
 log = get_logger(__name__)
 
-PEER = "peer"  # the tier of a resume for which at least one rank's part came from a peer copy
-PEER_DIR = re.compile(r"peer-of-rank-(\d{5,})")
 # A peer that dies mid-copy must not hold its partner for gloo's default 30 minutes; the hang
 # watchdog around the save usually ends the process sooner.
 PEER_TIMEOUT_S = 300.0
@@ -75,20 +72,6 @@ def peer_jump(section: LocalTierSection, world: int) -> int:
     LOCAL_WORLD_SIZE; none at world size 1 or when the jump comes round to the rank itself."""
     jump = topology_from_env().local_world_size if section.peer_jump is None else section.peer_jump
     return jump % world if world > 1 else 0
-
-
-def peer_store(section: LocalTierSection, run_id: str, owner: int) -> CheckpointStore:
-    """The copies of rank `owner`'s local checkpoints that this node's folder holds."""
-    return CheckpointStore(f"{section.dir.rstrip('/')}/{run_id}/peer-of-rank-{owner:05d}", keep_last=section.keep)
-
-
-def peer_stores(section: LocalTierSection, run_id: str) -> dict[int, CheckpointStore]:
-    """owner rank -> the store of its copies, for every peer folder of the run `run_id` here."""
-    loc = open_location(f"{section.dir.rstrip('/')}/{run_id}")
-    with suppress(FileNotFoundError):
-        owners = [PEER_DIR.fullmatch(folder_name(p)) for p in loc.fs.ls(loc.root, detail=False)]
-        return {int(m[1]): peer_store(section, run_id, int(m[1])) for m in owners if m}
-    return {}
 
 
 @functools.cache
@@ -259,7 +242,7 @@ class PeerCopies:
     def __init__(self, section: LocalTierSection, run_id: str, jump: int, delay_s: float = 0.0) -> None:
         rank, world = distributed.rank(), distributed.world()
         self.to, self.owner = (rank + jump) % world, (rank - jump) % world
-        self.section, self.run_id, self.delay_s = section, run_id, delay_s
+        self.delay_s = delay_s
         self.store = peer_store(section, run_id, self.owner)
         self.job = BackgroundJob("peer-copy", "the peer copy", failed=self._failed)
         self.stopped = False
@@ -305,7 +288,3 @@ class PeerCopies:
 
     def _failed(self, step: int, e: BaseException) -> PeerCopyFailed:
         return PeerCopyFailed(f"the peer exchange of step {step} failed: {type(e).__name__}: {e}")
-
-    def stores(self) -> list[CheckpointStore]:
-        """Every peer folder of this run on this node (an earlier jump's too)."""
-        return list(peer_stores(self.section, self.run_id).values())

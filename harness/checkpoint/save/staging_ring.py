@@ -5,7 +5,8 @@ At the step boundary the saver copies every tensor of the files (`feed`, on the 
 into the ring, in the order the writer writes them (files by name, tensors by name: format.py's
 `snapshot_files`, tensorfile.py's `serialize`), while the persist (the writer thread) takes them
 out (`chunks`) and writes and hashes them. A copy waits only for room: with a ring as large as
-what it stages (the default, `capacity=None`: it grows to the largest snapshot) nothing waits and
+what it stages (the default, `capacity=None`: it grows to the largest snapshot, up to the host's
+budget, half the memory available at its allocation shared by the node's ranks) nothing waits and
 the step loop pays one memory copy, as with whole staging buffers; with a smaller ring the step
 loop waits for the writer to drain the bytes beyond the ring, and the memory a save adds is the
 ring, whatever the state's size.
@@ -24,12 +25,16 @@ commit: the fsync is still to come), or its writer stopped.
 
 The memory is allocated once, ahead of the first save (`prepare`, in a thread of its own: the
 pages are touched there, not in the step loop's first save), reused by every save, and pinned when
-the state lives on a GPU. A GPU tensor's pieces are copied to the host asynchronously on a side
-stream of its device, after the kernels queued before the save (so the copy reads the state at
-the step boundary) and recorded each with an event the writer waits for; `feed` then makes the
-training stream wait for the copies, so the next step's in-place updates queue behind them while
-the CPU goes on at once. (The next step's forward could overlap the copies, the optimizer waiting
-only for the tensors it overwrites; not built: a forward may update buffers in place too.)
+the state lives on a GPU: a `HostBlock` (checkpoint/host_memory.py) of exactly the ring's size,
+not torch's caching host allocator (which rounds a block up to a power of two and keeps a freed
+one); a ring that grows gives its old block back first. A GPU tensor's pieces are copied to the
+host asynchronously on a side stream of its device, after the kernels queued before the save (so
+the copy reads the state at the step boundary) and recorded each with an event the writer waits
+for, asleep (host_memory's `copies_done`: a spinning wait took a core from training); `feed` then
+makes the training stream wait for the copies, so the next step's in-place updates queue behind
+them while the CPU goes on at once. (The next step's forward could overlap the copies, the
+optimizer waiting only for the tensors it overwrites; not built: a forward may update buffers in
+place too.)
 """
 
 from __future__ import annotations
@@ -37,15 +42,18 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 
+import psutil
 import torch
 
+from harness.checkpoint.host_memory import HostBlock, copies_done
 from harness.checkpoint.later import Feed
 from harness.checkpoint.tensorfile import ChunkedTensors
 from harness.log import get_logger
 from harness.repro.on_cores import on_cores
+from harness.topology import topology_from_env
 from optim.dtensor import local
 
 log = get_logger(__name__)
@@ -55,6 +63,18 @@ MIN_CAPACITY = 4 * PIECE_BYTES  # room for the pieces the writer and its hash th
 
 Entry = tuple[str, str, torch.Tensor]  # (file, tensor name, live tensor)
 _Piece = tuple[str, str, int, int, int, bool, "torch.cuda.Event | None"]  # a piece fed, as the writer gets it
+
+
+def default_host_budget() -> int:
+    """The host memory a ring of unset capacity may take: half of what the host has available
+    now, shared by the node's ranks (each stages its own state)."""
+    return psutil.virtual_memory().available // 2 // max(1, topology_from_env().local_world_size)
+
+
+def on_gpu(tensors: Iterable[torch.Tensor]) -> bool:
+    """Whether a tensor of `tensors` (a DTensor's: its local shard) lives on a GPU: then the ring
+    is pinned and its copies asynchronous."""
+    return any(local(t).is_cuda for t in tensors)
 
 
 def staged_bytes(tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> int:
@@ -77,11 +97,13 @@ class StagingRing:
     change from then on). `writer_alive()` says whether that save's writer still runs (it may
     raise the writer's failure): `feed` and the next `begin` wait for room only while it does."""
 
-    def __init__(self, capacity: int | None = None) -> None:
+    def __init__(self, capacity: int | None = None, host_budget: Callable[[], int] | None = None) -> None:
         if capacity is not None and capacity < MIN_CAPACITY:
             raise ValueError(f"staging capacity {capacity} bytes is under the minimum {MIN_CAPACITY}")
         self.capacity = capacity
-        self._memory: torch.Tensor | None = None
+        self.host_budget = host_budget if host_budget is not None else default_host_budget
+        self._block: HostBlock | None = None
+        self._memory: torch.Tensor | None = None  # the block's bytes
         self._allocating: threading.Thread | None = None
         self._room = threading.Condition()
         # (file, name, generation, start, nbytes, last piece of the tensor, CUDA event or None)
@@ -104,7 +126,7 @@ class StagingRing:
     def pinned(self) -> bool:
         """Whether the memory is pinned (it stages a GPU's tensors: asynchronous copies)."""
         self._wait_allocated()
-        return self._memory is not None and self._memory.is_pinned()
+        return self._block is not None and self._block.pinned
 
     @property
     def address(self) -> int | None:
@@ -118,28 +140,37 @@ class StagingRing:
         return staged_bytes(tensors) <= self.nbytes
 
     def size_for(self, nbytes: int) -> int:
-        """The ring's size for a snapshot of `nbytes`: the capacity, or `nbytes` without one."""
-        return max(1, nbytes if self.capacity is None else min(self.capacity, nbytes))
+        """The ring's size for a snapshot of `nbytes`: the capacity, or without one `nbytes` up to
+        the host's budget (`host_budget()`, at least `MIN_CAPACITY`)."""
+        cap = self.capacity if self.capacity is not None else max(MIN_CAPACITY, self.host_budget())
+        return max(1, min(cap, nbytes))
 
     def prepare(self, tensors: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
         """Allocate (and touch) the memory for saves of the files `tensors` (file -> name -> tensor)
         in a thread of its own, so no save waits for it; a ring already large enough is kept. Pinned
         when a tensor lives on a GPU."""
         self._wait_allocated()
-        size = self.size_for(staged_bytes(tensors))
-        pin = any(local(t).is_cuda for named in tensors.values() for t in named.values())
+        nbytes = staged_bytes(tensors)
+        size = self.size_for(nbytes)
+        pin = on_gpu(t for named in tensors.values() for t in named.values())
         if self._memory is not None and self._memory.numel() >= size:
             return
+        if self.capacity is None and size < nbytes:
+            log.info("the staging ring is smaller than the state (the host's budget): a save streams, and the "
+                     "step waits for the writer to drain the rest; set checkpoint.staging_mib to choose",
+                     ring_mib=size >> 20, state_mib=nbytes >> 20)
         self._wait_drained()  # a save in flight still reads the memory being replaced
         self._memory = None
+        if self._block is not None:
+            self._block.release()  # given back now, not kept beside the larger one
+            self._block = None
         self._allocating = threading.Thread(target=self._allocate, args=(size, pin), name="ckpt-staging-alloc",
                                             daemon=True)
         self._allocating.start()
 
     def _allocate(self, size: int, pin: bool) -> None:
-        memory = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-        memory.zero_()  # fault the pages in here, not during a save
-        self._memory = memory
+        self._block = HostBlock(size, pinned=pin)  # its pages faulted in here, not during a save
+        self._memory = self._block.tensor
 
     def _wait_allocated(self) -> None:
         if self._allocating is not None:
@@ -186,7 +217,7 @@ class StagingRing:
         stopped (`writer_alive()` false) before making room. The writer is told to stop if this
         raises."""
         try:
-            if self._whole and not any(local(t).is_cuda for _, _, t in entries):
+            if self._whole and not on_gpu(t for _, _, t in entries):
                 self._feed_whole(entries)
             else:
                 for file, name, tensor in entries:
@@ -233,8 +264,7 @@ class StagingRing:
             if side is not None:
                 with torch.cuda.stream(side):
                     piece.copy_(flat[done:done + n], non_blocking=True)
-                    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: unannotated
-                    ready.record(side)
+                ready = copies_done(side)
             else:
                 piece.copy_(flat[done:done + n])
             done += n

@@ -90,18 +90,26 @@ def test_staging_buffers_are_reused_and_memory_does_not_grow_over_20_saves(tmp_p
     assert [r.step for r in store.list()] == [19, 20]
 
 
-def test_a_buffer_is_reallocated_only_when_shape_or_dtype_changes_and_dropped_when_gone():
+def test_the_buffers_are_one_block_made_anew_only_when_a_shape_or_dtype_changes():
+    """The sharded parts' buffers: views of one block of their size (each pinned apart by torch's
+    allocator took a power of two and a cudaHostAlloc at a save), kept while the tensors keep their
+    names, shapes and dtypes, made anew on a change, the old block given back, a gone tensor's
+    buffer dropped."""
     buffers = StagingBuffers()
     a, b = torch.ones(3), torch.zeros(2, 2)
     staged, events = buffers.stage(capture({"model": {"a": a, "b": b}}).tensors)
     assert events == []
     first = buffers.buffer("model.safetensors", "a").data_ptr()
+    assert buffers.buffer("model.safetensors", "b").data_ptr() == first + StagingBuffers.ALIGN
     assert torch.equal(staged["model.safetensors"]["a"], a)
     a.add_(1)  # the staged copy is detached from the live tensor
     assert torch.equal(staged["model.safetensors"]["a"], torch.ones(3))
-    staged, _ = buffers.stage(capture({"model": {"a": a, "b": b.double()}}).tensors)
+    buffers.stage(capture({"model": {"a": a, "b": b}}).tensors)
     assert buffers.buffer("model.safetensors", "a").data_ptr() == first
-    assert buffers.buffer("model.safetensors", "b").dtype == torch.float64
+    old = buffers._block
+    staged, _ = buffers.stage(capture({"model": {"a": a, "b": b.double()}}).tensors)
+    assert buffers.buffer("model.safetensors", "b").dtype == torch.float64 and old.tensor is None  # given back
+    assert torch.equal(staged["model.safetensors"]["a"], a) and buffers._block.nbytes == 2 * StagingBuffers.ALIGN
     buffers.stage(capture({"model": {"a": a}}).tensors)
     with pytest.raises(KeyError):
         buffers.buffer("model.safetensors", "b")

@@ -1,20 +1,27 @@
 """staging_ring.py through the background saver: with a ring smaller than the state the files are
 the same bytes as a synchronous save, the snapshot is still the state at the step boundary, the
 memory a save holds is the ring, a writer that fails or hangs is reported instead of waited for
-forever, and `prepare` allocates the ring before the first save."""
+forever, and `prepare` allocates the ring before the first save. Unset, the ring stops at the
+host's budget; on a GPU it is pinned at its exact size, a grown one gives its old block back, and
+the writer waits for a piece's copy asleep (CUDA's registration and events faked: helpers.py)."""
 
 from __future__ import annotations
 
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from harness.checkpoint import CheckpointStore
+from harness.checkpoint.host_memory import copies_done
+from harness.checkpoint.save import staging_ring
 from harness.checkpoint.save.async_saver import AsyncSaver, BackgroundSaveError, SaveStalled
 from harness.checkpoint.save.commit import Committer
 from harness.checkpoint.save.staging_ring import MIN_CAPACITY, StagingRing
 from harness.repro import on_cores as on_cores_module
+from helpers import FakeCudaEvent, Registrations
 from procs import TINY, assert_one_line_error, assert_same_run, harness
 
 CAP = MIN_CAPACITY  # 64 MiB
@@ -197,3 +204,73 @@ def test_with_a_local_tier_the_ring_is_prepared_for_the_local_tiers_snapshot(tmp
            "checkpoint.local.every_steps=2", "train.steps=4", "debug.step_sleep_s=0"]
     assert session.train(load_config(TINY, run)) == 0
     assert local == [1]
+
+
+def test_an_unset_ring_grows_to_the_state_up_to_the_hosts_budget(tmp_path, monkeypatch):
+    """Pinned whole, 8 ranks' states of tens of GB took the host's memory: unset, the ring is at
+    most half the memory available, shared by the node's ranks, and a save beyond it streams the
+    same bytes."""
+    monkeypatch.setattr(staging_ring.psutil, "virtual_memory", lambda: SimpleNamespace(available=8 << 30))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert staging_ring.default_host_budget() == 1 << 30
+    monkeypatch.setattr(staging_ring, "default_host_budget", lambda: CAP)
+    state = big_state()
+    sync = CheckpointStore(str(tmp_path / "sync"))
+    sync.save(1, state)
+    store = CheckpointStore(str(tmp_path / "ring"))
+    saver = AsyncSaver(Committer(store))
+    submitted = saver.save(1, state)
+    saver.finish()
+    assert saver.ring.nbytes == CAP < submitted.nbytes
+    assert hashes(store, 1) == hashes(sync, 1)
+
+
+def test_a_gpu_states_ring_is_pinned_at_its_size_and_a_grown_one_gives_the_old_block_back(tmp_path, monkeypatch):
+    """Pinned through torch's allocator a ring took the next power of two and a grown ring kept
+    its old block for good. The state is on the CPU here; `on_gpu` says GPU, so the ring pins
+    (faked registrations) and copies tensor by tensor, as for a GPU's."""
+    cuda = Registrations(monkeypatch)
+    monkeypatch.setattr(staging_ring, "on_gpu", lambda tensors: True)
+    state = big_state()
+    del state["optim"]["m"]
+    ring = StagingRing()
+    ring.prepare(state)
+    first = sum(t.numel() * t.element_size() for named in state.values() for t in named.values())
+    assert ring.pinned and ring.nbytes == first and cuda.registered == [(ring.address, first)]
+    state["optim"]["m"] = torch.randn(3 << 20)  # the optimizer made its state: the ring grows
+    ring.prepare(state)
+    grown = first + (12 << 20)
+    assert ring.nbytes == grown and cuda.unregistered == [cuda.registered[0][0]]
+    assert cuda.registered[1] == (ring.address, grown)
+    sync = CheckpointStore(str(tmp_path / "sync"))
+    sync.save(1, state)
+    store = CheckpointStore(str(tmp_path / "ring"))
+    saver = AsyncSaver(Committer(store))
+    saver.ring = saver.staging.ring = ring
+    saver.save(1, state)
+    saver.finish()
+    assert hashes(store, 1) == hashes(sync, 1)
+
+
+def test_the_writer_waits_for_a_pieces_device_copy_asleep(monkeypatch):
+    """A GPU tensor's piece reaches the writer with the event its copy ends at; the writer waits
+    for it without spinning a core beside the training processes (CUDA busy-waits on an event made
+    without cudaEventBlockingSync: helpers.FakeCudaEvent)."""
+    monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
+    ring = StagingRing()
+    files = ring.begin({"model.safetensors": {"w": torch.ones(1000)}}, lambda: True)
+    # What `feed` queues for a GPU tensor's piece (staging_ring._feed_tensor), with its copy's event.
+    ring._pieces.put(("model.safetensors", "w", ring._generation, 0, 4000, True, copies_done(object())))
+    spent = []
+
+    def writer() -> None:
+        t0, cpu0 = time.monotonic(), time.thread_time()
+        pieces = list(files["model.safetensors"].chunks("w"))
+        spent.append((time.monotonic() - t0, time.thread_time() - cpu0, len(pieces)))
+
+    thread = threading.Thread(target=writer)
+    thread.start()
+    thread.join(10)
+    wall, cpu, pieces = spent[0]
+    assert pieces == 1 and wall >= FakeCudaEvent.delay_s * 0.9
+    assert cpu < wall / 4, f"the writer spent {cpu:.2f} s of CPU waiting {wall:.2f} s for a copy"
