@@ -2,7 +2,8 @@
 
 `optim.build.build_bundle(cfg, model, total_steps)` turns an `OptimConfig` (optim/config.py) into
 a `MultiOpt` (name-keyed, resumable optimizers) and a `MultiSched` (their schedules: warmup,
-then cosine, linear or warmup-stable-decay; `optim.schedule`).
+then cosine, linear or warmup-stable-decay; `optim.schedule`); `optim.schedulers.bundle` pairs
+any named optimizers with the (torch or our) schedulers named after them the same way.
 
 The names below load their module on first use: `optim.config` and `optim.errors` import no
 torch, and a process that only checks a config (`harness train` refusing a mistake in it) should
@@ -13,8 +14,8 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {"Adafactor2D": "adafactor", "Lion": "lion", "Muon": "muon", "MultiOpt": "bundle",
-            "MultiSched": "bundle", "OLion": "olion", "OptimConfig": "config", "build_bundle": "build",
-            "newton_schulz": "newton_schulz", "parse_optim_config": "config"}
+            "MultiSched": "schedulers", "OLion": "olion", "OptimConfig": "config", "build_bundle": "build",
+            "bundle": "schedulers", "newton_schulz": "newton_schulz", "parse_optim_config": "config"}
 
 __all__ = sorted(_EXPORTS)
 

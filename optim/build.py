@@ -4,7 +4,7 @@ Arms: `adamw` (one AdamW over every parameter; the default when `type` is absent
 bit `torch.optim.AdamW(model.parameters(), lr, betas, weight_decay)` with the schedule below),
 `muon | lion | olion | adafactor` (that rule on the "block matrices", AdamW on the rest, as in the
 team's reference `build_hybrid` / `build_alt`), and `sgdm` (Nesterov SGD on everything, the
-fully-local baseline; no split).
+fully-local baseline; no split, no weight decay: its config has no AdamW keys, optim/config.py).
 
 Block matrices are the 2D parameters whose `model.named_parameters()` name matches one of
 `matrix_patterns` (fnmatch). A config that leaves it unset takes the model's own
@@ -27,38 +27,33 @@ group is then split in two, decayed first, so groups are [rest, rest no-decay, h
 """
 
 from fnmatch import fnmatchcase
-from typing import Any, TypedDict
+from typing import Any
 
 import torch
 
 from optim.adafactor import Adafactor2D
-from optim.bundle import MultiOpt, MultiSched
+from optim.bundle import MultiOpt
 from optim.config import (
     AdafactorConfig,
     AdamWConfig,
     ArmConfig,
+    HybridConfig,
     LionConfig,
     MuonConfig,
     OLionConfig,
     OptimConfig,
     SGDMConfig,
+    WithAdamW,
 )
 from optim.errors import OptimError
 from optim.lion import Lion
 from optim.muon import Muon
 from optim.olion import OLion
 from optim.schedule import Schedule, ScheduledLR
+from optim.schedulers import MultiSched, bundle
 
 # (name, parameter) pairs, as `model.named_parameters()` yields them.
 Named = list[tuple[str, torch.nn.Parameter]]
-
-
-class _AdamWArgs(TypedDict):
-    """The keyword arguments every AdamW of a bundle takes from the config."""
-
-    lr: float
-    betas: tuple[float, float]
-    weight_decay: float
 
 
 def _groups(named: Named, lr: float, cfg: ArmConfig) -> list[dict[str, Any]]:
@@ -72,7 +67,7 @@ def _groups(named: Named, lr: float, cfg: ArmConfig) -> list[dict[str, Any]]:
     return [g for g in groups if g["params"]]
 
 
-def _decay_split(groups: list[dict[str, Any]], cfg: ArmConfig, model: torch.nn.Module) -> list[dict[str, Any]]:
+def _decay_split(groups: list[dict[str, Any]], cfg: WithAdamW, model: torch.nn.Module) -> list[dict[str, Any]]:
     """Each AdamW group split into [decayed, not decayed] (module docstring), empty ones dropped."""
     embeddings = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding)
                   for p in m.parameters(recurse=False)}
@@ -86,6 +81,13 @@ def _decay_split(groups: list[dict[str, Any]], cfg: ArmConfig, model: torch.nn.M
         out.append({**group, "params": [(n, p) for n, p in group["params"] if exempt(p)],
                     "weight_decay": 0.0})
     return [g for g in out if g["params"]]
+
+
+def _adamw(named: Named, cfg: WithAdamW, model: torch.nn.Module) -> torch.optim.AdamW:
+    """The AdamW of the adamw arm (every parameter) or of a hybrid arm (the rest)."""
+    beta1, beta2 = cfg.adam_betas
+    return torch.optim.AdamW(_decay_split(_groups(named, cfg.lr, cfg), cfg, model), lr=cfg.lr,
+                             betas=(beta1, beta2), weight_decay=cfg.weight_decay)
 
 
 def _matrix_optimizer(cfg: MuonConfig | LionConfig | OLionConfig | AdafactorConfig,
@@ -103,7 +105,7 @@ def _matrix_optimizer(cfg: MuonConfig | LionConfig | OLionConfig | AdafactorConf
     return optimizer(groups, lr=lr, wd=cfg.wd)
 
 
-def matrix_patterns(cfg: ArmConfig, model: torch.nn.Module) -> list[str]:
+def matrix_patterns(cfg: HybridConfig, model: torch.nn.Module) -> list[str]:
     """The config's `matrix_patterns` when it sets them, else the model's own (a
     `matrix_patterns` attribute), else the default `blocks.*`: a setting given wins."""
     if "matrix_patterns" in cfg.model_fields_set:
@@ -125,15 +127,12 @@ def build_bundle(
         if not any(fnmatchcase(n, cfg.head_pattern) for n, _ in named):
             raise OptimError(f"head_pattern {cfg.head_pattern!r} matches no parameter of the model; "
                             f"names look like {[n for n, _ in named[:5]]}")
-    beta1, beta2 = cfg.adam_betas
-    adamw = _AdamWArgs(lr=cfg.lr, betas=(beta1, beta2), weight_decay=cfg.weight_decay)
     optimizers: dict[str, torch.optim.Optimizer]
-    if isinstance(cfg, AdamWConfig):
-        optimizers = {"adamw": torch.optim.AdamW(_decay_split(_groups(named, cfg.lr, cfg), cfg, model),
-                                                 **adamw)}
-    elif isinstance(cfg, SGDMConfig):
+    if isinstance(cfg, SGDMConfig):
         optimizers = {"sgdm": torch.optim.SGD(_groups(named, cfg.lr, cfg), lr=cfg.lr,
                                               momentum=cfg.momentum, nesterov=cfg.nesterov)}
+    elif isinstance(cfg, AdamWConfig):
+        optimizers = {"adamw": _adamw(named, cfg, model)}
     else:
         patterns = matrix_patterns(cfg, model)
         is_matrix = [p.ndim == 2 and any(fnmatchcase(n, pat) for pat in patterns) for n, p in named]
@@ -144,10 +143,8 @@ def build_bundle(
                             f"for the {cfg.type} arm; names look like {[n for n, _ in named[:5]]}")
         optimizers = {cfg.type: _matrix_optimizer(cfg, matrices)}
         if rest:
-            optimizers["adamw"] = torch.optim.AdamW(_decay_split(_groups(rest, cfg.lr, cfg), cfg, model),
-                                                    **adamw)
+            optimizers["adamw"] = _adamw(rest, cfg, model)
     schedule = Schedule(cfg.schedule, cfg.warmup,
                         cfg.total_steps if cfg.total_steps is not None else total_steps,
                         cfg.lr_min_ratio, cfg.decay_fraction)
-    schedulers = {name: ScheduledLR(opt, schedule) for name, opt in optimizers.items()}
-    return MultiOpt(optimizers), MultiSched(schedulers)
+    return bundle(optimizers, {name: ScheduledLR(opt, schedule) for name, opt in optimizers.items()})

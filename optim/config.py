@@ -11,7 +11,9 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapt
 
 
 class ArmConfig(BaseModel):
-    """Fields every arm has: the AdamW ("rest") optimizer, the schedule, the head and the split."""
+    """Fields every arm has: the lr, the schedule and the head. A key an arm does not use is not
+    one of its fields, so setting it is refused at config load, naming the arms that take it
+    (harness/config/loading.py), never accepted and ignored."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -32,24 +34,10 @@ class ArmConfig(BaseModel):
                                     "change on resume re-plans the rest without an lr jump "
                                     "(optim/schedule.py).")
     lr_min_ratio: float = Field(0.1, ge=0, le=1, description="Final lr / peak lr of the decay.")
-    weight_decay: float = Field(1e-4, ge=0, description="AdamW's decoupled weight decay.")
-    decay_1d: bool = Field(False, description="AdamW's weight decay also on parameters with fewer "
-                           "than 2 dims (biases, norm gains); false = none on them (nanoGPT "
-                           "practice). Unused by sgdm.")
-    decay_embeddings: bool = Field(False, description="AdamW's weight decay also on the weights of "
-                                   "torch.nn.Embedding modules; false = none on them. Unused by "
-                                   "sgdm.")
-    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's (beta1, beta2).")
     head_lr_mult: float = Field(1.0, gt=0, description="Peak-lr multiplier for the params "
                                 "matching head_pattern.")
     head_pattern: str | None = Field(None, description="fnmatch pattern of the head parameter "
                                      "names (e.g. 'head.*'); required when head_lr_mult != 1.")
-    matrix_patterns: list[str] = Field(["blocks.*"], description="fnmatch patterns on parameter "
-                                       "names; the 2D params matching one are the block matrices "
-                                       "(unused by adamw and sgdm). Unset: the model's own "
-                                       "`matrix_patterns` when it has them (the transformers "
-                                       "factory: its decoder layers, e.g. model.layers.*), else "
-                                       "blocks.*.")
 
     @model_validator(mode="after")
     def _head_needs_pattern(self) -> Self:
@@ -58,13 +46,35 @@ class ArmConfig(BaseModel):
         return self
 
 
-class AdamWConfig(ArmConfig):
+class WithAdamW(ArmConfig):
+    """The AdamW every arm but sgdm builds (over every parameter, or the rest of the matrices)."""
+
+    weight_decay: float = Field(1e-4, ge=0, description="AdamW's decoupled weight decay.")
+    decay_1d: bool = Field(False, description="AdamW's weight decay also on parameters with fewer "
+                           "than 2 dims (biases, norm gains); false = none on them (nanoGPT "
+                           "practice).")
+    decay_embeddings: bool = Field(False, description="AdamW's weight decay also on the weights of "
+                                   "torch.nn.Embedding modules; false = none on them.")
+    adam_betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW's (beta1, beta2).")
+
+
+class AdamWConfig(WithAdamW):
     """AdamW on every parameter (the canonical arm)."""
 
     type: Literal["adamw"] = Field("adamw", description="Optimizer arm.")
 
 
-class MuonConfig(ArmConfig):
+class HybridConfig(WithAdamW):
+    """The arms that split the parameters: a matrix optimizer on the block matrices, AdamW on the rest."""
+
+    matrix_patterns: list[str] = Field(["blocks.*"], description="fnmatch patterns on parameter "
+                                       "names; the 2D params matching one are the block matrices. "
+                                       "Unset: the model's own `matrix_patterns` when it has them "
+                                       "(the transformers factory: its decoder layers, e.g. "
+                                       "model.layers.*), else blocks.*.")
+
+
+class MuonConfig(HybridConfig):
     """Muon on the block matrices (optim.muon), AdamW on the rest."""
 
     type: Literal["muon"] = Field("muon", description="Optimizer arm.")
@@ -83,7 +93,7 @@ class MuonConfig(ArmConfig):
     muon_weight_decay: float = Field(0.0, ge=0, description="Muon's decoupled weight decay.")
 
 
-class _MatrixArm(ArmConfig):
+class _MatrixArm(HybridConfig):
     """Fields of the arms that take one lr and weight decay for the block matrices."""
 
     lr_matrix: float | None = Field(None, gt=0, description="Peak lr of the block-matrix "
@@ -112,7 +122,8 @@ class AdafactorConfig(_MatrixArm):
 
 
 class SGDMConfig(ArmConfig):
-    """Nesterov momentum SGD on every parameter at lr (no split, no AdamW)."""
+    """Nesterov momentum SGD on every parameter at lr (no split, no AdamW: none of AdamW's keys,
+    and no weight decay)."""
 
     type: Literal["sgdm"] = Field("sgdm", description="Optimizer arm.")
     momentum: float = Field(0.95, ge=0, lt=1, description="SGD momentum.")
@@ -122,6 +133,13 @@ class SGDMConfig(ArmConfig):
 # Each arm's config class by its `type`.
 ARMS: dict[str, type[ArmConfig]] = {"adamw": AdamWConfig, "muon": MuonConfig, "lion": LionConfig,
                                   "olion": OLionConfig, "adafactor": AdafactorConfig, "sgdm": SGDMConfig}
+
+
+# Keys an arm accepted and ignored before each arm's config had only the keys it uses: a saved
+# config's are dropped when it is read back (their values never changed a number).
+IGNORED_BEFORE: dict[str, tuple[str, ...]] = {
+    "adamw": ("matrix_patterns",),
+    "sgdm": ("weight_decay", "decay_1d", "decay_embeddings", "adam_betas", "matrix_patterns")}
 
 
 def arms_taking(key: str) -> list[str]:

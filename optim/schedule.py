@@ -31,6 +31,8 @@ from typing import Any, Literal
 
 import torch
 
+from optim.tree import Changes, plain, same
+
 Kind = Literal["cosine", "linear", "wsd"]
 
 
@@ -118,18 +120,24 @@ class ScheduledLR(torch.optim.lr_scheduler.LRScheduler):
     holds the step counters, the schedule that was followed and its anchor; `load_state_dict`
     takes the counters, re-plans from the saved schedule to this one (`replan`) and sets every
     group's lr for the restored step from this run's peak lrs. Loading a state saved under the
-    same schedule and peak lrs restores the lrs bitwise. `replanned` describes the last re-plan
-    (None when the schedule was kept); `restored_with_changes` lists what the load did not take
-    as saved ("base_lrs", "schedule", "schedule not recorded" for a state from before schedules
-    were saved).
+    same schedule and peak lrs restores the lrs bitwise. After a load, `hyperparameter_changes`
+    holds what it did not take as saved ("base_lrs", "schedule" -> (saved, built)), `notes` a
+    state from before schedules were saved ("schedule not recorded": it followed this one), and
+    `restored_with_changes` the names of both; `replanned` describes the last re-plan (None when
+    the schedule was kept).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, schedule: Schedule):
         self.schedule = schedule
         self.anchor: Anchor | None = None
         self.replanned: dict[str, Any] | None = None
-        self.restored_with_changes: list[str] = []
+        self.hyperparameter_changes: Changes = {}
+        self.notes: list[str] = []
         super().__init__(optimizer)
+
+    @property
+    def restored_with_changes(self) -> list[str]:
+        return sorted(self.hyperparameter_changes) + self.notes
 
     def get_lr(self) -> list[float | torch.Tensor]:  # torch's type: a base lr may be a tensor
         m = self.schedule.multiplier(self.last_epoch, self.anchor)
@@ -154,9 +162,12 @@ class ScheduledLR(torch.optim.lr_scheduler.LRScheduler):
         step, step_count, recorded, saved_anchor = self.parse(state_dict)
         # A state without a schedule was written before schedules were saved: it followed this one.
         old = recorded or self.schedule
-        self.restored_with_changes = [what for what, differs in (
-            ("base_lrs", state_dict.get("base_lrs") != list(self.base_lrs)),
-            ("schedule", old != self.schedule), ("schedule not recorded", recorded is None)) if differs]
+        self.hyperparameter_changes = {}
+        if not same(state_dict.get("base_lrs"), self.base_lrs):
+            self.hyperparameter_changes["base_lrs"] = (state_dict.get("base_lrs"), plain(self.base_lrs, "base_lrs"))
+        if old != self.schedule:
+            self.hyperparameter_changes["schedule"] = (asdict(old), asdict(self.schedule))
+        self.notes = ["schedule not recorded"] if recorded is None else []
         self.anchor = replan(old, saved_anchor, step, self.schedule)
         self.replanned = None if old == self.schedule else {
             "step": step, "from": asdict(old), "to": asdict(self.schedule),

@@ -22,7 +22,7 @@ from harness.config.batch import batch_shape, exact_shape, exact_world_sizes, va
 from harness.config.checkpoint import CheckpointSection, LocalTierSection
 from harness.config.data import DataSection, DataSource
 from harness.config.loading import load_config
-from harness.config.math_keys import ADDED_MATH_KEYS, FREE_FIELDS, config_changes, is_free, math_fields
+from harness.config.math_keys import ADDED_OPTIM_KEYS, FREE_FIELDS, config_changes, is_free, math_fields
 from harness.config.model import DEFAULT_FACTORY, ModelSection
 from harness.config.monitoring import DebugSection, HealthSection, LogSection
 from harness.config.parallel import ParallelSection
@@ -36,7 +36,7 @@ from harness.config.train import TrainSection
 from harness.config_layers import flatten
 
 __all__ = [
-    "ADDED_MATH_KEYS", "DEFAULT_FACTORY", "FREE_FIELDS", "SECRET_KEYS",
+    "ADDED_OPTIM_KEYS", "DEFAULT_FACTORY", "FREE_FIELDS", "SECRET_KEYS",
     "CheckpointSection", "DataSection", "DataSource", "DebugSection", "HealthSection", "LocalTierSection",
     "LogSection", "ModelSection", "ParallelSection", "RunConfig", "Section", "TaskSection", "TrainSection",
     "batch_shape", "config_changes", "exact_shape", "exact_world_sizes", "flatten", "is_free", "load_config",

@@ -9,6 +9,7 @@ from typing import Any
 
 from harness.config.run import RunConfig, model_args
 from harness.config_layers import flatten
+from optim.config import IGNORED_BEFORE, arms_taking
 
 # Keys that may change between restarts of one run without changing its numbers. `data.url` is not
 # among them (a text file's URL is part of its identity); `data.sources` holds URLs of token shards,
@@ -40,23 +41,30 @@ def is_free(key: str) -> bool:
     return any(key == f or key.startswith(f + ".") for f in FREE_FIELDS)
 
 
-# Math keys added after runs existed whose default is not what those runs did: a saved config
+# [optim] keys added after runs existed whose default is not what those runs did: a saved config
 # without the key ran with this value (the reference's AdamW decayed every parameter).
-ADDED_MATH_KEYS = {"optim.decay_1d": True, "optim.decay_embeddings": True}
+ADDED_OPTIM_KEYS = {"decay_1d": True, "decay_embeddings": True}
+
+
+def as_it_ran(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved config read as the run it records ran: each `ADDED_OPTIM_KEYS` key its optimizer
+    arm takes set to what the run did, the keys its arm ignored then (`IGNORED_BEFORE`) dropped."""
+    saved = copy.deepcopy(saved)
+    optim = saved.get("optim")
+    if not isinstance(optim, dict):
+        return saved
+    arm = optim.get("type", "adamw")
+    for key in IGNORED_BEFORE.get(arm, ()):
+        optim.pop(key, None)
+    for key, value in ADDED_OPTIM_KEYS.items():
+        if arm in arms_taking(key):
+            optim.setdefault(key, value)
+    return saved
 
 
 def config_changes(saved: dict[str, Any], current: RunConfig) -> dict[str, tuple[Any, Any]]:
     """Math key -> (saved value, current value) for every key that differs, sorted by key."""
-    saved = copy.deepcopy(saved)
-    for dotted, value in ADDED_MATH_KEYS.items():
-        *parents, leaf = dotted.split(".")
-        node: Any = saved
-        for p in parents:
-            node = node.get(p) if isinstance(node, dict) else None
-        if isinstance(node, dict):
-            node.setdefault(leaf, value)
-    before = math_fields(RunConfig.model_validate(saved))
+    before = math_fields(RunConfig.model_validate(as_it_ran(saved)))
     after = math_fields(current)
     return {k: (before.get(k), after.get(k)) for k in sorted(before.keys() | after.keys())
             if before.get(k) != after.get(k)}
-

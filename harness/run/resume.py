@@ -93,14 +93,16 @@ class Choice:
 class Started:
     """A trainer restored (`choice`: from where and how), the seconds spent reading, loading and
     verifying checkpoints (`restore_s`), the world-size change since the checkpoint (`resized`,
-    or None), and the seconds spent building the trainer (`build_s`: the model's initial weights,
-    the optimizer; not in `restore_s`)."""
+    or None), the seconds spent building the trainer (`build_s`: the model's initial weights,
+    the optimizer; not in `restore_s`), and the optimizer and scheduler settings built otherwise
+    than the checkpoint's (`optimizer_changes`, as `built_changes` gives them: allowed, in force)."""
 
     trainer: Trainer
     choice: Choice
     restore_s: float
     resized: WorldChange | None
     build_s: float
+    optimizer_changes: dict[str, tuple[Any, Any]] = field(default_factory=dict)
 
     @property
     def chosen(self) -> Candidate | None:
@@ -172,13 +174,14 @@ class Resume:
                 build_s = time.perf_counter() - t_build
                 try:
                     resized = self.restore(trainer, choice)
+                    changed = check_built(built_changes(trainer), self.cfg.run_dir, self.allow_config_change)
                 except PassedOver:
                     trainer.close()  # partly loaded: the next choice gets a trainer of its own
                     continue
                 except BaseException:
                     trainer.close()
                     raise
-            return Started(trainer, choice, self.restore_s, resized, build_s)
+            return Started(trainer, choice, self.restore_s, resized, build_s, changed)
 
     @staticmethod
     def _prefetch(choice: Choice) -> contextlib.AbstractContextManager[object]:
@@ -368,9 +371,43 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: 
     changed.update(identity_changes(meta.get("data"), data_identity))
     if changed and not allow_config_change:
         raise UserError(f"the config changes the math of the run in {cfg.run_dir}: {', '.join(changed)} differ "
-                        f"from the checkpoint; restore them, use a new --run-dir, or pass --allow-config-change")
+                        f"from the checkpoint (checkpoint -> now: {old_and_new(changed)}); restore them, use a new "
+                        "--run-dir, or pass --allow-config-change")
     if changed:
         log.warning("resuming with a changed config; the new values apply from the first resumed step, bitwise "
                     "equality is not promised", changes={k: f"{a!r} -> {b!r}" for k, (a, b) in changed.items()})
     warn_if_changed(meta.get("environment", {}), distributed.resolve_device(cfg.train.device))
     return changed
+
+
+def old_and_new(changes: dict[str, tuple[Any, Any]], width: int = 120) -> str:
+    """`key old -> new, ...`, each value's repr at most `width` characters: a longer one keeps its
+    two ends (where two paths or digests differ, as often as not)."""
+    def short(value: Any) -> str:
+        text = repr(value)
+        half = (width - 3) // 2
+        return text if len(text) <= width else f"{text[:half]}...{text[-half:]}"
+    return ", ".join(f"{key} {short(old)} -> {short(new)}" for key, (old, new) in changes.items())
+
+
+def built_changes(trainer: Trainer) -> dict[str, tuple[Any, Any]]:
+    """What the trainer's optimizers and schedulers, as built from the config and the task's code,
+    set otherwise than the checkpoint it loaded (`optim adamw/betas` -> (saved, built); the load
+    put the built values in force: optim/bundle.py, optim/schedulers.py)."""
+    return {f"{part} {key}": values for part, bundle in (("optim", trainer.optim), ("sched", trainer.sched))
+            for key, values in bundle.hyperparameter_changes.items()}
+
+
+def check_built(changes: dict[str, tuple[Any, Any]], run_dir: str,
+                allow_config_change: bool) -> dict[str, tuple[Any, Any]]:
+    """`changes` (`built_changes`) when `allow_config_change`, else UserError naming each with its
+    two values: a setting the config or the task's code changed is never silently the checkpoint's
+    nor silently the new one."""
+    if changes and not allow_config_change:
+        raise UserError(f"the optimizers built for the run in {run_dir} differ from the checkpoint's (checkpoint -> "
+                        f"now: {old_and_new(changes)}); restore the config or task code they were built from, use a "
+                        "new --run-dir, or pass --allow-config-change")
+    if changes:
+        log.warning("the optimizers are built otherwise than the checkpoint's; the built values apply from the first "
+                    "resumed step", changes={k: f"{a!r} -> {b!r}" for k, (a, b) in changes.items()})
+    return changes

@@ -6,12 +6,15 @@ Contract of `train(cfg, ...)` (what `harness train` does):
   over), or starts fresh (`"never"`, refused when the run dir has good checkpoints), or loads the
   checkpoint at a given URL.
 - Refuses to resume when a key that changes the math differs from the checkpoint's config, or
-  the data's content fingerprint (`harness.data.identity`) differs from the one it recorded (the
-  list of keys is in the message), unless `allow_config_change`; then the new values take effect
-  from the first resumed step (optimizer hyperparameters and the schedule come from the config,
-  optim/bundle.py) and a `config_changed` event records old -> new per key and any re-planned
-  schedule. Warns when the torch version, device type or numerical settings (harness.repro.numerics)
-  differ from the checkpoint's (bitwise equality is not promised there).
+  the data's content fingerprint (`harness.data.identity`) differs from the one it recorded (each
+  key with its old and new value in the message), unless `allow_config_change`; then the new values take effect
+  from the first resumed step (optimizer and scheduler hyperparameters and the schedule come from
+  the config and the task's code, optim/bundle.py, optim/schedulers.py) and a `config_changed`
+  event records old -> new per key, per optimizer or scheduler setting built otherwise than the
+  checkpoint's (`optimizers`) and any re-planned schedule; such a setting without a config change
+  (the task's code changed) is refused the same way, naming both values. Warns when the torch
+  version, device type or numerical settings (harness.repro.numerics) differ from the
+  checkpoint's (bitwise equality is not promised there).
 - With a local tier (`[checkpoint.local]`, checkpoint/save/local_tier.py; one process, DDP or FSDP) `--resume auto`
   also considers this run's local checkpoints and loads the newest step that verifies in either
   tier (with several ranks: on every rank; with peer copies, a part whose node lost it comes from
@@ -75,6 +78,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
     # Opened once, here: a dataset that is not there (a url naming no prepared dataset) is refused before any write.
     data = task.data(task_context(cfg, distributed.rank(), world, process_device(cfg, world)))
     store = open_store(cfg)
+    new_dir = new_local_dir(cfg.run_dir)
     try:
         distributed.on_rank0(store.acquire_lease, takeover=takeover)  # rank 0 is the run dir's one writer
     except OSError as e:
@@ -127,10 +131,11 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
                         writer_cores=sorted(writers) if writers is not None else None, host_heap=heap)
             if resized is not None:
                 events.emit("world_size_changed", **resized.event())
-            if started.choice.changes:
+            if started.choice.changes or started.optimizer_changes:
                 events.emit("config_changed", step=trainer.step,
                             changes={k: {"old": a, "new": b} for k, (a, b) in started.choice.changes.items()},
-                            schedule=trainer.sched.replanned)
+                            schedule=trainer.sched.replanned,
+                            optimizers={k: {"old": a, "new": b} for k, (a, b) in started.optimizer_changes.items()})
             # Resumed from this run's own store: its checkpoint is the last one committed there.
             committed_here = chosen.ref.step if chosen is not None and chosen.store is store else None
             trackers = open_trackers(cfg.log, log_dir, trainer.step, run_id) if lead else distributed.Silent()
@@ -155,6 +160,22 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
             trainer.close()
     finally:
         store.release_lease()
+        remove_if_empty(new_dir)  # a start refused before it wrote anything leaves no empty run dir behind
+
+
+def new_local_dir(run_dir: str) -> Path | None:
+    """`run_dir` when it is a local folder that does not exist yet (this start creates it), else None."""
+    if fsspec.utils.get_protocol(run_dir) != "file":
+        return None
+    path = Path(run_dir.removeprefix("file://"))
+    return None if path.exists() else path
+
+
+def remove_if_empty(path: Path | None) -> None:
+    """Remove folder `path` if it is there and empty."""
+    if path is not None:
+        with contextlib.suppress(OSError):
+            path.rmdir()
 
 
 def exit_reason(error: BaseException) -> tuple[str, int]:

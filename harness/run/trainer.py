@@ -325,6 +325,7 @@ class Trainer:
             self.scaler.unscale_(as_optimizer)
             grad_norm = self._clip_gradients(stepping if names is not None else None)
         self._stop_if_diverged(loss_value, grad_norm, batch_no)
+        lr = self.sched.get_last_lr()  # what this step updates with: stepping the schedulers sets the next step's
         self.scaler.step(as_optimizer)
         self.scaler.update()
         self.sched.step(names)
@@ -334,7 +335,6 @@ class Trainer:
         self.counters.record(loss_value, tokens)
         if self.cfg.train.spike_threshold is not None:
             self.counters.anomalies.observe(loss_value, self.cfg.train.spike_window)
-        lr = self.sched.get_last_lr()
         fingerprint = self.fingerprints.take(self.step, loss_value, {"sample_ids": self._global_ids(sample_ids)}, lr)
         return StepResult(self.step, loss_value, grad_norm, lr, tokens, t_end - t0, t_end - t_optim,
                           fingerprint=fingerprint, data_seconds=data_s)

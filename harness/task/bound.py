@@ -18,7 +18,8 @@ from harness.errors import UserError
 from harness.log import get_logger
 from harness.task.contract import StepInfo, StepLoss, TaskContext, batch_samples
 from harness.task.data import TrainData, task_data
-from optim.bundle import MultiOpt, MultiSched
+from optim.bundle import MultiOpt
+from optim.schedulers import MultiSched, bundle
 
 log = get_logger(__name__)
 
@@ -95,20 +96,34 @@ class BoundTask:
             raise UserError(f"task {self.name!r}: optimizers() returned a {type(built).__name__}; return (optimizers, "
                             "schedulers): {name: torch optimizer} and {name: scheduler} (or a MultiOpt and a "
                             "MultiSched), or None for the [optim] config's")
-        optimizers, schedulers = built
-        optimizers = optimizers.optimizers if isinstance(optimizers, MultiOpt) else dict(optimizers or {})
-        schedulers = schedulers.schedulers if isinstance(schedulers, MultiSched) else dict(schedulers or {})
+        optimizers = self._named(built[0], "optimizers", MultiOpt, "optimizers")
+        schedulers = self._named(built[1], "schedulers", MultiSched, "schedulers")
         if not optimizers:
             raise UserError(f"task {self.name!r}: optimizers() returned no optimizer")
-        unknown = sorted(set(schedulers) - set(optimizers))
-        if unknown:
-            raise UserError(f"task {self.name!r}: scheduler {unknown[0]!r} has no optimizer of that name "
-                            f"({sorted(optimizers)}); name each scheduler after the optimizer it drives")
+        strangers = [f"{n!r} is a {type(o).__name__}" for n, o in optimizers.items()
+                     if not isinstance(o, torch.optim.Optimizer)]
+        if strangers:
+            raise UserError(f"task {self.name!r}: optimizers() returned optimizer {strangers[0]}, not a "
+                            "torch.optim.Optimizer")
         name_parameters(optimizers, model, self.name)
         try:
-            return MultiOpt(optimizers), MultiSched(schedulers)
+            return bundle(optimizers, schedulers)
         except (ValueError, TypeError) as e:
             raise UserError(f"task {self.name!r}: {e}") from None
+
+    def _named(self, value: Any, what: str, ours: type, attribute: str) -> dict[str, Any]:
+        """`optimizers()`'s optimizers or schedulers as {name: object}: a mapping, or our bundle
+        class `ours` (its `attribute`); None is no schedulers. UserError for anything else (a
+        list, another project's MultiOpt)."""
+        if isinstance(value, ours):
+            return dict(getattr(value, attribute))
+        if isinstance(value, Mapping) or (value is None and what == "schedulers"):
+            return dict(value or {})
+        where = getattr(type(value), "__module__", "")
+        raise UserError(f"task {self.name!r}: optimizers() returned its {what} as a {type(value).__name__}"
+                        f"{f' (from {where})' if where not in ('builtins', '') else ''}; return {{name: {what[:-1]}}} "
+                        f"(or {ours.__module__.split('.')[0]}.{ours.__name__}) for each, e.g. "
+                        "({'adamw': AdamW(...)}, {'adamw': LambdaLR(...)}), or None for the [optim] config's")
 
     def micro_batch(self, models: nn.Module, optim: MultiOpt, batch: Any,
                     info: StepInfo) -> tuple[torch.Tensor, tuple[str, ...] | None]:

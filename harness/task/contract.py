@@ -21,10 +21,12 @@ Required
   the same); the others' gradients are dropped and their schedulers do not advance.
 
 Optional
-- `optimizers(models, ctx) -> ({name: optimizer}, {name: scheduler})` (or a `MultiOpt` /
-  `MultiSched`): any torch optimizer whose state keys are known (optim/bundle.py), the `optim/`
-  ones, any scheduler with `state_dict` / `load_state_dict` / `step` / `get_last_lr`; None
-  (the default): the `[optim]` config's bundle over the models' named parameters.
+- `optimizers(models, ctx) -> ({name: optimizer}, {name: scheduler})` (or an `optim.MultiOpt` /
+  `optim.MultiSched`): any torch optimizer whose state keys are known (optim/bundle.py), the
+  `optim/` ones, each scheduler a torch `LRScheduler` stepped without a metric (ours included)
+  named after the optimizer it drives; None (the default): the `[optim]` config's bundle over the
+  models' named parameters. On resume their settings are the ones built now, compared with the
+  checkpoint's (optim/schedulers.py).
 - `evaluate(models, batches) -> {metric: float}`: written as `eval_<metric>` to metrics.jsonl
   and the trackers; default `{"loss": mean of loss over the eval batches}`.
 - `state() -> {name: stateful}`: extra state saved, verified and restored with the rest (an

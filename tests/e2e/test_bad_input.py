@@ -10,6 +10,8 @@ CASES = {
     "negative steps": (["--set", "train.steps=-1"], "train.steps: Input should be greater than 0"),
     "missing corpus file": (["--set", "data.url=/nonexistent/corpus.txt"], "/nonexistent/corpus.txt' not found"),
     "unknown optimizer type": (["--set", "optim.type=adamx"], "unknown type 'adamx'"),
+    "a key the optimizer type does not use": (["--set", "optim.type=sgdm", "--set", "optim.weight_decay=0.5"],
+                                              "optim.weight_decay: unknown key for optim.type = 'sgdm'"),
     "missing config file": (None, "does not exist"),
     "a writer core not this process's": (["--set", "checkpoint.writer_cores=[4096]"],
                                           "checkpoint.writer_cores names core(s) [4096] this process may not run on"),

@@ -189,3 +189,43 @@ def test_total_steps_comes_from_the_config_else_the_run(tiny_gpt, cfg_total, arg
         opt.step()
         sched.step()
     assert sched.get_last_lr()["adamw"] == [pytest.approx(lr_at_10)] * 2  # decayed and not decayed
+
+
+# A value other than the default for every [optim] key, and the keys it needs beside it to act.
+OTHER = {"lr": 1e-2, "warmup": 3, "schedule": "linear", "decay_fraction": 0.5, "total_steps": 7, "lr_min_ratio": 0.5,
+         "head_lr_mult": 2.0, "head_pattern": "emb.*", "weight_decay": 0.3, "decay_1d": True,
+         "decay_embeddings": True, "adam_betas": (0.8, 0.9), "matrix_patterns": ["blocks.0.*"], "lr_muon": 0.05,
+         "momentum": 0.5, "nesterov": False, "ns_steps": 3, "consistent_rms": 0.2, "ns_dtype": "bfloat16",
+         "muon_weight_decay": 0.1, "lr_matrix": 0.05, "wd": 0.1, "gamma": 0.5}
+NEEDS = {"decay_fraction": {"schedule": "wsd"}, "head_lr_mult": {"head_pattern": "head.*"},
+         "head_pattern": {"head_lr_mult": 2.0, "head_pattern": "head.*"}}
+
+
+def _built(tiny_gpt, settings: dict) -> tuple:
+    """What a bundle does with `settings`: each optimizer's groups (parameters and every
+    hyperparameter) and the lrs its schedule sets over 10 steps."""
+    opt, sched = build_bundle(parse_optim_config(settings), tiny_gpt(), 10)
+    groups = {name: [sorted((k, repr(v)) for k, v in g.items() if k != "params") for g in o.param_groups]
+              for name, o in opt.optimizers.items()}
+    lrs = []
+    for _ in range(10):
+        sched.step()
+        lrs.append(sched.get_last_lr())
+    return groups, lrs
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of:UserWarning")  # the schedule alone is stepped
+@pytest.mark.parametrize("arm, key", [(arm, key) for arm, member in zip(ARMS, MEMBERS, strict=True)
+                                      for key in member.model_fields if key != "type"])
+def test_every_key_of_an_arm_changes_what_it_builds(tiny_gpt, arm, key):
+    """A key an arm's config has is one its bundle uses (an arm that would ignore a key does not
+    have it: setting it is refused at load), so another value builds another bundle."""
+    base = {"type": arm, **NEEDS.get(key, {})}
+    assert _built(tiny_gpt, {**base, key: OTHER[key]}) != _built(tiny_gpt, base)
+
+
+@pytest.mark.parametrize("key", ["weight_decay", "adam_betas", "decay_1d", "decay_embeddings", "matrix_patterns"])
+def test_sgdm_refuses_the_keys_of_adamw_and_the_split(key):
+    with pytest.raises(pydantic.ValidationError, match=key):
+        parse_optim_config({"type": "sgdm", key: OTHER[key]})
+    assert "sgdm" not in config.arms_taking(key)

@@ -3,10 +3,15 @@
 import pytest
 import torch
 
+from optim.adafactor import Adafactor2D
 from optim.build import build_bundle
-from optim.bundle import MultiOpt, MultiSched
+from optim.bundle import MultiOpt
 from optim.config import parse_optim_config
 from optim.errors import OptimError
+from optim.lion import Lion
+from optim.muon import Muon
+from optim.olion import OLion
+from optim.schedulers import MultiSched
 
 
 @pytest.fixture
@@ -256,3 +261,30 @@ def test_a_torch_scheduler_puts_back_the_lr_it_had_set_when_loaded(roundtrip):
     assert fresh.get_last_lr() == {"sgd": [0.25]}
     fresh.step(["sgd"])
     assert fresh.get_last_lr() == {"sgd": [0.2]}
+
+
+@pytest.mark.parametrize("make, saved, built", [
+    (Muon, dict(lr=0.02, momentum=0.95, ns_steps=5, weight_decay=0.0),
+     dict(lr=0.01, momentum=0.9, ns_steps=3, weight_decay=0.1)),
+    (Lion, dict(lr=1e-3, betas=(0.9, 0.99), wd=0.0), dict(lr=2e-3, betas=(0.8, 0.9), wd=0.1)),
+    (OLion, dict(lr=1e-3, gamma=0.2), dict(lr=2e-3, gamma=0.5)),
+    (Adafactor2D, dict(beta2=0.999, eps=1e-30, clip=1.0), dict(beta2=0.99, eps=1e-8, clip=2.0)),
+    (torch.optim.RMSprop, dict(alpha=0.99, eps=1e-8), dict(alpha=0.9, eps=1e-6)),
+])
+def test_every_hyperparameter_of_an_optimizer_is_the_built_one_and_named_when_it_differs(make, saved, built, roundtrip):
+    """No scheduler drives these groups: each hyperparameter, the lr included, is compared."""
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    opt = MultiOpt({"o": make([("w", w)], **saved)})
+    w.grad = torch.randn(4, 3)
+    opt.step()
+    state = roundtrip(opt.state_dict())
+    again = MultiOpt({"o": make([("w", w)], **built)})
+    again.load_state_dict(state)
+    assert again.hyperparameter_changes == {f"o/{k}": (list(v) if isinstance(v, tuple) else v,
+                                                       list(built[k]) if isinstance(v, tuple) else built[k])
+                                            for k, v in sorted(saved.items())}
+    assert all(again.optimizers["o"].param_groups[0][k] == v for k, v in built.items())
+    same = MultiOpt({"o": make([("w", w)], **saved)})
+    same.load_state_dict(state)
+    assert same.hyperparameter_changes == {}

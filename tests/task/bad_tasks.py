@@ -74,6 +74,35 @@ class Undecided(Regression):
         return StepLoss(F.mse_loss(models[name](x), y), optimizers=(name,))
 
 
+class PositionalMultiOpt:
+    """A project's own MultiOpt, as the team reference's: its optimizers in a list."""
+
+    def __init__(self, optimizers):
+        self.optimizers = list(optimizers)
+
+
+class ForeignBundle(Regression):
+    """Returns its optimizers as its own MultiOpt, not {name: optimizer} nor optim.MultiOpt."""
+
+    def optimizers(self, model, ctx):
+        return PositionalMultiOpt([torch.optim.SGD(model.parameters(), lr=0.1)]), None
+
+
+class SchedulesAnother(Regression):
+    """Names a scheduler after an optimizer it does not drive."""
+
+    def models(self, ctx):
+        return {"a": nn.Linear(4, 1), "b": nn.Linear(4, 1)}
+
+    def optimizers(self, models, ctx):
+        optimizers = {name: torch.optim.SGD(m.parameters(), lr=0.1) for name, m in models.items()}
+        return optimizers, {"a": torch.optim.lr_scheduler.StepLR(optimizers["b"], 2)}
+
+    def loss(self, models, batch):
+        x, y = batch
+        return F.mse_loss(models["a"](x) + models["b"](x), y)
+
+
 def broken(args):
     raise RuntimeError("no such dataset")
 
@@ -96,3 +125,11 @@ def forgets_its_ema(args):
 
 def undecided(args):
     return Undecided()
+
+
+def foreign_bundle(args):
+    return ForeignBundle()
+
+
+def schedules_another(args):
+    return SchedulesAnother()

@@ -29,11 +29,14 @@ def train(tmp_path, *sets: str):
     ("takes_a_name", "state() names a part 'model', which is the harness's own"),
     ("broken", "task factory 'tests.task.bad_tasks:broken' failed with task args {}: RuntimeError: no such dataset"),
     ("missing", "'tests.task.bad_tasks' has no attribute 'missing'"),
+    ("foreign_bundle", "optimizers() returned its optimizers as a PositionalMultiOpt (from tests.task.bad_tasks); "
+                       "return {name: optimizer} (or optim.MultiOpt)"),
+    ("schedules_another", "scheduler 'a' drives another optimizer than 'a'"),
 ])
 def test_a_task_that_breaks_the_contract_is_one_line_naming_what(tmp_path, factory, message):
     proc = train(tmp_path, f"task.factory='tests.task.bad_tasks:{factory}'")
     assert_one_line_error(proc, message)
-    assert not (tmp_path / "run" / "checkpoints").exists() or not any((tmp_path / "run" / "checkpoints").iterdir())
+    assert not (tmp_path / "run").exists()  # nothing written, not even an empty run dir
 
 
 @pytest.mark.parametrize("setting, message", [
