@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from harness.models import build_gpt
@@ -99,6 +100,23 @@ class LossEmaGPT(nn.Module):
         return logits, loss
 
 
+class BatchNormGPT(nn.Module):
+    """The GPT whose logits pass through a BatchNorm1d over the vocabulary: its running mean,
+    variance and batch count are persistent buffers every training forward updates, which
+    evaluation reads."""
+
+    def __init__(self, args: dict) -> None:
+        super().__init__()
+        self.gpt = build_gpt(args)
+        self.norm = nn.BatchNorm1d(self.gpt.cfg.vocab_size)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None):
+        logits, _ = self.gpt(x)
+        logits = self.norm(logits.transpose(1, 2)).transpose(1, 2)
+        loss = None if y is None else F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        return logits, loss
+
+
 def nan_grad_gpt(args: dict) -> NanGradGPT:
     return NanGradGPT(args)
 
@@ -113,3 +131,29 @@ def cached_mask_gpt(args: dict) -> CachedMaskGPT:
 
 def loss_ema_gpt(args: dict) -> LossEmaGPT:
     return LossEmaGPT(args)
+
+
+def batch_norm_gpt(args: dict) -> BatchNormGPT:
+    return BatchNormGPT(args)
+
+
+class CountingEmaGPT(nn.Module):
+    """The GPT keeping, as persistent buffers a forward replaces rather than updates in place,
+    an EMA of its mean logit and a count of its training forwards."""
+
+    def __init__(self, args: dict) -> None:
+        super().__init__()
+        self.gpt = build_gpt(args)
+        self.register_buffer("logit_ema", torch.zeros(()))
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None = None):
+        logits, loss = self.gpt(x, y)
+        if self.training:
+            self.logit_ema = 0.9 * self.logit_ema + 0.1 * logits.detach().mean()
+            self.forwards = self.forwards + 1
+        return logits, loss
+
+
+def counting_ema_gpt(args: dict) -> CountingEmaGPT:
+    return CountingEmaGPT(args)

@@ -273,13 +273,13 @@ def load(loc: Location, checkpoint: Checkpoint | CheckpointRef, targets: Mapping
     `shard_copies`: the local tier's copies of the same step whose shards, together, hold the
     sharded parts (a recovery at another world size or rank: every owner's copy); the sharded
     tensors are read from them instead of from `checkpoint` alone, unhashed (the caller verified
-    each, every byte, as the local tier does before it loads a copy). A world size
-    other than the saving run's is logged (rank 0): bitwise equality is promised only for the same
-    one, and in exact elastic mode (harness/parallel/exact.py)."""
+    each, every byte, as the local tier does before it loads a copy). Whether a world size other
+    than the saving run's keeps the run bitwise is the caller's to say (harness/run/elastic.py
+    knows the mode)."""
     if isinstance(checkpoint, CheckpointRef):
         checkpoint = open_checkpoint(loc, checkpoint)
     ref = checkpoint.ref
-    saved_world = _saved_world(checkpoint, world, rank)
+    saved_world = int(checkpoint.state["meta"].get(WORLD_SIZE_KEY, 1))
     state, new_rank = _state_of_rank(loc, checkpoint, rank, saved_world, one_rank)
     if new_rank:  # e.g. its own freshly seeded RNG streams rather than a copy of rank 0's
         skip = (*skip, *kept_on_new_rank)
@@ -291,16 +291,6 @@ def load(loc: Location, checkpoint: Checkpoint | CheckpointRef, targets: Mapping
                   sharded=_shards(loc, checkpoint, files.open, shard_copies))
     meta: dict[str, Any] = state["meta"]
     return meta
-
-
-def _saved_world(checkpoint: Checkpoint, world: int, rank: int) -> int:
-    """The world size of the run that saved `checkpoint`; a warning (rank 0) when it is not `world`."""
-    saved_world = int(checkpoint.state["meta"].get(WORLD_SIZE_KEY, 1))
-    if saved_world != world and rank == 0:
-        log.warning("resuming with a different world size: the data cursor is re-split (no sample of the epoch is "
-                    "repeated or skipped), but bitwise equality with an uninterrupted run is not promised across "
-                    "world sizes", saved_world_size=saved_world, world_size=world, step=checkpoint.ref.step)
-    return saved_world
 
 
 def _state_of_rank(loc: Location, checkpoint: Checkpoint, rank: int, saved_world: int,

@@ -20,9 +20,13 @@ used: its buckets sum in the ring's order, which depends on W.
 
 Every gradient is one flat float32 vector per micro-batch (`flat_gradients`): the parameters'
 gradients in `model.parameters()` order, zeros for a parameter that got none (so every leaf has
-the same layout at every world size). `set_gradients` puts the summed vector back as the
-parameters' `.grad`, in their dtypes. Under FSDP the leaves are the same whole gradients, and
-the cross-rank sum ends in FSDP's shards instead (harness/parallel/exact_fsdp.py).
+the same layout at every world size), with which parameters got one. `set_gradients` puts the
+summed vector back as the parameters' `.grad`, in their dtypes, and leaves `.grad` None for a
+parameter no micro-batch of the step gave a gradient on any rank (`used_anywhere`): what one
+process accumulating, or DDP, leaves, so an optimizer skips it (AdamW applies no weight decay
+and no momentum to it) in this mode as in the default one. Under FSDP the leaves are the same
+whole gradients, and the cross-rank sum ends in FSDP's shards instead
+(harness/parallel/exact_fsdp.py).
 
 The other reductions of a step are made order-free too: `clip_gradients` (the clipping norm
 from exactly summed per-row sums of squares) and `mean_over_micro_batches` (the logged loss).
@@ -66,15 +70,28 @@ class SumTree:
         return total
 
 
-def flat_gradients(params: list[torch.nn.Parameter],
+def flat_gradients(params: list[torch.nn.Parameter], used: torch.Tensor,
                    take: Callable[[torch.nn.Parameter], torch.Tensor | None] | None = None) -> torch.Tensor:
     """This micro-batch's whole gradients of `params` as one float32 vector (zeros where a
-    parameter has none), cleared for the next micro-batch's backward. `take(p)` returns and
-    clears one parameter's whole gradient (FSDP keeps it apart: exact_fsdp.FSDPGradients);
-    default: its `.grad`."""
+    parameter has none), cleared for the next micro-batch's backward; `used` (a bool per
+    parameter, kept over a step's micro-batches) is set where a parameter had one. `take(p)`
+    returns and clears one parameter's whole gradient (FSDP keeps it apart:
+    exact_fsdp.FSDPGradients); default: its `.grad`."""
     grads = [take(p) if take is not None else _take_grad(p) for p in params]
+    used |= torch.tensor([g is not None for g in grads], dtype=torch.bool)
     return torch.cat([(g if g is not None else torch.zeros(p.shape, device=p.device)).reshape(-1).float()
                       for p, g in zip(params, grads, strict=True)])
+
+
+def used_anywhere(used: torch.Tensor, world_size: int, device: torch.device) -> torch.Tensor:
+    """Which parameters any rank's micro-batches gave a gradient (`used`: this rank's, a bool
+    per parameter, the OR over its micro-batches). Collective (one all-reduce of a byte per
+    parameter, on `device`: NCCL reduces on the GPU); the identity at world size 1."""
+    if world_size == 1:
+        return used
+    flags = used.to(device=device, dtype=torch.uint8)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return flags.bool().cpu()
 
 
 def _take_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
@@ -82,10 +99,11 @@ def _take_grad(p: torch.nn.Parameter) -> torch.Tensor | None:
     return grad
 
 
-def set_gradients(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-    """Give every parameter its slice of the summed vector `flat` as its gradient."""
-    for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
-        p.grad = g.view_as(p).to(p.dtype)
+def set_gradients(params: list[torch.nn.Parameter], flat: torch.Tensor, used: torch.Tensor) -> None:
+    """Give every parameter `used` (`used_anywhere`) its slice of the summed vector `flat` as its
+    gradient; every other one none."""
+    for p, g, has in zip(params, flat.split([p.numel() for p in params]), used.tolist(), strict=True):
+        p.grad = g.view_as(p).to(p.dtype) if has else None
 
 
 def reduce_blocks(block_sum: torch.Tensor, world_size: int) -> torch.Tensor:

@@ -71,27 +71,32 @@ class ShardLayout:
             pieces.append(padded.view(self.world, chunk * size))
         return torch.cat(pieces, dim=1)
 
-    def set_local_gradients(self, mine: torch.Tensor) -> None:
-        """Give every parameter its shard of this rank's summed chunks `mine` as a DTensor gradient."""
+    def set_local_gradients(self, mine: torch.Tensor, used: torch.Tensor) -> None:
+        """Give every parameter `used` (exact.used_anywhere) its shard of this rank's summed
+        chunks `mine` as a DTensor gradient; every other one none."""
         from torch.distributed.tensor import DTensor
 
         offset = 0
-        for p, rows, size, chunk in zip(self.params, self.rows, self.row_size, self.chunk, strict=True):
+        for p, rows, size, chunk, has in zip(self.params, self.rows, self.row_size, self.chunk, used.tolist(),
+                                             strict=True):
             part = mine[offset:offset + chunk * size].view(chunk, size)
             offset += chunk * size
+            if not has:
+                p.grad = None
+                continue
             local_rows = max(0, min(rows, (self.rank + 1) * chunk) - self.rank * chunk)
             local = part[:local_rows].reshape(local_rows, *p.shape[1:]).to(p.dtype)
             assert is_dtensor(p)  # fully_shard made every parameter a DTensor
             p.grad = DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
 
-def reduce_scatter_blocks(block_sum: torch.Tensor, layout: ShardLayout) -> None:
+def reduce_scatter_blocks(block_sum: torch.Tensor, layout: ShardLayout, used: torch.Tensor) -> None:
     """Every rank's flat `block_sum` summed in the tree's order, this rank keeping its shards as
-    its parameters' gradients (module docstring). Collective."""
+    the gradients of its parameters `used` (exact.used_anywhere) (module docstring). Collective."""
     send = layout.scatter(block_sum)
     received = torch.empty_like(send)
     dist.all_to_all_single(received, send)  # row r of `received`: rank r's copy of this rank's chunks
     tree = SumTree()
     for part in received:
         tree.push(part)
-    layout.set_local_gradients(tree.result())
+    layout.set_local_gradients(tree.result(), used)

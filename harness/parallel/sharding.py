@@ -17,6 +17,7 @@ On CPU (gloo: the tests) the policy is not applied.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import torch
 
@@ -63,6 +64,26 @@ def shard_model(model: torch.nn.Module, cfg: ParallelSection, device: torch.devi
     fully_shard(model, mesh=mesh, mp_policy=policy)
     log.info("model sharded with FSDP2", units=len(units), world_size=world_size, param_dtype=cfg.param_dtype)
     return units
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Every FSDP unit of `model` back on its sharded parameters. A forward without a backward
+    (an evaluation, exact elastic mode's probe) leaves the root unit's parameters unsharded,
+    registered in the module as plain tensors, until something reshards them: exact elastic
+    mode, which reads the sharded parameters (`model.parameters()`) before the next forward,
+    and a checkpoint loaded into them need them sharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+def holds_dtensors(part: Any) -> bool:
+    """Whether a state part (a module, or an object with `state_dict`) holds sharded tensors (a
+    task's EMA of FSDP's parameters): then every rank writes its own shards of it, as of the model."""
+    tensors = part.parameters() if isinstance(part, torch.nn.Module) else part.state_dict().values()
+    return any(is_dtensor(t) for t in tensors)
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,9 @@ none = one process) and the config, so a sharded strategy plugs in by recording 
   save time (`fingerprint_checks`). Every other part is still checked.
 - `WorldChange.event()`: the fields of the `world_size_changed` event (old/new world size, the
   batch shape at each, the global batch at each).
+- Said on rank 0 (`world_change`): a change where the run and the checkpoint are both in exact
+  elastic mode continues bit for bit (an info line saying so); any other warns that bitwise
+  equality with an uninterrupted run is not promised.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from harness.log import get_logger
 from harness.parallel import distributed
 from harness.repro.rng import seed_everything
 from harness.repro.splitmix import derive_seed
+from harness.run.exact_mode import saved_mode
 
 log = get_logger(__name__)
 
@@ -76,6 +80,18 @@ class WorldChange:
                 "old": _shape(self.old_shape, old), "new": _shape(self.new_shape, new)}
 
 
+def _say(change: WorldChange, bitwise: bool) -> None:
+    where = {"saved_world_size": change.old_world, "world_size": change.new_world, "step": change.step}
+    if bitwise:
+        log.info("resuming with a different world size in exact elastic mode: the run continues bit for bit as "
+                 "the uninterrupted one would (docs/distributed.md, \"Exact elastic\")", **where)
+    else:
+        log.warning("resuming with a different world size: the data cursor is re-split (no sample of the epoch is "
+                    "repeated or skipped), but bitwise equality with an uninterrupted run is not promised across "
+                    "world sizes outside exact elastic mode (the start event's exact_elastic_why says why it is off)",
+                    **where)
+
+
 def _shape(shape: tuple[int, int] | None, global_batch: int | None) -> dict[str, int | None] | None:
     if shape is None:
         return None
@@ -90,7 +106,7 @@ def saved_world_size(meta: dict[str, Any]) -> int:
 def world_change(meta: dict[str, Any], cfg: RunConfig, world: int, step: int, *,
                  shape: tuple[int, int]) -> WorldChange | None:
     """The change from the checkpoint's world size (its `meta`) to `world`, where the run trains
-    with batch `shape` (the trainer's), or None when equal."""
+    with batch `shape` (the trainer's), or None when equal; said on rank 0 (module docstring)."""
     old = saved_world_size(meta)
     if old == world:
         return None
@@ -99,6 +115,8 @@ def world_change(meta: dict[str, Any], cfg: RunConfig, world: int, step: int, *,
     except UserError:
         old_shape = None
     change = WorldChange(step, old, world, old_shape, shape, exact=cfg.parallel.exact_elastic is True)
+    if distributed.rank() == 0:
+        _say(change, bitwise=change.exact and saved_mode(meta))
     before, after = change.global_batch
     if before is not None and before != after:
         log.warning("train.global_batch is not set, so the global batch changes with the world size; set it to "

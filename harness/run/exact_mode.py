@@ -9,6 +9,12 @@ is the mode wherever its preconditions hold, and names the first that fails othe
 - the world size exact for them (config.exact_world_sizes: 1, and W with V / W a power of two);
 - on a CPU, train.cpu_threads set (kernels must see the same thread count at every world size);
 - a map-style dataset (the harness cuts the canonical micro-batches; a user's iterator cannot);
+- no buffer updated by the model's forward (batch-norm statistics, an EMA or a counter kept as a
+  buffer): each rank would update its own copy over its own micro-batches, which no exact
+  cross-rank reduction makes the same at every world size. Judged from what the forward does, by
+  one probe forward of the first micro-batch watched at the trainer's start
+  (`repro.buffer_probe.updated_buffers`, `with_buffers` here): `true` is refused naming the
+  buffers, "auto" turns the mode off naming them;
 - a resume keeps the mode of the checkpoint it loads when it was off: a run started without it
   stays without it, since its steps so far were not exact ones and switching would change the
   math mid-run. A run started in it goes on in it where the preconditions hold, and without it
@@ -22,8 +28,10 @@ from __future__ import annotations
 from typing import Any
 
 from harness.config import RunConfig, exact_world_sizes
+from harness.errors import UserError
 
 AUTO = "auto"
+NAMED = 6  # buffers named in a decision's why; the log line of the decision names them all
 
 
 def saved_mode(meta: dict[str, Any]) -> bool:
@@ -65,6 +73,23 @@ def _precondition_failed(cfg: RunConfig, world: int, device_type: str, iterator_
     if iterator_data:
         return "the training data is a data.factory iterator"
     return None
+
+
+def with_buffers(setting: bool | str, decision: tuple[bool, str], updated: list[str]) -> tuple[bool, str]:
+    """`decision` (from `decide`) once a probe forward found the model's forward updating the
+    buffers `updated` (as "PART.NAME"): unchanged where the mode is off or none is updated; with
+    the user's `setting` (`parallel.exact_elastic`) true refused in one line naming them; "auto":
+    off, naming them."""
+    exact, _ = decision
+    if not exact or not updated:
+        return decision
+    names = ", ".join(updated[:NAMED]) + (f" and {len(updated) - NAMED} more" if len(updated) > NAMED else "")
+    why = (f"the model's forward updates buffer{'s' if len(updated) > 1 else ''} {names}, which each rank would "
+           "update over its own micro-batches (no exact cross-rank reduction)")
+    if setting is True:
+        raise UserError(f"parallel.exact_elastic = true, but {why}; set parallel.exact_elastic = false (or \"auto\", "
+                        "which trains without it)")
+    return False, f"auto: off, {why}"
 
 
 def exact_at_every(cfg: RunConfig, worlds: list[int]) -> bool:

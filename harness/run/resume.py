@@ -7,9 +7,10 @@ candidates by step: every rank verifies the copies its node holds, and one all-g
 newest step the surviving copies can rebuild for this world, at its world size or another, the
 copies some ranks lack moved from the ranks holding them (`LocalRecovery`,
 checkpoint/save/local_recovery.py); a copy passed over is recorded in `Resume.rejected` (the
-caller emits `checkpoint_rejected` events). Exact elastic mode is decided per candidate
-(harness/run/exact_mode.py). `check_compatible` refuses a changed math key or other data unless
-`--allow-config-change`, and warns about another environment.
+caller emits `checkpoint_rejected` events). Exact elastic mode is decided by the trainer built for
+a candidate, from the mode the candidate was trained in (harness/run/exact_mode.py).
+`check_compatible` refuses a changed math key or other data unless `--allow-config-change`, and
+warns about another environment.
 """
 
 from __future__ import annotations
@@ -41,10 +42,11 @@ from harness.data.sources import TrainData, identity_changes
 from harness.errors import UserError
 from harness.log import get_logger
 from harness.parallel import distributed
+from harness.run.device import process_device
 from harness.run.elastic import WorldChange, after_load
 from harness.run.environment import warn_if_changed
-from harness.run.exact_mode import AUTO, decide, saved_mode, with_mode
-from harness.run.trainer import Trainer, process_device
+from harness.run.exact_mode import AUTO, saved_mode
+from harness.run.trainer import Trainer
 from harness.storage.location import folder_name
 from harness.task import BoundTask, load_task, task_context
 
@@ -75,13 +77,13 @@ class PassedOver(Exception):
 @dataclass(frozen=True)
 class Choice:
     """What a training process starts from: the `candidate` (None: a fresh start) opened
-    (`checkpoint`, its shards' copies `shard_copies` for a local candidate), the config the run
-    trains with (`cfg`: exact elastic mode decided, `exact_why`), and the config changes since the
-    checkpoint (`changes`, as `config_changes` gives them)."""
+    (`checkpoint`, its shards' copies `shard_copies` for a local candidate), the exact elastic mode
+    it was trained in (`saved_exact`; None for a fresh start: the trainer decides the mode the run
+    trains in), and the config changes since the checkpoint (`changes`, as `config_changes` gives
+    them)."""
 
     candidate: Candidate | None
-    cfg: RunConfig
-    exact_why: str
+    saved_exact: bool | None = None
     checkpoint: Checkpoint | None = None
     changes: dict = field(default_factory=dict)
     shard_copies: tuple[tuple[CheckpointStore, Checkpoint], ...] = ()
@@ -167,8 +169,8 @@ class Resume:
             # The disk reads the checkpoint while the trainer it loads into is built (prefetch.py).
             with self._prefetch(choice):
                 t_build = time.perf_counter()
-                trainer = Trainer(choice.cfg, rank=self.rank, world_size=self.world, task=self.task, data=self.data,
-                                  fresh=choice.candidate is None)
+                trainer = Trainer(self.cfg, rank=self.rank, world_size=self.world, task=self.task, data=self.data,
+                                  fresh=choice.candidate is None, saved_exact=choice.saved_exact)
                 build_s = time.perf_counter() - t_build
                 try:
                     resized = self.restore(trainer, choice)
@@ -200,9 +202,7 @@ class Resume:
                 return choice
         if self.persistent:
             raise all_damaged(self.cfg, self.persistent)
-        exact, why = decide(self.cfg, self.world, self.device.type, self.iterator)
-        log.info("exact elastic mode", on=exact, why=why)
-        return Choice(None, with_mode(self.cfg, exact), why)
+        return Choice(None)
 
     def _consider(self, chosen: Candidate) -> Choice | None | Literal[False]:
         """`chosen` opened and checked: its Choice, None (a finished run), or False (passed over)."""
@@ -223,9 +223,7 @@ class Resume:
                     self._pass_over(chosen, problem)
                 return False
         saved = checkpoint.state
-        exact, why = decide(self.cfg, self.world, self.device.type, self.iterator, saved=saved_mode(saved["meta"]))
-        run_cfg = with_mode(self.cfg, exact)
-        changes = check_compatible(saved["meta"], run_cfg, self.allow_config_change, self.data.identity,
+        changes = check_compatible(saved["meta"], self.cfg, self.allow_config_change, self.data.identity,
                                    mode_decided=self.cfg.parallel.exact_elastic == AUTO)
         # Whether the run finished is the trainer part's (state.TrainerCounters), nowhere else.
         if saved["parts"]["trainer"]["finished"] and chosen.step >= self.cfg.train.steps:
@@ -238,8 +236,7 @@ class Resume:
             log.info("run already finished", step=chosen.step, run_dir=self.cfg.run_dir)
             print(f"run already finished at step {chosen.step}: {self.cfg.run_dir}", file=sys.stderr)
             return None
-        log.info("exact elastic mode", on=exact, why=why)
-        return Choice(chosen, run_cfg, why, checkpoint, changes, tuple(shard_copies))
+        return Choice(chosen, saved_mode(saved["meta"]), checkpoint, changes, tuple(shard_copies))
 
     def restore(self, trainer: Trainer, choice: Choice) -> WorldChange | None:
         """Load `choice`'s checkpoint into `trainer` (built for it); the world-size change since it.
@@ -262,7 +259,7 @@ class Resume:
                     raise
                 self._pass_over(chosen, str(e))
                 raise PassedOver(str(e)) from e
-            return after_load(choice.checkpoint.state, choice.cfg, chosen.step, trainer.state.sharded,
+            return after_load(choice.checkpoint.state, trainer.cfg, chosen.step, trainer.state.sharded,
                               shape=(trainer.batch_size, trainer.grad_accum))
 
     @property
@@ -366,8 +363,8 @@ def check_compatible(meta: dict[str, Any], cfg: RunConfig, allow_config_change: 
                      data_identity: dict[str, Any] | None, mode_decided: bool = False) -> dict[str, tuple[Any, Any]]:
     """The math keys changed since the checkpoint (`config_changes`) and what differs in the data's
     identity (`identity_changes`); raises UserError when there are any and `allow_config_change` is off.
-    `mode_decided`: `parallel.exact_elastic` is "auto" in the config and `cfg` holds the mode the
-    run decided (exact_mode.py): a change of it is that decision's, logged there, not the user's."""
+    `mode_decided`: `parallel.exact_elastic` is "auto" in `cfg`: the run decides the mode
+    (exact_mode.py), so a change of it is that decision's, logged there, not the user's."""
     changed = config_changes(meta["config"], cfg)
     if mode_decided:
         changed.pop("parallel.exact_elastic", None)

@@ -52,11 +52,11 @@ from harness.records.events import EVENTS_FILE, EventLog
 from harness.records.metrics import MetricsLog
 from harness.records.run_files import METRICS_FILE, existing_run, log_dir_for, write_run_json
 from harness.repro import numerics
+from harness.run.device import process_device
 from harness.run.elastic import fingerprint_checks
 from harness.run.environment import environment_fingerprint
 from harness.run.loop import Loop
 from harness.run.resume import Resume
-from harness.run.trainer import process_device
 from harness.task import load_task, task_context
 from harness.topology import topology_from_env
 
@@ -127,7 +127,7 @@ def train(cfg: RunConfig, *, resume: str = "auto", allow_config_change: bool = F
                         build_s=started.build_s, restore_s=restore_s, rss_bytes=psutil.Process().memory_info().rss,
                         world_size=distributed.world(),
                         saved_world_size=resized.old_world if resized else None, exact_elastic=trainer.exact,
-                        exact_elastic_why=started.choice.exact_why,
+                        exact_elastic_why=trainer.exact_why,
                         writer_cores=sorted(writers) if writers is not None else None, host_heap=heap)
             if resized is not None:
                 events.emit("world_size_changed", **resized.event())

@@ -31,20 +31,21 @@ from harness.health.anomaly import Anomaly, detect
 from harness.log import get_logger
 from harness.models.init_from import load_initial_weights
 from harness.parallel import distributed, exact, exact_fsdp
-from harness.parallel.sharding import full_value, materialize_optimizer_state, shard_model
+from harness.parallel.sharding import full_value, holds_dtensors, materialize_optimizer_state, reshard, shard_model
 from harness.repro import numerics
-from harness.repro.buffer_probe import BufferProbe, non_persistent_buffers
+from harness.repro.buffer_probe import BufferProbe, non_persistent_buffers, updated_buffers
 from harness.repro.completeness import check_buffers, check_registered
 from harness.repro.fingerprint import FingerprintLog
 from harness.repro.finite import first_nonfinite
 from harness.repro.rng import RNGState, micro_batch_streams, seed_everything
 from harness.repro.splitmix import derive_seed
-from harness.run.exact_mode import AUTO, decide, with_mode
+from harness.run.device import compile_options, process_device
+from harness.run.exact_mode import decide, with_buffers, with_mode
 from harness.run.state import TrainerCounters, TrainState
 from harness.task import BoundTask, StepInfo, load_task, task_context
 from optim.build import build_bundle
 from optim.bundle import MultiOpt
-from optim.dtensor import is_dtensor, local
+from optim.dtensor import local
 from optim.errors import OptimError
 
 if TYPE_CHECKING:
@@ -80,25 +81,6 @@ class StepResult:
     fingerprint: dict[str, Any] | None = None  # harness.repro.fingerprint record of this step
 
 
-def process_device(cfg: RunConfig, world_size: int) -> torch.device:
-    """`train.device` of this process; in a group on CUDA, this rank's own device."""
-    device = distributed.resolve_device(cfg.train.device)
-    if device.type == "cuda" and world_size > 1:
-        return torch.device("cuda", torch.cuda.current_device())  # LOCAL_RANK's, set by the process group
-    return device
-
-
-def compile_options(device: torch.device) -> dict[str, Any] | None:
-    """Inductor options for `train.compile` on `device`. On a CPU, dropout keeps ATen's random
-    number kernels (`fallback_random`): inductor's own kernels draw each element's number inside
-    their generated C++ loops, which made the quickstart's compiled step 1.23-1.42x the eager
-    one's CPU time on the 2-core machine, against 1.02x with ATen's (0.96x without dropout;
-    docs/bench-overhead.md). On a GPU inductor's random numbers (philox, in its Triton kernels)
-    are the fast ones: torch's defaults stay. Either way the numbers come from torch's
-    generators, which the `rng` part saves, so a compiled run resumes bitwise."""
-    return {"fallback_random": True} if device.type == "cpu" else None
-
-
 class StepModule(torch.nn.Module):
     """One micro-batch of the task as a module: the models are its submodule and its forward is the
     task's loss (or step), so what wraps a step wraps the whole of it: DDP's reducer sees every
@@ -119,11 +101,13 @@ class Trainer:
     """Builds the task's models, optimizer bundle, data stream, RNG and scaler; runs steps."""
 
     def __init__(self, cfg: RunConfig, *, rank: int = 0, world_size: int = 1, task: BoundTask | None = None,
-                 data: TrainData | None = None, fresh: bool = False) -> None:
+                 data: TrainData | None = None, fresh: bool = False, saved_exact: bool | None = None) -> None:
         """`task`: the run's task (default: `task.factory`'s, or the built-in language model);
         `data`: its data, when the caller opened them already (with the same `task`). `fresh`: a
         start at step 0, whose model then loads `model.init_from` (when set; `initialised_from`
         records what was read); a trainer a checkpoint is restored into never reads it.
+        `saved_exact`: the mode of the checkpoint to be restored (None: a fresh start); the trainer
+        decides its own (exact_mode.py: `exact`, `exact_why`, `cfg`), buffers judged once built.
 
         The order of the steps is part of the numbers: the run seed before the models draw their
         initial weights (the same on every rank), whole weights loaded before sharding, the
@@ -137,33 +121,35 @@ class Trainer:
         self.device = process_device(cfg, world_size)
         self.context = task_context(cfg, rank, world_size, self.device)
         self.data = data if data is not None else self.task.data(self.context)
-        if cfg.parallel.exact_elastic == AUTO:  # not decided by the caller (a resume decides): a fresh start's mode
-            cfg = with_mode(cfg, decide(cfg, world_size, self.device.type, is_iterator_source(self.data.train))[0])
-        self.cfg = cfg
-        self.batch_size, self.grad_accum = batch_shape(cfg, world_size)
-        self.exact = cfg.parallel.exact_elastic is True  # harness/parallel/exact.py: the step does not depend on W
+        setting = cfg.parallel.exact_elastic
+        self.exact, self.exact_why = decide(cfg, world_size, self.device.type, is_iterator_source(self.data.train),
+                                            saved=saved_exact)
+        self.cfg = with_mode(cfg, self.exact)
+        self.batch_size, self.grad_accum = batch_shape(self.cfg, world_size)
         self._apply_numerics()
-        seed_everything(cfg.train.seed)
+        seed_everything(self.cfg.train.seed)
         self.model = self.task.models(self.context).to(self.device)
         self.hf_config = self._hf_config()
         self.initialised_from = self._load_initial_weights(fresh)
         self.sharded = self._shard()
         self.optim, self.sched = self._build_optimizer()
-        self.net = self._wrap_ddp(StepModule(self.task, self.model, self.optim))
+        self._autocast, self.scaler = self._mixed_precision()
+        self.counters = TrainerCounters()
+        step = StepModule(self.task, self.model, self.optim)
+        self._decide_on_buffers(step, setting)
+        self.net = self._wrap_ddp(step)
         self._fsdp_gradients = exact_fsdp.FSDPGradients(self.model) if self.exact and self.sharded else None
         self._seed_rank()
         self.net = self._compile(self.net)
         self.batch_hook: Callable[[int, Any], None] | None = None  # debug.sample_log
         self.stream = self._open_stream()
-        self._autocast, self.scaler = self._mixed_precision()
-        self.counters = TrainerCounters()
         self.state = TrainState()
         self.fingerprints = FingerprintLog(
             lambda: {k: v for k, v in self.state.parts().items() if k != "fingerprints"},
-            cfg.train.fingerprint_every, cfg.train.on_divergence)
+            self.cfg.train.fingerprint_every, self.cfg.train.on_divergence)
         self._bundles: dict[tuple[str, ...], MultiOpt] = {}  # `_stepping`'s
         self._register_state()
-        check_registered({"trainer": self}, self.state.parts(), cfg.train.unregistered_state)
+        check_registered({"trainer": self}, self.state.parts(), self.cfg.train.unregistered_state)
         # Non-persistent buffers are judged by watching this process's first forward.
         self._buffer_probe = BufferProbe(self.model) if non_persistent_buffers(self.model) else None
 
@@ -177,6 +163,25 @@ class Trainer:
                             "count at every world size, e.g. 1)")
         numerics.apply(self.cfg.train.cpu_threads)
         numerics.warn_of_open_residual(self.device.type)
+
+    def _decide_on_buffers(self, step: StepModule, setting: bool | str) -> None:
+        """Exact elastic mode kept, refused or turned off (`exact_mode.with_buffers`, the user's
+        `setting`) by the buffers one forward of the first micro-batch (own stream) updates; logged."""
+        updated = []
+        if self.exact and not is_iterator_source(self.data.train):  # an iterator is refused: _open_stream
+            def forward() -> None:
+                batch = next(eval_batches(self.data.train, self.batch_size, 1, self.data.collate))
+                step(to_device(batch.inputs, self.device, copy=True), self._info(0))
+
+            self.model.train()
+            with micro_batch_streams(self.cfg.train.seed, 0, self.device) as use_streams, self._autocast():
+                use_streams(0)
+                updated = updated_buffers(self.model, forward)
+            if self.sharded:
+                reshard(self.model)
+            self.exact, self.exact_why = with_buffers(setting, (True, self.exact_why), updated)
+            self.cfg = with_mode(self.cfg, self.exact)  # the batch shape stays: global_batch / batch_size / W
+        log.info("exact elastic mode", on=self.exact, why=self.exact_why, **({"buffers": updated} if updated else {}))
 
     def _hf_config(self) -> dict[str, Any] | None:
         """A transformers model's config.json (harness.models.hf), kept in every checkpoint's meta:
@@ -274,7 +279,7 @@ class Trainer:
         state.register("scaler", self.scaler)
         state.register("trainer", self.counters)
         for name, part in self.task.state().items():  # the task's extra state: an EMA, a counter
-            state.register(name, part, sharded=self.sharded and _holds_dtensors(part))
+            state.register(name, part, sharded=self.sharded and holds_dtensors(part))
         state.register("rng", RNGState(self.device), per_rank=True, kept_on_new_rank=True)
         state.register("fingerprints", self.fingerprints)
 
@@ -418,6 +423,7 @@ class Trainer:
         if self.sharded:  # FSDP keeps each micro-batch's whole gradient; the tree sums them
             cast("FSDPModule", self.model).set_requires_gradient_sync(False)  # fully_shard swapped its class
         tree = exact.SumTree()
+        used = torch.zeros(len(params), dtype=torch.bool)
         losses = []
         names: list[tuple[str, ...] | None] = []
         first = self.rank * self.grad_accum
@@ -428,14 +434,16 @@ class Trainer:
                 use_streams(first + k)
                 loss = self._forward(piece, k, names)
                 self.scaler.scale(loss / micro_batches).backward()
-                tree.push(exact.flat_gradients(params, take))
+                tree.push(exact.flat_gradients(params, used, take))
                 losses.append(loss.detach())
         block_losses = torch.stack(losses)
         block_losses = debug_hooks.poisoned(self.cfg.debug, self.rank, batch_no, block_losses)
+        used = exact.used_anywhere(used, self.world_size, self.device)
         if self.sharded:
-            exact_fsdp.reduce_scatter_blocks(tree.result(), exact_fsdp.ShardLayout(params, self.world_size, self.rank))
+            exact_fsdp.reduce_scatter_blocks(tree.result(), exact_fsdp.ShardLayout(params, self.world_size, self.rank),
+                                             used)
         else:
-            exact.set_gradients(params, exact.reduce_blocks(tree.result(), self.world_size))
+            exact.set_gradients(params, exact.reduce_blocks(tree.result(), self.world_size), used)
         loss_value = exact.mean_over_micro_batches(block_losses, self.world_size)
         tokens = self.task.tokens(block.inputs) * self.world_size
         return loss_value, tokens, [block.sample_ids], data_s, names[0]
@@ -541,15 +549,11 @@ class Trainer:
         batches = eval_batches(self.data.eval, self.batch_size, self.cfg.train.eval_batches, self.data.collate)
         with self._autocast():
             metrics = self.task.evaluate(self.model, (to_device(b.inputs, self.device) for b in batches))
+        if self.sharded:
+            reshard(self.model)
         self.model.train()
         return metrics
 
     def close(self) -> None:
         self.stream.close()
 
-
-def _holds_dtensors(part: Any) -> bool:
-    """Whether a task's state part holds sharded tensors (an EMA of FSDP's parameters): then every
-    rank writes its own shards of it, as of the model."""
-    tensors = part.parameters() if isinstance(part, torch.nn.Module) else part.state_dict().values()
-    return any(is_dtensor(t) for t in tensors)

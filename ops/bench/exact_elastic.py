@@ -7,8 +7,9 @@ Muon) with the same global batch of 16 samples in micro-batches of 4 (2 per rank
 one thread per rank; each pair differs in `parallel.exact_elastic` only:
 * ddp: DistributedDataParallel, accumulation under no_sync, one bucketed all-reduce per step;
   exact-ddp: per-micro-batch RNG streams, every micro-batch's gradient flattened and summed over
-  the fixed tree, the hand reduce-scatter (all-to-all, local tree sum) and an all-gather, the
-  clipping norm from exactly summed row sums (harness/parallel/exact.py);
+  the fixed tree, the hand reduce-scatter (all-to-all, local tree sum) and an all-gather, an
+  all-reduce of a byte per parameter (which got a gradient), the clipping norm from exactly
+  summed row sums (harness/parallel/exact.py);
 * fsdp: FSDP2, its reduce-scatter on the last micro-batch; exact-fsdp: the same tree, the
   all-to-all into FSDP's row shards, no all-gather (harness/parallel/exact_fsdp.py), the row sums of the
   clipping norm all-gathered.
@@ -138,6 +139,10 @@ class Counter:
             def all_gather(self, outputs, input, *a, **k):
                 counter.total += input.numel() * input.element_size() * (counter.world - 1)
                 return real.all_gather(outputs, input, *a, **k)
+
+            def all_reduce(self, tensor, *a, **k):  # exact mode's flags of the parameters with a gradient
+                counter.total += 2 * (counter.world - 1) * tensor.numel() * tensor.element_size() // counter.world
+                return real.all_reduce(tensor, *a, **k)
 
             def reduce_scatter_single(self, output, input, *a, **k):
                 counter.total += input.numel() * input.element_size() * (counter.world - 1) // counter.world

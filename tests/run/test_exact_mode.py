@@ -1,10 +1,12 @@
 """`parallel.exact_elastic = "auto"` (the default) decided (harness/run/exact_mode.py): on where its
-preconditions hold, off with the first that fails named, and a run keeps the mode it started in."""
+preconditions hold, off with the first that fails named (buffers a forward updates by name), and a
+run keeps the mode it started in."""
 
 import pytest
 
 from harness.config import RunConfig
-from harness.run.exact_mode import decide, with_mode
+from harness.errors import UserError
+from harness.run.exact_mode import decide, with_buffers, with_mode
 
 
 def config(**train):
@@ -51,3 +53,24 @@ def test_the_decided_config_holds_a_bool():
     cfg = config()
     assert cfg.parallel.exact_elastic == "auto"
     assert with_mode(cfg, True).parallel.exact_elastic is True and cfg.parallel.exact_elastic == "auto"
+
+
+BN = ["model.norm.num_batches_tracked", "model.norm.running_mean", "model.norm.running_var"]
+
+
+def test_buffers_a_forward_updates_turn_auto_off_naming_them_and_refuse_true():
+    on = (True, "auto: every precondition holds")
+    exact, why = with_buffers("auto", on, BN)
+    assert not exact and why.startswith("auto: off, the model's forward updates buffers ") and all(b in why for b in BN)
+    with pytest.raises(UserError, match=r"^parallel.exact_elastic = true, but the model's forward updates buffers "
+                                        r"model.norm.num_batches_tracked, model.norm.running_mean"):
+        with_buffers(True, (True, "parallel.exact_elastic = true"), BN)
+    assert with_buffers("auto", on, []) == on
+    off = (False, "auto: off, train.global_batch is not set")
+    assert with_buffers("auto", off, BN) == off
+
+
+def test_many_buffers_are_named_up_to_a_few_and_counted():
+    many = [f"model.bn{i}.running_mean" for i in range(10)]
+    _, why = with_buffers("auto", (True, "auto: every precondition holds"), many)
+    assert "model.bn5.running_mean and 4 more" in why and "bn6" not in why
